@@ -1,0 +1,112 @@
+"""The measured training loop: warmup steps, then timed steps with a phase breakdown."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from .memory import MemoryMeter
+from .timer import StepTimer
+
+
+class Diverged(Exception):
+    pass
+
+
+@dataclass
+class LoopResult:
+    losses: list = field(default_factory=list)  # per optimizer step (mean over micro-batches)
+    timings: dict = field(default_factory=dict)
+    first_step_s: float | None = None
+    wall_s: float | None = None  # the measured window, wall clock
+    counts: torch.Tensor | None = None  # tokens per expert summed over measured steps
+    balance: float | None = None  # mean load-balancing loss over measured steps
+    z: float | None = None
+    steps_done: int = 0
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
+               memory: MemoryMeter, on_log=None, progress: bool = True) -> LoopResult:
+    t = cfg.train
+    model, autocast, scaler = applied.model, applied.autocast, applied.scaler
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    total = t.warmup_steps + t.steps
+    timer, res = StepTimer(device), LoopResult()
+    pending, balances, zs = [], [], []
+    it = iter(loader)
+    bar = tqdm(total=total, desc="warmup", unit="step", disable=not progress, mininterval=0.5,
+               dynamic_ncols=True)
+    model.train()
+    try:
+        for step in range(total):
+            measured = step >= t.warmup_steps
+            if step == t.warmup_steps:
+                memory.reset()
+                bar.set_description("bench")
+                wall0 = time.perf_counter()
+            if step == 0:
+                t0 = time.perf_counter()
+            timer.start()
+            step_loss = torch.zeros((), device=device)
+            for _ in range(t.grad_accum_steps):
+                tokens, targets = next(it)
+                tokens = tokens.to(device, non_blocking=True)
+                targets = targets.to(device, non_blocking=True)
+                timer.lap("data")
+                with autocast():
+                    out = model(tokens, targets)
+                loss = out.loss / t.grad_accum_steps
+                timer.lap("forward")
+                (scaler.scale(loss) if scaler else loss).backward()
+                timer.lap("backward")
+                step_loss += out.ce.detach() / t.grad_accum_steps
+                if measured and out.counts.numel():
+                    res.counts = out.counts if res.counts is None else res.counts + out.counts
+                    balances.append(out.balance.detach())
+                    zs.append(out.z.detach())
+            if scaler:
+                scaler.unscale_(optimizer)
+            if cfg.optim.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            timer.lap("optimizer")
+            if measured:
+                timer.end()
+            if step == 0:
+                _sync(device)
+                res.first_step_s = time.perf_counter() - t0
+            pending.append(step_loss)
+            res.steps_done = step + 1
+            if (step + 1) % t.log_every == 0 or step + 1 == total:
+                values = torch.stack(pending).tolist()  # one sync per log interval
+                pending.clear()
+                res.losses.extend(values)
+                bar.set_postfix(loss=f"{values[-1]:.3f}")
+                if on_log:
+                    on_log(step, values)
+                if not all(math.isfinite(v) for v in values):
+                    raise Diverged(f"loss became {values[-1]} at step {len(res.losses) - 1}")
+            bar.update(1)
+        _sync(device)
+        res.wall_s = time.perf_counter() - wall0
+    finally:
+        bar.close()
+    res.timings = timer.results()
+    if balances:
+        res.balance = torch.stack(balances).mean().item()
+        res.z = torch.stack(zs).mean().item()
+    return res

@@ -1,0 +1,55 @@
+"""Peak memory: CUDA allocator peaks; on CPU the process's peak RSS above a baseline."""
+from __future__ import annotations
+
+import torch
+
+GIB = 2**30
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+class MemoryMeter:
+    """baseline() before the model is built; reset() before the window; read() after it."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.base_rss = 0
+        self.reset_ok = True
+
+    def baseline(self) -> None:
+        if self.device.type == "cpu":
+            self.base_rss = _status_kib("VmRSS") * 1024
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        elif self.device.type == "cpu":
+            try:  # resets VmHWM to the current RSS
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                self.reset_ok = False
+
+    def read(self) -> tuple[dict, dict]:
+        """(values, reasons for null values)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            return {"peak_mem_gib": torch.cuda.max_memory_allocated() / GIB,
+                    "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB}, {}
+        if self.device.type == "cpu":
+            peak = (_status_kib("VmHWM") * 1024 - self.base_rss) / GIB
+            why = {"peak_reserved_gib": "CPU has no caching allocator: peak_mem_gib is peak RSS "
+                   "above the RSS before the model was built"}
+            if not self.reset_ok:
+                why["peak_mem_note"] = "could not reset VmHWM: peak includes warmup steps"
+            return {"peak_mem_gib": peak, "peak_reserved_gib": None}, why
+        reason = f"no memory API used for device type {self.device.type}"
+        return {"peak_mem_gib": None, "peak_reserved_gib": None}, \
+            {"peak_mem_gib": reason, "peak_reserved_gib": reason}

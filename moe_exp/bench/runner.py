@@ -1,0 +1,137 @@
+"""task=bench: build the model, apply the optimizations, run the measured loop, record."""
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+from ..results import fill_null_reasons, write_json_atomic
+from .flops import flops_per_token, param_counts
+from .loop import Diverged, train_loop
+from .memory import MemoryMeter
+from .timer import iqr, median
+
+
+def _tags(choices: dict, cfg) -> list[str]:
+    tags = [f"{k}={v}" for k, v in sorted(choices.items())]
+    return tags + [f"ac={cfg.train.activation_checkpointing}", f"compile={cfg.train.compile}"]
+
+
+def _resolve_dispatch(cfg, device: torch.device) -> None:
+    from ..model import grouped_mm_supported
+    from ..optimizations.precision import DTYPES
+
+    m = cfg.model
+    if m.dispatch == "auto":
+        dtype = DTYPES.get(cfg.precision.autocast_dtype, torch.float32)
+        m.dispatch = "grouped" if m.num_experts and grouped_mm_supported(device, dtype) else "loop"
+
+
+def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress: bool) -> dict:
+    from ..hardware import setup_backends, torch_device
+    from ..tracking import Tracker
+
+    device = torch_device(cfg)
+    rec["device_name"] = (torch.cuda.get_device_name(device) if device.type == "cuda"
+                          else device.type)
+    rec["torch_version"] = torch.__version__
+    name = "-".join([cfg.model.name, cfg.precision.name, f"ac_{cfg.train.activation_checkpointing}",
+                     f"compile_{cfg.train.compile}"])
+    tracker = Tracker(cfg, cfg_dict, out_dir, _tags(choices, cfg), name)
+    try:
+        _measure(cfg, rec, device, tracker, progress)
+        rec["status"] = "ok"
+    except Diverged as e:
+        rec.update(status="diverged", error=str(e))
+    except torch.OutOfMemoryError as e:
+        rec.update(status="oom", error=str(e).splitlines()[0][:300])
+    except Exception as e:  # noqa: BLE001 - a run's failure is a status, not a crash
+        (out_dir / "error.log").write_text(traceback.format_exc())
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        rec.update(status="error", error=f"{type(e).__name__}: {first} (see {out_dir}/error.log)")
+    finally:
+        if rec["status"] != "ok":
+            print(f"error: run {rec['status']}: {rec['error']}", file=sys.stderr)
+        fill_null_reasons(rec, f"not measured: run {rec['status']}")
+        write_json_atomic(out_dir / "metrics.json", rec)
+        tracker.summary(rec)
+        tracker.finish(ok=rec["status"] == "ok")
+    if rec["status"] == "ok":
+        from ..summary import print_summary
+
+        print_summary(rec, out_dir / "metrics.json")
+    return rec
+
+
+def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool) -> None:
+    from ..data import build_loader
+    from ..hardware import setup_backends
+    from ..model import build_model
+    from ..optim import build_optimizer
+    from ..optimizations import apply
+    from .experts import load_stats
+
+    t, why = cfg.train, rec["null_reasons"]
+    setup_backends(cfg)
+    torch.manual_seed(t.seed)
+    _resolve_dispatch(cfg, device)
+    memory = MemoryMeter(device)
+    memory.baseline()
+    with torch.device(device):
+        model = build_model(cfg.model)
+    counts = param_counts(cfg.model)
+    rec.update(params_total=counts["params_total"], params_active=counts["params_active"],
+               moe_dispatch=cfg.model.dispatch if cfg.model.num_experts else None)
+    assert counts["params_total"] == sum(p.numel() for p in model.parameters())
+    applied = apply(model, cfg, device)
+    optimizer, scheduler, rec["optim_impl"] = build_optimizer(model, cfg, device)
+    num_samples = (t.warmup_steps + t.steps) * t.grad_accum_steps * t.micro_batch_size
+    loader = build_loader(cfg, device, num_samples)
+
+    def on_log(step, values):
+        first = step + 1 - len(values)
+        for i, v in enumerate(values):
+            tracker.log({"loss": v, "lr": scheduler.get_last_lr()[0]}, step=first + i)
+
+    res = train_loop(cfg, applied, optimizer, scheduler, loader, device, memory, on_log, progress)
+
+    tokens_per_step = t.micro_batch_size * t.grad_accum_steps * t.seq_len
+    tm = res.timings
+    step_ms = median(tm["step_ms"])
+    world = cfg.hardware.devices
+    rec.update(
+        step_time_ms=step_ms, step_time_iqr_ms=iqr(tm["step_ms"]),
+        tokens_per_s=tokens_per_step * world / (step_ms / 1e3),
+        tokens_per_s_per_device=tokens_per_step / (step_ms / 1e3),
+        tokens_per_s_wall=tokens_per_step * world * t.steps / res.wall_s,
+        **{f"{p}_ms": median(tm[f"{p}_ms"]) for p in ("data", "forward", "backward", "optimizer")},
+        loss_first=res.losses[0], loss_last=res.losses[-1], losses=res.losses,
+        tokens_per_step=tokens_per_step * world, measured_steps=t.steps,
+    )
+    rec["data_share"] = rec["data_ms"] / step_ms
+    if t.compile == "off":
+        why["compile_s"] = "train.compile=off"
+    else:  # the first step's time beyond a steady step: compilation dominates it
+        rec["compile_s"] = max(0.0, res.first_step_s - step_ms / 1e3)
+    mem, mem_why = memory.read()
+    rec.update(mem)
+    why.update(mem_why)
+    fpt = flops_per_token(cfg.model, t.seq_len)
+    rec["flops_per_token"] = fpt
+    rec["tflops_per_device"] = fpt * rec["tokens_per_s_per_device"] / 1e12
+    peak = cfg.hardware.peak_flops.get(cfg.precision.name)
+    if peak:
+        rec["mfu"] = rec["tflops_per_device"] * 1e12 / peak
+        rec["peak_flops"] = peak
+    else:
+        why["mfu"] = (f"no peak FLOP/s known for hardware={cfg.hardware.name} at precision="
+                      f"{cfg.precision.name}; set hardware.peak_flops.{cfg.precision.name}")
+    if res.counts is not None:
+        rec.update(load_stats(res.counts))
+        rec["aux_loss"] = res.balance
+        rec["z_loss"] = res.z
+    else:
+        for k in ("aux_loss", "expert_load_cv", "expert_load_max_over_mean"):
+            why[k] = "dense model (model.num_experts=0)"

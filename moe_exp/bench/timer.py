@@ -1,0 +1,65 @@
+"""Per-step phase timing without syncs inside a step.
+
+On CUDA each boundary records an event (no host sync; read after the window), so the
+figures are GPU time between boundaries. On CPU, wall time between boundaries.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+PHASES = ("data", "forward", "backward", "optimizer")
+
+
+class StepTimer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.steps: list[list] = []
+        self._cur: list = []
+
+    def _stamp(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self._cur = [(None, self._stamp())]
+
+    def lap(self, phase: str) -> None:
+        """Attribute the time since the previous boundary to `phase`."""
+        self._cur.append((phase, self._stamp()))
+
+    def end(self) -> None:
+        self.steps.append(self._cur)
+
+    def _ms(self, a, b) -> float:
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+    def results(self) -> dict:
+        """Per-step totals and per-phase sums in ms (syncs once on CUDA)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        totals, phases = [], {p: [] for p in PHASES}
+        for marks in self.steps:
+            totals.append(self._ms(marks[0][1], marks[-1][1]))
+            acc = dict.fromkeys(PHASES, 0.0)
+            for (_, a), (phase, b) in zip(marks, marks[1:]):
+                acc[phase] += self._ms(a, b)
+            for p in PHASES:
+                phases[p].append(acc[p])
+        return {"step_ms": totals, **{f"{p}_ms": v for p, v in phases.items()}}
+
+
+def median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def iqr(xs):
+    if len(xs) < 2:
+        return None
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[2] - q[0]

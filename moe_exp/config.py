@@ -1,0 +1,148 @@
+"""Typed schemas for every config group, registered in Hydra's ConfigStore.
+
+The root schema (`run_schema`) sits first in `conf/run.yaml`'s defaults list, so
+every group option and every command-line override is merged into these
+dataclasses: an unknown key or a wrong type is rejected by Hydra before any work.
+Choices among strings (e.g. `train.compile`) are checked in `validate.py`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+# Allowed values of string-valued keys, checked by validate.py (one place, one message).
+CHOICES: Dict[str, List[str]] = {
+    "task": ["bench"],
+    "precision.name": ["fp32", "tf32", "fp16", "bf16", "fp8"],
+    "parallel.name": ["none"],
+    "hardware.device": ["auto", "cpu", "cuda", "hpu"],
+    "data.source": ["markov", "tokens"],
+    "optim.name": ["adamw"],
+    "optim.impl": ["auto", "fused", "foreach", "for-loop"],
+    "logger.name": ["wandb", "none"],
+    "logger.mode": ["offline", "online", "disabled"],
+    "model.dispatch": ["auto", "grouped", "loop"],
+    "train.activation_checkpointing": ["none", "full", "selective"],
+    "train.compile": ["off", "default", "reduce-overhead", "max-autotune",
+                      "max-autotune-no-cudagraphs"],
+}
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny_moe"
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    ffn_hidden_size: int = 256  # per expert (or of the dense FFN when num_experts=0)
+    num_experts: int = 8  # 0 = dense SwiGLU FFN
+    top_k: int = 2
+    vocab_size: int = 256
+    max_seq_len: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    aux_loss_coef: float = 0.01  # Switch load-balancing loss
+    z_loss_coef: float = 0.001  # router z-loss
+    dispatch: str = "auto"  # expert matmuls: grouped | loop | auto (grouped where supported)
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"
+    autocast_dtype: Optional[str] = None  # bfloat16 | float16 | None (no autocast)
+    grad_scaler: bool = False  # fp16 loss scaling
+    tf32: bool = False  # TF32 tensor-core matmuls for fp32 (CUDA only)
+    fp8_recipe: str = "tensorwise"  # torchao Float8LinearConfig recipe (fp8 only)
+
+
+@dataclass
+class ParallelConfig:
+    name: str = "none"
+
+
+@dataclass
+class HardwareConfig:
+    name: str = "auto"
+    device: str = "auto"
+    devices: int = 1  # ranks launched on this machine
+    memory_gib: Optional[float] = None  # per device; null = read from the device
+    # Dense peak FLOP/s per device for each precision; null = unknown (MFU is then null).
+    peak_flops: Dict[str, Optional[float]] = field(default_factory=dict)
+    precisions: List[str] = field(default_factory=lambda: ["fp32", "fp16", "bf16"])
+    cudnn_benchmark: bool = True
+    deterministic: bool = False
+    env: Dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class DataConfig:
+    name: str = "markov"
+    source: str = "markov"  # markov (synthetic, learnable) | tokens (memory-mapped file)
+    path: Optional[str] = None  # tokens file made by `python -m moe_exp.data prepare`
+    branching: int = 4  # markov: successors per token (entropy = log(branching) nats)
+    num_workers: int = 0
+    pin_memory: bool = True  # only used on CUDA
+    prefetch_factor: Optional[int] = None  # needs num_workers > 0
+    persistent_workers: bool = False  # needs num_workers > 0
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    lr_warmup_steps: int = 5
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 = no clipping
+    impl: str = "auto"  # auto | fused | foreach | for-loop
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "wandb"
+    project: str = "moe_exp"
+    mode: str = "offline"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 20  # measured steps
+    warmup_steps: int = 3  # run first, excluded from timing (compile, allocator growth)
+    micro_batch_size: int = 8
+    grad_accum_steps: int = 1
+    seq_len: int = 128
+    activation_checkpointing: str = "none"
+    compile: str = "off"
+    seed: int = 0
+    log_every: int = 5  # steps between loss reads (each read waits for the device)
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    task: str = "bench"
+    extra: Dict[str, Any] = field(default_factory=dict)  # free-form notes, kept in the record
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)
+
+
+register()

@@ -1,0 +1,29 @@
+"""`python -m moe_exp.data prepare <text files...> <out.bin>`: make a token file."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .tokens import prepare
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m moe_exp.data")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="byte-level token file from text files (vocab 256)")
+    p.add_argument("inputs", nargs="+", help="text files to read")
+    p.add_argument("out", help="token file to write (metadata goes to <out>.json)")
+    args = ap.parse_args(argv)
+    missing = [f for f in args.inputs if not Path(f).is_file()]
+    if missing:
+        print(f"error: no such file: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    meta = prepare(args.inputs, args.out)
+    print(f"wrote {args.out}: {meta['num_tokens']:,} tokens (vocab {meta['vocab_size']}); "
+          f"use: python -m moe_exp.run data=tokens data.path={args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""A memory-mapped token file (`<name>.bin` + `<name>.bin.json`), and how to make one.
+
+`python -m moe_exp.data prepare a.txt b.txt out.bin` writes the files' bytes as
+tokens (byte-level: vocabulary 256, no tokenizer, no downloads).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+
+def meta_path(path: str | Path) -> Path:
+    return Path(str(path) + ".json")
+
+
+def read_meta(path: str | Path) -> dict:
+    return json.loads(meta_path(path).read_text())
+
+
+def prepare(inputs: Iterable[str | Path], out: str | Path) -> dict:
+    """Concatenate the inputs' bytes (each followed by a 0 separator) into a uint8 token file."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with open(out, "wb") as f:
+        for p in inputs:
+            data = Path(p).read_bytes()
+            f.write(data + b"\0")
+            n += len(data) + 1
+    meta = {"dtype": "uint8", "vocab_size": 256, "num_tokens": n, "tokenizer": "bytes",
+            "sources": [str(p) for p in inputs]}
+    meta_path(out).write_text(json.dumps(meta, indent=2))
+    return meta
+
+
+class TokenFile(Dataset):
+    """Windows of seq_len+1 tokens at seeded random offsets into a memory-mapped file."""
+
+    def __init__(self, path: str | Path, seq_len: int, num_samples: int, seed: int = 0):
+        meta = read_meta(path)
+        self.tokens = np.memmap(path, dtype=meta["dtype"], mode="r")
+        self.seq_len = seq_len
+        high = len(self.tokens) - seq_len - 1
+        if high <= 0:
+            raise ValueError(f"data.path: {path} holds {len(self.tokens)} tokens, "
+                             f"fewer than train.seq_len+1={seq_len + 1}")
+        g = torch.Generator().manual_seed(seed)
+        self.starts = torch.randint(0, high, (num_samples,), generator=g).tolist()
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int):
+        s = self.starts[i]
+        row = torch.from_numpy(self.tokens[s: s + self.seq_len + 1].astype(np.int64))
+        return row[:-1], row[1:]

@@ -1,0 +1,106 @@
+"""Hardware profiles: resolve `hardware=auto`, pick the device, apply environment knobs."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+CONF = Path(__file__).parent / "conf"
+GPU_PROFILES = {"H200": "h200", "H100": "h100", "A100": "a100"}
+
+
+class ConfigError(Exception):
+    """A user's configuration mistake: key and what is allowed, shown as one line."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+def detect() -> str:
+    """Profile name for this machine: from the CUDA device name, else cpu."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        for token, profile in GPU_PROFILES.items():
+            if token in name:
+                return profile
+        return "cuda"
+    return "cpu"
+
+
+def _generic_cuda() -> dict:
+    major, minor = torch.cuda.get_device_capability(0)
+    prec = ["fp32", "fp16"] + (["tf32", "bf16"] if major >= 8 else [])
+    if (major, minor) >= (8, 9):
+        prec.append("fp8")
+    return {"name": "cuda", "device": "cuda", "peak_flops": {}, "precisions": prec}
+
+
+def load_profile(name: str) -> dict:
+    if name == "cuda":
+        return _generic_cuda()
+    return OmegaConf.to_container(OmegaConf.load(CONF / "hardware" / f"{name}.yaml"))
+
+
+def resolve(cfg) -> None:
+    """Fill `hardware` in place: auto -> detected profile; device; memory_gib."""
+    hw = cfg.hardware
+    if hw.name == "auto":
+        prof = load_profile(detect())
+        # Keys the user set on auto (non-empty) win over the detected profile's.
+        for key, value in prof.items():
+            mine = hw.get(key)
+            if key == "peak_flops":
+                hw.peak_flops = {**value, **dict(hw.peak_flops)}
+            elif key == "name" or mine in (None, "auto", [], {}) or key not in hw:
+                hw[key] = value
+    if hw.device == "auto":
+        hw.device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_device(cfg)
+    if hw.memory_gib is None:
+        hw.memory_gib = device_memory_gib(hw.device)
+    for key, value in hw.env.items():
+        os.environ.setdefault(key, str(value))
+
+
+def check_device(cfg) -> None:
+    hw = cfg.hardware
+    if hw.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("hardware", f"hardware={hw.name} needs a CUDA GPU and none is visible; "
+                          "use hardware=auto or hardware=cpu")
+    if hw.device == "hpu":
+        try:
+            import habana_frameworks.torch  # noqa: F401
+        except ImportError:
+            raise ConfigError("hardware", f"hardware={hw.name} needs Intel Gaudi's PyTorch bridge "
+                              "(habana_frameworks), which is not installed here") from None
+    if hw.devices < 1:
+        raise ConfigError("hardware.devices", f"must be >= 1, got {hw.devices}")
+    if hw.device == "cuda" and hw.devices > torch.cuda.device_count():
+        raise ConfigError("hardware.devices", f"{hw.devices} ranks asked for, "
+                          f"{torch.cuda.device_count()} CUDA device(s) visible")
+
+
+def device_memory_gib(device: str) -> float | None:
+    if device == "cuda":
+        return torch.cuda.get_device_properties(0).total_memory / 2**30
+    if device == "cpu":
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / 2**20
+    return None
+
+
+def torch_device(cfg) -> torch.device:
+    return torch.device(cfg.hardware.device, 0) if cfg.hardware.device != "cpu" \
+        else torch.device("cpu")
+
+
+def setup_backends(cfg) -> None:
+    if cfg.hardware.device == "cuda":
+        torch.backends.cudnn.benchmark = cfg.hardware.cudnn_benchmark and not cfg.hardware.deterministic
+    if cfg.hardware.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)

@@ -1,0 +1,150 @@
+"""Decoder-only transformer: RMSNorm, RoPE, SDPA attention (GQA), MoE or dense SwiGLU FFN.
+
+Plain PyTorch, no precision, parallelism or checkpointing code: those are applied
+from outside by moe_exp.optimizations.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .moe import MoE
+
+
+class Output(NamedTuple):
+    loss: torch.Tensor  # ce + aux_loss_coef * balance + z_loss_coef * z (what is trained)
+    ce: torch.Tensor  # language-model cross-entropy
+    balance: torch.Tensor  # Switch load-balancing loss, mean over MoE layers (0 if dense)
+    z: torch.Tensor  # router z-loss, mean over MoE layers (0 if dense)
+    counts: torch.Tensor  # (layers, experts) tokens routed to each expert; (0, 0) if dense
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float):
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    ang = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv)  # (S, D/2)
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x, cos, sin):
+    """x: (B, h, S, D); rotate channel pairs (first half, second half)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[: x.shape[-2]].to(x.dtype), sin[: x.shape[-2]].to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_heads, self.n_kv = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        h, d = cfg.hidden_size, self.head_dim
+        self.wq = nn.Linear(h, self.n_heads * d, bias=False)
+        self.wk = nn.Linear(h, self.n_kv * d, bias=False)
+        self.wv = nn.Linear(h, self.n_kv * d, bias=False)
+        self.wo = nn.Linear(self.n_heads * d, h, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=self.n_kv != self.n_heads)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden_size: int, ffn_hidden_size: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
+        self.w3 = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
+        self.w2 = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.is_moe = cfg.num_experts > 0
+        if self.is_moe:
+            self.ffn = MoE(cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts, cfg.top_k,
+                           cfg.dispatch)
+        else:
+            self.ffn = SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size)
+
+    def forward(self, x, cos, sin):
+        """Returns (x, balance, z, counts); the last three are zeros for a dense block."""
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        h = self.ffn_norm(x)
+        if self.is_moe:
+            y, balance, z, counts = self.ffn(h)
+        else:
+            y = self.ffn(h)
+            balance = z = torch.zeros((), device=x.device)
+            counts = torch.zeros(0, dtype=torch.long, device=x.device)
+        return x + y, balance, z, counts
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.hidden_size // cfg.num_heads, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.num_layers)  # GPT-2 scaled residual init
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p)
+            elif name.endswith(("wo.weight", "w2.weight", "w2")):
+                nn.init.trunc_normal_(p, std=out_std, a=-3 * out_std, b=3 * out_std)
+            else:
+                nn.init.trunc_normal_(p, std=std, a=-3 * std, b=3 * std)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> Output:
+        x = self.embed(tokens)
+        balances, zs, counts = [], [], []
+        for layer in self.layers:
+            x, balance, z, c = layer(x, self.rope_cos, self.rope_sin)
+            balances.append(balance)
+            zs.append(z)
+            counts.append(c)
+        logits = self.head(self.norm(x))
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        balance = torch.stack(balances).mean()
+        z = torch.stack(zs).mean()
+        loss = ce + self.cfg.aux_loss_coef * balance + self.cfg.z_loss_coef * z
+        return Output(loss, ce, balance, z, torch.stack(counts))
+
+
+def build_model(cfg) -> Transformer:
+    return Transformer(cfg)

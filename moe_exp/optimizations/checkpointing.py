@@ -1,0 +1,38 @@
+"""Activation checkpointing per transformer block: full, or selective (save matmuls)."""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+_aten = torch.ops.aten
+# Selective: keep the outputs of the expensive ops, recompute the cheap elementwise ones.
+SAVE_OPS = {
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+if hasattr(_aten, "_grouped_mm"):
+    SAVE_OPS.add(_aten._grouped_mm.default)
+
+
+def _policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_checkpointing(model: nn.Module, mode: str) -> nn.Module:
+    if mode == "none":
+        return model
+    kwargs = {"use_reentrant": False, "preserve_rng_state": False}
+    if mode == "selective":
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _policy)
+    for i, block in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(block, **kwargs)
+    return model

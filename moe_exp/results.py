@@ -1,0 +1,67 @@
+"""The result record: one per run (`metrics.json`), one row per run in a sweep table."""
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+STATUSES = ("ok", "oom", "diverged", "invalid", "error", "crashed", "skipped")
+
+# The contract of shared/DESIGN.md, in order; extra keys follow.
+FIELDS = (
+    "status", "error",
+    "model", "precision", "parallel", "hardware", "data", "optim",
+    "activation_checkpointing", "compile",
+    "world_size", "micro_batch_size", "grad_accum_steps", "seq_len", "overrides", "config_hash",
+    "tokens_per_s", "tokens_per_s_per_device", "step_time_ms", "step_time_iqr_ms",
+    "data_ms", "forward_ms", "backward_ms", "optimizer_ms", "compile_s",
+    "peak_mem_gib", "peak_reserved_gib",
+    "flops_per_token", "tflops_per_device", "mfu", "params_total", "params_active",
+    "loss_first", "loss_last", "aux_loss", "expert_load_cv", "expert_load_max_over_mean",
+    "device_name", "torch_version", "timestamp",
+)
+# Keys that do not change what is measured, left out of the config hash.
+HASH_EXCLUDE = ("logger", "extra")
+
+
+def config_hash(cfg_dict: dict) -> str:
+    keep = {k: v for k, v in cfg_dict.items() if k not in HASH_EXCLUDE}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def new_record(cfg_dict: dict, overrides: list[str]) -> dict:
+    """A record with every field present: configuration filled, measurements null."""
+    rec = dict.fromkeys(FIELDS)
+    t = cfg_dict["train"]
+    rec.update(
+        status="error", model=cfg_dict["model"]["name"], precision=cfg_dict["precision"]["name"],
+        parallel=cfg_dict["parallel"]["name"], hardware=cfg_dict["hardware"]["name"],
+        data=cfg_dict["data"]["name"], optim=cfg_dict["optim"]["name"],
+        activation_checkpointing=t["activation_checkpointing"], compile=t["compile"],
+        world_size=cfg_dict["hardware"]["devices"], micro_batch_size=t["micro_batch_size"],
+        grad_accum_steps=t["grad_accum_steps"], seq_len=t["seq_len"], overrides=list(overrides),
+        config_hash=config_hash(cfg_dict),
+        timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    )
+    rec["null_reasons"] = {}
+    return rec
+
+
+def write_json_atomic(path: str | Path, obj) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=2, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def fill_null_reasons(rec: dict, default: str) -> None:
+    """Every null measurement gets a reason (kept ones stay)."""
+    for k in FIELDS[FIELDS.index("tokens_per_s"):]:
+        if rec.get(k) is None and k not in rec["null_reasons"]:
+            rec["null_reasons"][k] = default

@@ -1,0 +1,82 @@
+"""The entrypoint: compose -> validate -> build -> optimize -> bench -> record.
+
+    python -m moe_exp.run [group=option ...] [key=value ...]
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from . import config as _config  # noqa: F401  (registers the schemas)
+from .hardware import ConfigError
+from .results import fill_null_reasons, new_record, write_json_atomic
+
+EXIT_INVALID, EXIT_FAILED = 2, 1
+
+
+def _hydra_info() -> tuple[Path | None, list[str], dict, bool]:
+    """(output dir, task overrides, group choices, is multirun) when run under Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None, [], {}, False
+    hc = HydraConfig.get()
+    choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")}
+    return (Path(hc.runtime.output_dir), list(hc.overrides.task), choices,
+            hc.mode == RunMode.MULTIRUN)
+
+
+def run(cfg: DictConfig, out_dir: Path | None = None, progress: bool = True) -> dict:
+    """Run one benchmark; never raises for a run's failure: the record's status says it."""
+    if (os.cpu_count() or 1) <= 4:
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    hydra_dir, overrides, choices, _ = _hydra_info()
+    out_dir = Path(out_dir or hydra_dir or "outputs/run")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = cfg.copy()
+    OmegaConf.set_struct(cfg, False)
+
+    from .hardware import resolve
+    from .validate import validate
+
+    try:
+        resolve(cfg)
+        validate(cfg)
+    except ConfigError as e:
+        rec = new_record(_container(cfg), overrides)
+        rec.update(status="invalid", error=str(e))
+        fill_null_reasons(rec, "not run: invalid configuration")
+        write_json_atomic(out_dir / "metrics.json", rec)
+        print(f"error: {e}", file=sys.stderr)
+        return rec
+
+    from .bench.runner import bench
+
+    cfg_dict = _container(cfg)
+    rec = new_record(cfg_dict, overrides)
+    return bench(cfg, cfg_dict, rec, out_dir, choices, progress)
+
+
+def _container(cfg) -> dict:
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # noqa: BLE001 - e.g. a missing value: keep what resolves
+        return OmegaConf.to_container(cfg, resolve=False)
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="run")
+def main(cfg: DictConfig) -> dict:
+    rec = run(cfg)
+    if not _hydra_info()[3] and rec["status"] != "ok":
+        sys.exit(EXIT_INVALID if rec["status"] == "invalid" else EXIT_FAILED)
+    return rec
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""The summary table printed at the end of a run."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _f(v, fmt: str, unit: str = "") -> str:
+    return "—" if v is None else f"{v:{fmt}}{unit}"
+
+
+def summary_rows(r: dict) -> list[tuple[str, str]]:
+    why = r.get("null_reasons", {})
+    step = r["step_time_ms"] or 0.0
+    share = lambda ms: "" if ms is None or not step else f" ({100 * ms / step:.0f}%)"  # noqa: E731
+    mfu = (f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None
+           else f"null: {why.get('mfu', 'unknown')}")
+    rows = [
+        ("run", f"model={r['model']} precision={r['precision']} "
+                f"ac={r['activation_checkpointing']} compile={r['compile']} on {r['device_name']}"),
+        ("params", f"{r['params_total'] / 1e6:,.2f}M total, {r['params_active'] / 1e6:,.2f}M active"),
+        ("tokens/s", f"{r['tokens_per_s']:,.0f}  ({r['tokens_per_s_per_device']:,.0f} per device)"),
+        ("step time", f"{_f(r['step_time_ms'], '.1f', ' ms')} median, "
+                      f"IQR {_f(r['step_time_iqr_ms'], '.1f', ' ms')}"),
+        ("breakdown", "  ".join(f"{p} {_f(r[p + '_ms'], '.1f', ' ms')}{share(r[p + '_ms'])}"
+                                for p in ("data", "forward", "backward", "optimizer"))),
+        ("TFLOP/s/device", f"{r['tflops_per_device']:.3f}  ({r['flops_per_token'] / 1e6:,.1f} "
+                           "MFLOP/token)"),
+        ("MFU", mfu),
+        ("peak memory", f"{_f(r['peak_mem_gib'], '.3f', ' GiB')}"
+                        + (f" (reserved {r['peak_reserved_gib']:.3f} GiB)"
+                           if r.get("peak_reserved_gib") is not None else "")),
+    ]
+    if r.get("compile_s") is not None:
+        rows.append(("compile", f"{r['compile_s']:.1f} s (first step beyond a steady step)"))
+    if r.get("expert_load_cv") is not None:
+        rows.append(("expert load", f"CV {r['expert_load_cv']:.3f}, max/mean "
+                                    f"{r['expert_load_max_over_mean']:.2f}, aux loss "
+                                    f"{r['aux_loss']:.4f}"))
+    else:
+        rows.append(("expert load", f"null: {why.get('expert_load_cv', '')}"))
+    rows.append(("loss", f"{r['loss_first']:.4f} → {r['loss_last']:.4f}"))
+    return rows
+
+
+def print_summary(r: dict, path: Path | None = None) -> None:
+    table = Table(title="moe_exp result", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for k, v in summary_rows(r):
+        table.add_row(k, v)
+    console = Console(width=max(100, Console().width))
+    console.print(table)
+    if path:
+        console.print(f"record: {path}")

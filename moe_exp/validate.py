@@ -1,0 +1,135 @@
+"""Checks before any work: each failure is one line naming the key and what is allowed."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from .bench.flops import param_counts
+from .config import CHOICES
+from .hardware import ConfigError
+
+
+def _get(cfg, dotted: str):
+    return OmegaConf.select(cfg, dotted)
+
+
+def check_choices(cfg) -> None:
+    for key, allowed in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            raise ConfigError(key, f"'{value}' is not one of: {', '.join(allowed)}")
+
+
+def _at_least(cfg, key: str, low: int) -> None:
+    value = _get(cfg, key)
+    if value < low:
+        raise ConfigError(key, f"must be >= {low}, got {value}")
+
+
+def check_model(m) -> None:
+    _at_least_m = {"hidden_size": 1, "num_layers": 1, "num_heads": 1, "num_kv_heads": 1,
+                   "ffn_hidden_size": 1, "vocab_size": 2, "max_seq_len": 1, "num_experts": 0}
+    for key, low in _at_least_m.items():
+        if m[key] < low:
+            raise ConfigError(f"model.{key}", f"must be >= {low}, got {m[key]}")
+    if m.hidden_size % m.num_heads:
+        raise ConfigError("model.hidden_size", f"{m.hidden_size} is not divisible by "
+                          f"model.num_heads={m.num_heads}")
+    if (m.hidden_size // m.num_heads) % 2:
+        raise ConfigError("model.num_heads", f"head dim {m.hidden_size // m.num_heads} must be "
+                          "even for RoPE")
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError("model.num_kv_heads", f"{m.num_kv_heads} must divide "
+                          f"model.num_heads={m.num_heads}")
+    if m.num_experts > 0 and not 1 <= m.top_k <= m.num_experts:
+        raise ConfigError("model.top_k", f"must be in 1..num_experts={m.num_experts}, got {m.top_k}")
+    if m.aux_loss_coef < 0 or m.z_loss_coef < 0:
+        raise ConfigError("model.aux_loss_coef", "loss coefficients must be >= 0")
+
+
+def check_train(cfg) -> None:
+    for key, low in (("train.steps", 1), ("train.warmup_steps", 0), ("train.micro_batch_size", 1),
+                     ("train.grad_accum_steps", 1), ("train.seq_len", 1), ("train.log_every", 1)):
+        _at_least(cfg, key, low)
+    if cfg.train.seq_len > cfg.model.max_seq_len:
+        raise ConfigError("train.seq_len", f"{cfg.train.seq_len} exceeds model.max_seq_len="
+                          f"{cfg.model.max_seq_len}")
+
+
+def check_precision(cfg) -> None:
+    p, hw = cfg.precision.name, cfg.hardware
+    if p not in hw.precisions:
+        raise ConfigError("precision", f"precision={p} is not supported on hardware={hw.name} "
+                          f"(supported: {', '.join(hw.precisions)})")
+    if p == "fp8":
+        if hw.device != "cuda" or torch.cuda.get_device_capability(0) < (8, 9):
+            raise ConfigError("precision", "precision=fp8 needs a CUDA GPU with compute "
+                              "capability >= 8.9 (H100, H200, L4, RTX 40xx)")
+        if importlib.util.find_spec("torchao") is None:
+            raise ConfigError("precision", "precision=fp8 needs torchao: pip install torchao")
+    if cfg.precision.autocast_dtype not in (None, "bfloat16", "float16"):
+        raise ConfigError("precision.autocast_dtype", "must be null, bfloat16 or float16")
+
+
+def check_parallel(cfg) -> None:
+    if cfg.parallel.name == "none" and cfg.hardware.devices != 1:
+        raise ConfigError("hardware.devices", f"parallel=none runs one rank; got "
+                          f"hardware.devices={cfg.hardware.devices}")
+
+
+def check_data(cfg) -> None:
+    d = cfg.data
+    _at_least(cfg, "data.num_workers", 0)
+    if d.num_workers == 0 and (d.prefetch_factor is not None or d.persistent_workers):
+        raise ConfigError("data.prefetch_factor", "prefetch_factor and persistent_workers need "
+                          "data.num_workers > 0")
+    if d.source == "markov":
+        if not 1 <= d.branching <= cfg.model.vocab_size:
+            raise ConfigError("data.branching", f"must be in 1..model.vocab_size, got {d.branching}")
+    if d.source == "tokens":
+        if not d.path or not Path(d.path).is_file():
+            raise ConfigError("data.path", f"no token file at '{d.path}'; make one with "
+                              "python -m moe_exp.data prepare <text files> <out.bin>")
+        from .data import read_meta
+
+        vocab = read_meta(d.path)["vocab_size"]
+        if vocab > cfg.model.vocab_size:
+            raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the "
+                              f"token file's vocabulary ({vocab})")
+
+
+def check_optim(cfg) -> None:
+    o = cfg.optim
+    if o.lr <= 0:
+        raise ConfigError("optim.lr", f"must be > 0, got {o.lr}")
+    if o.grad_clip < 0:
+        raise ConfigError("optim.grad_clip", f"must be >= 0 (0 = off), got {o.grad_clip}")
+    if o.lr_warmup_steps < 1:
+        raise ConfigError("optim.lr_warmup_steps", f"must be >= 1, got {o.lr_warmup_steps}")
+
+
+def check_memory(cfg) -> None:
+    """Weights + grads + AdamW state in fp32 (16 B/param) must fit the device: a lower bound."""
+    mem = cfg.hardware.memory_gib
+    if mem is None:
+        return
+    need = param_counts(cfg.model)["params_total"] * 16 / 2**30
+    if need > mem:
+        raise ConfigError("model", f"model={cfg.model.name} needs >= {need:,.0f} GiB for fp32 "
+                          f"weights, gradients and AdamW state; hardware={cfg.hardware.name} has "
+                          f"{mem:,.0f} GiB per device (use a parallel strategy or a smaller model)")
+
+
+def validate(cfg) -> None:
+    """Raise ConfigError on the first problem. Run after hardware.resolve()."""
+    check_choices(cfg)
+    check_model(cfg.model)
+    check_train(cfg)
+    check_precision(cfg)
+    check_parallel(cfg)
+    check_data(cfg)
+    check_optim(cfg)
+    check_memory(cfg)
