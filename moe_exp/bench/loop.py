@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -42,8 +43,9 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
     timer, res = StepTimer(device), LoopResult()
     pending, balances, zs = [], [], []
     it = iter(loader)
-    bar = tqdm(total=total, desc="warmup", unit="step", disable=not progress, mininterval=0.5,
-               dynamic_ncols=True)
+    tty = sys.stderr.isatty()
+    bar = tqdm(total=total, desc="warmup", unit="step", disable=not progress,
+               mininterval=0.5 if tty else 10.0, dynamic_ncols=True)
     model.train()
     try:
         for step in range(total):

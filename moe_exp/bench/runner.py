@@ -26,7 +26,10 @@ def _resolve_dispatch(cfg, device: torch.device) -> None:
     m = cfg.model
     if m.dispatch == "auto":
         dtype = DTYPES.get(cfg.precision.autocast_dtype, torch.float32)
-        m.dispatch = "grouped" if m.num_experts and grouped_mm_supported(device, dtype) else "loop"
+        # Under torch.compile, grouped_mm lowers for bf16 only.
+        ok = cfg.train.compile == "off" or dtype == torch.bfloat16
+        m.dispatch = "grouped" if m.num_experts and ok and grouped_mm_supported(device, dtype) \
+            else "loop"
 
 
 def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress: bool) -> dict:

@@ -76,8 +76,12 @@ class Experts(nn.Module):
             w1, w3, w2 = (w.to(dt) for w in (self.w1, self.w3, self.w2))
             h = F.silu(grouped_mm(x, w1, offs)) * grouped_mm(x, w3, offs)
             return grouped_mm(h, w2, offs)
+        sizes = counts.tolist()
+        for n in sizes:  # tells torch.compile these data-dependent sizes are valid
+            torch._check(n >= 0)
+        torch._check(sum(sizes) == x.shape[0])
         outs = []
-        for e, xe in enumerate(torch.split(x, counts.tolist())):
+        for e, xe in enumerate(torch.split(x, sizes)):
             h = F.silu(xe @ self.w1[e]) * (xe @ self.w3[e])
             outs.append(h @ self.w2[e])
         return torch.cat(outs)
@@ -102,7 +106,8 @@ class MoE(nn.Module):
         flat = experts.reshape(-1)  # (T*k,)
         order = torch.argsort(flat, stable=True)
         token = order // self.top_k
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        # static-shape histogram (bincount's output size is data-dependent under compile)
+        counts = flat.new_zeros(self.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
         y = self.experts(x[token], counts, self.grouped)
         y = y * weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
         out = torch.zeros(x.shape[0], shape[-1], dtype=y.dtype, device=x.device)

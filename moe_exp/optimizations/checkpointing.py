@@ -30,7 +30,7 @@ def _policy(ctx, op, *args, **kwargs):
 def apply_checkpointing(model: nn.Module, mode: str) -> nn.Module:
     if mode == "none":
         return model
-    kwargs = {"use_reentrant": False, "preserve_rng_state": False}
+    kwargs = {"preserve_rng_state": False}  # checkpoint_wrapper is non-reentrant
     if mode == "selective":
         kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _policy)
     for i, block in enumerate(model.layers):
