@@ -32,3 +32,47 @@ class Tracker:
         if self.run:
             self.run.finish(exit_code=0 if ok else 1)
             self.run = None
+
+
+def read_offline_run(run_file: str | Path) -> dict:
+    """Parse an offline `run-*.wandb` file (a 7-byte W&B header, then a LevelDB-log stream of
+    protobuf Records) into {config, summary, history, exit_code}. For tests and reports."""
+    import json
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = Path(run_file).read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{run_file} is not a W&B run file")
+    block, pos, buf, payloads = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # block trailer padding
+            pos += block - pos % block
+            continue
+        length = int.from_bytes(data[pos + 4: pos + 6], "little")
+        kind = data[pos + 6]
+        chunk = data[pos + 7: pos + 7 + length]
+        pos += 7 + length
+        if kind == 0 and length == 0:
+            continue
+        buf = chunk if kind in (1, 2) else buf + chunk  # FULL/FIRST start, MIDDLE/LAST append
+        if kind in (1, 4):
+            payloads.append(buf)
+    out = {"config": {}, "summary": {}, "history": [], "exit_code": None}
+    for payload in payloads:
+        rec = pb.Record()
+        rec.ParseFromString(payload)
+        kind = rec.WhichOneof("record_type")
+        if kind in ("config", "run"):
+            items = rec.config.update if kind == "config" else rec.run.config.update
+            for item in items:
+                out["config"][item.key] = json.loads(item.value_json)
+        elif kind == "summary":
+            for item in rec.summary.update:
+                out["summary"][item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+        elif kind == "history":
+            out["history"].append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
+                                   for i in rec.history.item})
+        elif kind == "exit":
+            out["exit_code"] = rec.exit.exit_code
+    return out

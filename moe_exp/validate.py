@@ -90,7 +90,10 @@ def check_data(cfg) -> None:
         if not 1 <= d.branching <= cfg.model.vocab_size:
             raise ConfigError("data.branching", f"must be in 1..model.vocab_size, got {d.branching}")
     if d.source == "tokens":
-        if not d.path or not Path(d.path).is_file():
+        if OmegaConf.is_missing(d, "path") or not d.path:
+            raise ConfigError("data.path", "data=tokens needs data.path=<token file>; make one "
+                              "with python -m moe_exp.data prepare <text files> <out.bin>")
+        if not Path(d.path).is_file():
             raise ConfigError("data.path", f"no token file at '{d.path}'; make one with "
                               "python -m moe_exp.data prepare <text files> <out.bin>")
         from .data import read_meta

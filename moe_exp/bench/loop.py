@@ -29,6 +29,19 @@ class LoopResult:
     steps_done: int = 0
 
 
+def micro_step(model, tokens, targets, autocast, scaler, accum: int, timer=None):
+    """Forward and backward of one micro-batch; gradients accumulate over `accum` of them."""
+    with autocast():
+        out = model(tokens, targets)
+    loss = out.loss / accum
+    if timer:
+        timer.lap("forward")
+    (scaler.scale(loss) if scaler else loss).backward()
+    if timer:
+        timer.lap("backward")
+    return out
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -63,12 +76,8 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                 tokens = tokens.to(device, non_blocking=True)
                 targets = targets.to(device, non_blocking=True)
                 timer.lap("data")
-                with autocast():
-                    out = model(tokens, targets)
-                loss = out.loss / t.grad_accum_steps
-                timer.lap("forward")
-                (scaler.scale(loss) if scaler else loss).backward()
-                timer.lap("backward")
+                out = micro_step(model, tokens, targets, autocast, scaler, t.grad_accum_steps,
+                                 timer)
                 step_loss += out.ce.detach() / t.grad_accum_steps
                 if measured and out.counts.numel():
                     res.counts = out.counts if res.counts is None else res.counts + out.counts

@@ -72,7 +72,7 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool) -> N
     from ..data import build_loader
     from ..hardware import setup_backends
     from ..model import build_model
-    from ..optim import build_optimizer
+    from ..optim import build_optimizer, lr_factor
     from ..optimizations import apply
     from .experts import load_stats
 
@@ -93,10 +93,13 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool) -> N
     num_samples = (t.warmup_steps + t.steps) * t.grad_accum_steps * t.micro_batch_size
     loader = build_loader(cfg, device, num_samples)
 
+    total = t.warmup_steps + t.steps
+
     def on_log(step, values):
         first = step + 1 - len(values)
         for i, v in enumerate(values):
-            tracker.log({"loss": v, "lr": scheduler.get_last_lr()[0]}, step=first + i)
+            lr = cfg.optim.lr * lr_factor(first + i, total, cfg.optim)
+            tracker.log({"loss": v, "lr": lr}, step=first + i)
 
     res = train_loop(cfg, applied, optimizer, scheduler, loader, device, memory, on_log, progress)
 

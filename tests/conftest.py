@@ -1,0 +1,45 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "moe_exp" / "conf"
+
+
+def compose(overrides=()):
+    from hydra import compose as hcompose
+    from hydra import initialize_config_module
+
+    with initialize_config_module(config_module="moe_exp.conf", version_base="1.3"):
+        return hcompose("run", overrides=list(overrides))
+
+
+def run_inproc(overrides, out_dir):
+    """One run in this process (progress bar off); returns the record."""
+    from moe_exp.run import run
+
+    return run(compose(overrides), out_dir=out_dir, progress=False)
+
+
+def run_cli(args, cwd, timeout=300, env=None):
+    """`python -m moe_exp.run ARGS` in a subprocess."""
+    e = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "moe_exp.run", *args], cwd=cwd, env=e,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,105 @@
+"""Every config option composes; bad input fails before any work with one clear line."""
+import json
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import CONF, compose, run_cli, run_inproc
+
+GROUPS = ["model", "precision", "parallel", "hardware", "data", "optim", "logger"]
+OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
+
+
+@pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_option_composes(group, option):
+    extra = ["data.path=x.bin"] if (group, option) == ("data", "tokens") else []
+    cfg = compose([f"{group}={option}", *extra])
+    OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+    assert cfg[group].name == option
+
+
+def test_groups_have_the_contract_options():
+    have = {g: {p.stem for p in (CONF / g).glob("*.yaml")} for g in GROUPS}
+    assert {"tiny_moe", "small_moe", "moe_1b", "mixtral_8x7b", "tiny_dense"} <= have["model"]
+    assert have["precision"] == {"fp32", "tf32", "fp16", "bf16", "fp8"}
+    assert have["hardware"] == {"auto", "cpu", "a100", "h100", "h200", "gaudi3"}
+    assert {"wandb", "none"} == have["logger"]
+
+
+def test_dense_counterpart_is_one_override():
+    assert compose(["model.num_experts=0"]).model.num_experts == 0
+    dense = compose(["model=tiny_dense"]).model
+    moe = compose(["model=tiny_moe"]).model
+    assert dense.num_experts == 0 and dense.hidden_size == moe.hidden_size
+    assert dense.ffn_hidden_size == moe.top_k * moe.ffn_hidden_size
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("model.hiden_size=3", "hiden_size"),
+    ("model.hidden_size=abc", "hidden_size"),
+    ("precision=fp9", "precision"),
+    ("train.stepz=3", "stepz"),
+])
+def test_hydra_rejects_typos_and_types(override, needle):
+    with pytest.raises(Exception) as err:
+        compose([override])
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("override,key", [
+    ("train.compile=fast", "train.compile"),
+    ("train.activation_checkpointing=some", "train.activation_checkpointing"),
+    ("model.hidden_size=130", "model.hidden_size"),
+    ("model.num_kv_heads=3", "model.num_kv_heads"),
+    ("model.top_k=9", "model.top_k"),
+    ("precision=tf32", "precision"),
+    ("precision=fp8", "precision"),
+    ("train.seq_len=512", "train.seq_len"),
+    ("train.grad_accum_steps=0", "train.grad_accum_steps"),
+    ("train.micro_batch_size=0", "train.micro_batch_size"),
+    ("hardware=h100", "hardware"),
+    ("hardware=gaudi3", "hardware"),
+    ("hardware.devices=2", "hardware.devices"),
+    ("model=mixtral_8x7b", "model"),
+    ("data=tokens", "data.path"),
+    ("data.prefetch_factor=2", "data.prefetch_factor"),
+    ("optim.lr=0", "optim.lr"),
+])
+def test_validation_rejects_before_any_work(override, key, tmp_path, monkeypatch):
+    import torch
+
+    if torch.cuda.is_available() and override in ("hardware=h100", "precision=tf32",
+                                                  "precision=fp8"):
+        pytest.skip("valid on a GPU")
+    import moe_exp.bench.runner as runner
+
+    monkeypatch.setattr(runner, "bench", lambda *a, **k: pytest.fail("work started"))
+    rec = run_inproc([override, "logger=none"], tmp_path)
+    assert rec["status"] == "invalid"
+    assert rec["error"].startswith(f"{key}: ") and "\n" not in rec["error"]
+    assert json.loads((tmp_path / "metrics.json").read_text())["status"] == "invalid"
+
+
+def test_cli_invalid_exits_nonzero_with_one_line(tmp_path):
+    p = run_cli(["model.top_k=9", "logger=none"], tmp_path)
+    assert p.returncode == 2
+    assert p.stderr.strip() == "error: model.top_k: must be in 1..num_experts=8, got 9"
+    assert "Traceback" not in p.stderr + p.stdout
+
+
+def test_cli_unknown_key_exits_nonzero(tmp_path):
+    p = run_cli(["model.hiden_size=3"], tmp_path)
+    assert p.returncode != 0
+    assert "hiden_size" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_cli_cfg_info_help(tmp_path):
+    p = run_cli(["--cfg", "job", "precision=bf16"], tmp_path)
+    assert p.returncode == 0
+    cfg = OmegaConf.create(p.stdout)
+    assert cfg.precision.name == "bf16" and cfg.model.name == "tiny_moe"
+    p = run_cli(["--info", "defaults"], tmp_path)
+    assert p.returncode == 0 and "model/tiny_moe" in p.stdout and "hardware/auto" in p.stdout
+    p = run_cli(["--help"], tmp_path)
+    assert p.returncode == 0
+    assert "precision: bf16, fp16, fp32, fp8, tf32" in p.stdout

@@ -1,0 +1,54 @@
+"""Data sources: the learnable markov default and memory-mapped token files."""
+import math
+import subprocess
+import sys
+
+import torch
+
+from moe_exp.data import MarkovTokens, TokenFile, prepare, read_meta
+
+from conftest import ROOT, run_inproc
+
+
+def test_markov_tokens_follow_the_chain():
+    ds = MarkovTokens(vocab_size=64, seq_len=32, num_samples=50, branching=4, seed=3)
+    x, y = ds[0]
+    assert x.shape == y.shape == (32,) and torch.equal(x[1:], y[:-1])
+    successors = {}
+    for i in range(len(ds)):
+        row = ds.data[i]
+        for a, b in zip(row[:-1].tolist(), row[1:].tolist()):
+            successors.setdefault(a, set()).add(b)
+    assert max(len(s) for s in successors.values()) <= 4  # entropy <= ln 4 << ln 64
+    assert torch.equal(MarkovTokens(64, 32, 50, 4, 3).data, ds.data)  # seeded
+
+
+def test_prepare_cli_and_token_source_run(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    out = tmp_path / "corpus.bin"
+    p = subprocess.run([sys.executable, "-m", "moe_exp.data", "prepare", str(text), str(out)],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    meta = read_meta(out)
+    assert meta["vocab_size"] == 256 and meta["num_tokens"] == len(text.read_bytes()) + 1
+    ds = TokenFile(out, seq_len=64, num_samples=10)
+    x, y = ds[3]
+    assert torch.equal(x[1:], y[:-1]) and int(x.max()) < 256
+    rec = run_inproc(["logger=none", "data=tokens", f"data.path={out}", "train.steps=10"],
+                     tmp_path / "run")
+    assert rec["status"] == "ok" and rec["data"] == "tokens"
+    assert rec["loss_last"] < rec["loss_first"]
+
+
+def test_prepare_cli_rejects_missing_input(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "moe_exp.data", "prepare", "nope.txt",
+                        str(tmp_path / "o.bin")], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 2 and "no such file: nope.txt" in p.stderr
+
+
+def test_data_loader_workers(tmp_path):
+    rec = run_inproc(["logger=none", "data.num_workers=1", "data.prefetch_factor=2",
+                      "train.steps=3"], tmp_path)
+    assert rec["status"] == "ok" and rec["data_share"] < 1
+    assert math.isfinite(rec["data_ms"])

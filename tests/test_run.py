@@ -1,0 +1,124 @@
+"""Whole runs on CPU: the record, precisions, checkpointing memory, W&B, the CLI."""
+import glob
+import json
+import math
+
+import pytest
+import torch
+
+from moe_exp.results import FIELDS
+from moe_exp.tracking import read_offline_run
+
+from conftest import run_cli, run_inproc
+
+
+@pytest.fixture(scope="module")
+def default_record(tmp_path_factory):
+    out = tmp_path_factory.mktemp("default")
+    return run_inproc(["logger=none"], out), out
+
+
+def test_default_record_is_complete_and_sane(default_record):
+    rec, out = default_record
+    on_disk = json.loads((out / "metrics.json").read_text())
+    assert on_disk["status"] == "ok" and on_disk["error"] is None
+    assert all(k in on_disk for k in FIELDS)
+    assert rec["tokens_per_s"] > 0 and rec["tokens_per_s_per_device"] > 0
+    assert rec["step_time_ms"] > 0 and rec["step_time_iqr_ms"] >= 0
+    phases = sum(rec[f"{p}_ms"] for p in ("data", "forward", "backward", "optimizer"))
+    assert 0 < phases <= rec["step_time_ms"] * 1.5
+    assert rec["peak_mem_gib"] > 0 and rec["peak_reserved_gib"] is None
+    assert "peak_reserved_gib" in rec["null_reasons"]
+    if rec["mfu"] is None:
+        assert "peak FLOP/s" in rec["null_reasons"]["mfu"]
+    else:
+        assert 0 < rec["mfu"] < 1
+    assert rec["flops_per_token"] > 6 * (rec["params_active"] - 256 * 128) * 0.9
+    assert rec["loss_last"] < rec["loss_first"] - 0.5  # the markov data is learnable
+    assert len(rec["losses"]) == 23
+    assert rec["expert_load_cv"] >= 0 and rec["expert_load_max_over_mean"] >= 1
+    assert len(rec["expert_load_cv_per_layer"]) == 2
+    assert rec["aux_loss"] > 0.9  # Switch loss is >= ~1 for top-k routing
+    assert rec["world_size"] == 1 and rec["hardware"] in ("cpu", "a100", "h100", "h200", "cuda")
+    assert rec["compile_s"] is None and rec["null_reasons"]["compile_s"] == "train.compile=off"
+    assert len(rec["config_hash"]) == 12 and rec["torch_version"] == torch.__version__
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_runs_on_cpu(precision, tmp_path):
+    rec = run_inproc([f"precision={precision}", "logger=none", "train.steps=6"], tmp_path)
+    assert rec["status"] == "ok", rec["error"]
+    assert rec["precision"] == precision and math.isfinite(rec["loss_last"])
+    assert rec["loss_last"] < rec["loss_first"]
+
+
+def test_dense_model_has_null_expert_stats_with_reason(tmp_path):
+    rec = run_inproc(["model=tiny_dense", "logger=none", "train.steps=4"], tmp_path)
+    assert rec["status"] == "ok"
+    assert rec["expert_load_cv"] is None and "dense" in rec["null_reasons"]["expert_load_cv"]
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointed_run_has_same_losses(mode, tmp_path, default_record):
+    rec = run_inproc([f"train.activation_checkpointing={mode}", "logger=none"], tmp_path)
+    assert rec["status"] == "ok"
+    assert rec["losses"] == pytest.approx(default_record[0]["losses"], rel=1e-4)
+
+
+BIG_ACT = ["logger=none", "model.max_seq_len=256", "model.hidden_size=256", "model.num_layers=4",
+           "train.micro_batch_size=16", "train.steps=2", "train.warmup_steps=1"]
+
+
+@pytest.mark.slow
+def test_full_checkpointing_lowers_peak_memory(tmp_path):
+    peaks = {}
+    for ac in ("none", "full"):  # separate processes: peak RSS is per process
+        p = run_cli([*BIG_ACT, f"train.activation_checkpointing={ac}",
+                     f"hydra.run.dir={tmp_path / ac}"], tmp_path)
+        assert p.returncode == 0, p.stderr
+        peaks[ac] = json.loads((tmp_path / ac / "metrics.json").read_text())["peak_mem_gib"]
+    assert peaks["full"] < 0.7 * peaks["none"], peaks
+
+
+def test_wandb_offline_run_holds_config_and_metrics_and_is_finished(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    rec = run_inproc(["train.steps=5"], tmp_path)
+    assert rec["status"] == "ok"
+    files = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(files) == 1
+    run = read_offline_run(files[0])
+    assert run["config"]["model"]["name"] == "tiny_moe"
+    assert run["config"]["train"]["seq_len"] == 128  # resolved, not ${...}
+    assert run["summary"]["tokens_per_s"] == pytest.approx(rec["tokens_per_s"])
+    assert [h["loss"] for h in run["history"]] == pytest.approx(rec["losses"])
+    assert run["exit_code"] == 0  # finished
+
+
+def test_wandb_run_is_finished_when_the_run_fails(tmp_path, monkeypatch):
+    import moe_exp.bench.runner as runner
+
+    def boom(*a, **k):
+        raise RuntimeError("planted failure")
+
+    monkeypatch.setattr(runner, "train_loop", boom)
+    rec = run_inproc(["train.steps=2"], tmp_path)
+    assert rec["status"] == "error" and "planted failure" in rec["error"]
+    run = read_offline_run(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))[0])
+    assert run["exit_code"] == 1 and run["summary"]["status"] == "error"
+
+
+def test_nan_loss_ends_the_run_as_diverged(tmp_path):
+    rec = run_inproc(["logger=none", "optim.lr=1e30", "optim.grad_clip=0",
+                      "optim.lr_warmup_steps=1", "train.steps=20"], tmp_path)
+    assert rec["status"] == "diverged" and "loss became" in rec["error"]
+    assert json.loads((tmp_path / "metrics.json").read_text())["status"] == "diverged"
+
+
+@pytest.mark.slow
+def test_default_cli_run_writes_record_under_outputs(tmp_path):
+    p = run_cli([], tmp_path)
+    assert p.returncode == 0, p.stderr
+    rec = json.loads(next(tmp_path.glob("outputs/*/*/metrics.json")).read_text())
+    assert rec["status"] == "ok" and rec["loss_last"] < rec["loss_first"]
+    assert "tokens/s" in p.stdout and "MFU" in p.stdout and "loss" in p.stdout
+    assert list(tmp_path.glob("outputs/*/*/wandb/offline-run-*"))
