@@ -33,7 +33,7 @@ def _resolve_dispatch(cfg, device: torch.device) -> None:
 
 
 def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress: bool) -> dict:
-    from ..hardware import setup_backends, torch_device
+    from ..hardware import torch_device
     from ..tracking import Tracker
 
     device = torch_device(cfg)
@@ -42,8 +42,9 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
     rec["torch_version"] = torch.__version__
     name = "-".join([cfg.model.name, cfg.precision.name, f"ac_{cfg.train.activation_checkpointing}",
                      f"compile_{cfg.train.compile}"])
-    tracker = Tracker(cfg, cfg_dict, out_dir, _tags(choices, cfg), name)
+    tracker = None
     try:
+        tracker = Tracker(cfg, cfg_dict, out_dir, _tags(choices, cfg), name)
         _measure(cfg, rec, device, tracker, progress)
         rec["status"] = "ok"
     except Diverged as e:
@@ -59,8 +60,9 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
             print(f"error: run {rec['status']}: {rec['error']}", file=sys.stderr)
         fill_null_reasons(rec, f"not measured: run {rec['status']}")
         write_json_atomic(out_dir / "metrics.json", rec)
-        tracker.summary(rec)
-        tracker.finish(ok=rec["status"] == "ok")
+        if tracker:
+            tracker.summary(rec)
+            tracker.finish(ok=rec["status"] == "ok")
     if rec["status"] == "ok":
         from ..summary import print_summary
 

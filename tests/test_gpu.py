@@ -1,0 +1,32 @@
+"""CUDA checks (skipped where no GPU is visible)."""
+import pytest
+import torch
+
+from moe_exp.model import MoE, grouped_mm_supported
+
+from conftest import run_inproc
+
+pytestmark = pytest.mark.gpu
+
+
+def test_grouped_dispatch_on_cuda_matches_loop():
+    if not grouped_mm_supported("cuda", torch.bfloat16):
+        pytest.skip("grouped_mm not supported on this GPU")
+    torch.manual_seed(0)
+    a = MoE(256, 512, num_experts=8, top_k=2, dispatch="grouped").cuda()
+    b = MoE(256, 512, num_experts=8, top_k=2, dispatch="loop").cuda()
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(4, 128, 256, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ya, yb = a(x)[0], b(x)[0]
+    torch.testing.assert_close(ya.float(), yb.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "tf32", "fp16"])
+def test_cuda_run_records_allocator_peaks_and_mfu(precision, tmp_path):
+    rec = run_inproc([f"precision={precision}", "logger=none", "model=small_moe"], tmp_path)
+    assert rec["status"] == "ok", rec["error"]
+    assert rec["peak_mem_gib"] > 0 and rec["peak_reserved_gib"] >= rec["peak_mem_gib"]
+    if rec["mfu"] is not None:
+        assert 0 < rec["mfu"] < 1
+    assert rec["loss_last"] < rec["loss_first"]
