@@ -141,6 +141,11 @@ class RunConfig:
     extra: Dict[str, Any] = field(default_factory=dict)  # free-form notes, kept in the record
 
 
+def total_steps(train) -> int:
+    """Optimizer steps a run takes: unmeasured warmup, then measured steps."""
+    return train.warmup_steps + train.steps
+
+
 def register() -> None:
     ConfigStore.instance().store(name="run_schema", node=RunConfig)
 

@@ -6,6 +6,8 @@ import math
 import torch
 from torch import nn
 
+from .config import total_steps
+
 
 def build_optimizer(model: nn.Module, cfg, device: torch.device):
     o = cfg.optim
@@ -18,7 +20,7 @@ def build_optimizer(model: nn.Module, cfg, device: torch.device):
         impl = "fused" if device.type in ("cuda", "cpu") else "foreach"
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **kwargs)
-    total = cfg.train.warmup_steps + cfg.train.steps
+    total = total_steps(cfg.train)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total, o))
     return opt, sched, impl
 

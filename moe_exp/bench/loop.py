@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from ..config import total_steps
 from .memory import MemoryMeter
 from .timer import StepTimer
 
@@ -52,7 +53,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
     t = cfg.train
     model, autocast, scaler = applied.model, applied.autocast, applied.scaler
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    total = t.warmup_steps + t.steps
+    total = total_steps(t)
     timer, res = StepTimer(device), LoopResult()
     pending, balances, zs = [], [], []
     it = iter(loader)

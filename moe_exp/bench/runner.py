@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import total_steps
 from ..results import fill_null_reasons, write_json_atomic
 from .flops import flops_per_token, param_counts
 from .loop import Diverged, train_loop
@@ -92,10 +93,10 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool) -> N
     assert counts["params_total"] == sum(p.numel() for p in model.parameters())
     applied = apply(model, cfg, device)
     optimizer, scheduler, rec["optim_impl"] = build_optimizer(model, cfg, device)
-    num_samples = (t.warmup_steps + t.steps) * t.grad_accum_steps * t.micro_batch_size
+    num_samples = total_steps(t) * t.grad_accum_steps * t.micro_batch_size
     loader = build_loader(cfg, device, num_samples)
 
-    total = t.warmup_steps + t.steps
+    total = total_steps(t)
 
     def on_log(step, values):
         first = step + 1 - len(values)
