@@ -128,6 +128,19 @@ class TrainConfig:
 
 
 @dataclass
+class SweepConfig:
+    """How a multirun (-m) runs its jobs and builds its table (not part of the config hash)."""
+    name: Optional[str] = None  # preset name; the W&B group defaults to it + the sweep dir
+    baseline: Optional[Dict[str, Any]] = None  # e.g. {precision: bf16}; null = fewest opts on
+    baseline_by: List[str] = field(default_factory=lambda: ["model"])  # one baseline per value
+    repeats: int = 1  # runs per combination: the table reports median and spread
+    resume: bool = False  # skip jobs whose records are already in the sweep dir (config hash)
+    isolate: bool = True  # each job in its own process (a crash becomes a `crashed` row)
+    job_timeout_s: Optional[float] = None  # kill a job after this long (a `crashed` row)
+    fresh_compile_cache: bool = True  # each job compiles cold: compile_s is not a cache hit
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
@@ -137,6 +150,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     task: str = "bench"
     extra: Dict[str, Any] = field(default_factory=dict)  # free-form notes, kept in the record
 

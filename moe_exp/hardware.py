@@ -19,6 +19,10 @@ class ConfigError(Exception):
         self.key = key
 
 
+class Unsupported(ConfigError):
+    """A valid request this hardware (or install) cannot do: a `skipped` row in a sweep."""
+
+
 def detect() -> str:
     """Profile name for this machine: from the CUDA device name, else cpu."""
     if torch.cuda.is_available():
@@ -68,18 +72,18 @@ def resolve(cfg) -> None:
 def check_device(cfg) -> None:
     hw = cfg.hardware
     if hw.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("hardware", f"hardware={hw.name} needs a CUDA GPU and none is visible; "
+        raise Unsupported("hardware", f"hardware={hw.name} needs a CUDA GPU and none is visible; "
                           "use hardware=auto or hardware=cpu")
     if hw.device == "hpu":
         try:
             import habana_frameworks.torch  # noqa: F401
         except ImportError:
-            raise ConfigError("hardware", f"hardware={hw.name} needs Intel Gaudi's PyTorch bridge "
+            raise Unsupported("hardware", f"hardware={hw.name} needs Intel Gaudi's PyTorch bridge "
                               "(habana_frameworks), which is not installed here") from None
     if hw.devices < 1:
         raise ConfigError("hardware.devices", f"must be >= 1, got {hw.devices}")
     if hw.device == "cuda" and hw.devices > torch.cuda.device_count():
-        raise ConfigError("hardware.devices", f"{hw.devices} ranks asked for, "
+        raise Unsupported("hardware.devices", f"{hw.devices} ranks asked for, "
                           f"{torch.cuda.device_count()} CUDA device(s) visible")
 
 

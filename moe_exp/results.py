@@ -24,7 +24,7 @@ FIELDS = (
     "device_name", "torch_version", "timestamp",
 )
 # Keys that do not change what is measured, left out of the config hash.
-HASH_EXCLUDE = ("logger", "extra")
+HASH_EXCLUDE = ("logger", "extra", "sweep")
 
 
 def config_hash(cfg_dict: dict) -> str:
@@ -46,6 +46,7 @@ def new_record(cfg_dict: dict, overrides: list[str]) -> dict:
         config_hash=config_hash(cfg_dict),
         timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     )
+    rec["extra"] = dict(cfg_dict.get("extra") or {})
     rec["null_reasons"] = {}
     return rec
 

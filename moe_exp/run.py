@@ -31,28 +31,40 @@ def _hydra_info() -> tuple[Path | None, list[str], dict, bool]:
             hc.mode == RunMode.MULTIRUN)
 
 
-def run(cfg: DictConfig, out_dir: Path | None = None, progress: bool = True) -> dict:
-    """Run one benchmark; never raises for a run's failure: the record's status says it."""
-    if (os.cpu_count() or 1) <= 4:
-        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    hydra_dir, overrides, choices, _ = _hydra_info()
-    out_dir = Path(out_dir or hydra_dir or "outputs/run")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = cfg.copy()
-    OmegaConf.set_struct(cfg, False)
-
-    from .hardware import resolve
+def prepare(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, dict | None]:
+    """Resolve the hardware and validate, before any work. Returns (cfg, None) when the run
+    can go ahead, else (cfg, record) with status `invalid` (a mistake) or `skipped` (a valid
+    request this hardware cannot do)."""
+    from .hardware import Unsupported, resolve
     from .validate import validate
 
+    cfg = cfg.copy()
+    OmegaConf.set_struct(cfg, False)
     try:
         resolve(cfg)
         validate(cfg)
     except ConfigError as e:
         rec = new_record(_container(cfg), overrides)
-        rec.update(status="invalid", error=str(e))
-        fill_null_reasons(rec, "not run: invalid configuration")
+        rec.update(status="skipped" if isinstance(e, Unsupported) else "invalid", error=str(e))
+        fill_null_reasons(rec, f"not run: {rec['status']}")
+        return cfg, rec
+    return cfg, None
+
+
+def run(cfg: DictConfig, out_dir: Path | None = None, progress: bool = True,
+        overrides: list[str] | None = None, choices: dict | None = None) -> dict:
+    """Run one benchmark; never raises for a run's failure: the record's status says it."""
+    if (os.cpu_count() or 1) <= 4:
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    hydra_dir, hydra_overrides, hydra_choices, _ = _hydra_info()
+    overrides = hydra_overrides if overrides is None else overrides
+    choices = hydra_choices if choices is None else choices
+    out_dir = Path(out_dir or hydra_dir or "outputs/run")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg, rec = prepare(cfg, overrides)
+    if rec is not None:
         write_json_atomic(out_dir / "metrics.json", rec)
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {rec['error']}", file=sys.stderr)
         return rec
 
     from .bench.runner import bench
@@ -71,9 +83,13 @@ def _container(cfg) -> dict:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="run")
 def main(cfg: DictConfig) -> dict:
+    if _hydra_info()[3]:  # a sweep job: in its own process, never raises (see sweep/job.py)
+        from .sweep.job import run_job
+
+        return run_job(cfg)
     rec = run(cfg)
-    if not _hydra_info()[3] and rec["status"] != "ok":
-        sys.exit(EXIT_INVALID if rec["status"] == "invalid" else EXIT_FAILED)
+    if rec["status"] != "ok":
+        sys.exit(EXIT_INVALID if rec["status"] in ("invalid", "skipped") else EXIT_FAILED)
     return rec
 
 

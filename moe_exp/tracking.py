@@ -76,3 +76,38 @@ def read_offline_run(run_file: str | Path) -> dict:
         elif kind == "exit":
             out["exit_code"] = rec.exit.exit_code
     return out
+
+
+def log_sweep(df, sweep_dir: Path, logger_cfg, group: str, pngs: dict) -> None:
+    """One summary run for a sweep: the results table, bar charts and the PNG plots."""
+    import wandb
+
+    from .sweep.plots import ok_rows
+    from .sweep.table import flat
+
+    run = wandb.init(project=logger_cfg.project, entity=logger_cfg.entity, group=group,
+                     mode=logger_cfg.mode, dir=str(sweep_dir), name=f"{group}-summary",
+                     job_type="sweep-summary", config={"sweep_dir": str(sweep_dir)},
+                     settings=wandb.Settings(silent=True, x_disable_stats=True,
+                                             x_disable_machine_info=True, disable_git=True,
+                                             save_code=False))
+    try:
+        f = flat(df)
+        f = f.astype(object).where(f.notna(), None)
+        ok = ok_rows(df)
+        charts = {}
+        for key, col, title in (("throughput", "tokens_per_s", "tokens/s by combination"),
+                                ("peak_memory", "peak_mem_gib", "peak memory (GiB)")):
+            d = ok[ok[col].notna()]
+            t = wandb.Table(columns=["combination", col],
+                            data=[[n, float(v)] for n, v in zip(d["name"], d[col])])
+            charts[key] = wandb.plot.bar(t, "combination", col, title=title)
+        images = {f"plot/{k}": wandb.Image(str(p)) for k, p in pngs.items()}
+        run.log({"results": wandb.Table(dataframe=f, allow_mixed_types=True), **charts, **images})
+        best = ok.loc[ok["tokens_per_s"].idxmax()] if len(ok) else None
+        run.summary.update({"jobs": len(df), "jobs_ok": int((df["status"] == "ok").sum()),
+                            **({"best_combination": best["name"],
+                                "best_tokens_per_s": float(best["tokens_per_s"])}
+                               if best is not None else {})})
+    finally:
+        run.finish()

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from .bench.flops import param_counts
 from .config import CHOICES
-from .hardware import ConfigError
+from .hardware import ConfigError, Unsupported
 
 
 def _get(cfg, dotted: str):
@@ -62,14 +62,14 @@ def check_train(cfg) -> None:
 def check_precision(cfg) -> None:
     p, hw = cfg.precision.name, cfg.hardware
     if p not in hw.precisions:
-        raise ConfigError("precision", f"precision={p} is not supported on hardware={hw.name} "
+        raise Unsupported("precision", f"precision={p} is not supported on hardware={hw.name} "
                           f"(supported: {', '.join(hw.precisions)})")
     if p == "fp8":
         if hw.device != "cuda" or torch.cuda.get_device_capability(0) < (8, 9):
-            raise ConfigError("precision", "precision=fp8 needs a CUDA GPU with compute "
+            raise Unsupported("precision", "precision=fp8 needs a CUDA GPU with compute "
                               "capability >= 8.9 (H100, H200, L4, RTX 40xx)")
         if importlib.util.find_spec("torchao") is None:
-            raise ConfigError("precision", "precision=fp8 needs torchao: pip install torchao")
+            raise Unsupported("precision", "precision=fp8 needs torchao: pip install torchao")
     if cfg.precision.autocast_dtype not in (None, "bfloat16", "float16"):
         raise ConfigError("precision.autocast_dtype", "must be null, bfloat16 or float16")
 
@@ -121,9 +121,16 @@ def check_memory(cfg) -> None:
         return
     need = param_counts(cfg.model)["params_total"] * 16 / 2**30
     if need > mem:
-        raise ConfigError("model", f"model={cfg.model.name} needs >= {need:,.0f} GiB for fp32 "
+        raise Unsupported("model", f"model={cfg.model.name} needs >= {need:,.0f} GiB for fp32 "
                           f"weights, gradients and AdamW state; hardware={cfg.hardware.name} has "
                           f"{mem:,.0f} GiB per device (use a parallel strategy or a smaller model)")
+
+
+def check_sweep(cfg) -> None:
+    _at_least(cfg, "sweep.repeats", 1)
+    t = cfg.sweep.job_timeout_s
+    if t is not None and t <= 0:
+        raise ConfigError("sweep.job_timeout_s", f"must be > 0 seconds or null, got {t}")
 
 
 def validate(cfg) -> None:
@@ -135,4 +142,5 @@ def validate(cfg) -> None:
     check_parallel(cfg)
     check_data(cfg)
     check_optim(cfg)
+    check_sweep(cfg)
     check_memory(cfg)

@@ -1,0 +1,128 @@
+"""Compare two sweep tables row by row (matched by config hash) and fail on a regression.
+
+    python -m moe_exp.compare BASE NEW [--threshold 5]
+
+BASE and NEW are sweep dirs or results.csv/.parquet files. Exit 1 when a configuration's
+tokens/s fell, or its peak memory grew, by more than the threshold percent plus the noise
+its repeats measured (half the min-max range of each side), or when a run that was ok is
+no longer ok; exit 0 otherwise; exit 2 on bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def load(path: Path):
+    import pandas as pd
+
+    path = Path(path)
+    if path.is_dir():
+        if (path / "results.parquet").is_file():
+            return pd.read_parquet(path / "results.parquet")
+        from .sweep.table import build_table, collect
+
+        records = collect(path)
+        if not records:
+            raise FileNotFoundError(f"{path}: no results.parquet and no job records")
+        return build_table(records)
+    if path.suffix == ".parquet":
+        return pd.read_parquet(path)
+    if path.suffix == ".csv":
+        return pd.read_csv(path)
+    raise FileNotFoundError(f"{path}: not a sweep dir, .csv or .parquet file")
+
+
+def _val(row, key):
+    v = row.get(key)
+    return None if v is None or v != v else float(v)
+
+
+def _noise_pct(b, n, key: str) -> float:
+    """Half the min-max range of each side, as a percent of the base median (0 if unknown)."""
+    med = _val(b, key)
+    if not med:
+        return 0.0
+    half = 0.0
+    for row in (b, n):
+        lo, hi = _val(row, f"{key}_min"), _val(row, f"{key}_max")
+        if lo is not None and hi is not None:
+            half += (hi - lo) / 2
+    return 100.0 * half / med
+
+
+def compare(base, new, threshold: float = 5.0) -> tuple[list[dict], list[str]]:
+    """(one entry per matched configuration, configurations found on one side only)."""
+    b_rows = {r["config_hash"]: r for r in base.to_dict("records")}
+    n_rows = {r["config_hash"]: r for r in new.to_dict("records")}
+    out = []
+    for h in [h for h in b_rows if h in n_rows]:
+        b, n = b_rows[h], n_rows[h]
+        e = {"config": n.get("label") or h, "base_status": b["status"],
+             "new_status": n["status"], "regressions": []}
+        for key, worse, name in (("tokens_per_s", -1, "tokens/s"), ("peak_mem_gib", 1, "peak mem")):
+            bv, nv = _val(b, key), _val(n, key)
+            e[key] = (bv, nv)
+            if bv and nv is not None:
+                change = 100.0 * (nv - bv) / bv
+                e[f"{key}_change"] = change
+                limit = threshold + _noise_pct(b, n, key)
+                if change * worse > limit:
+                    e["regressions"].append(f"{name} {change:+.1f}% (limit ±{limit:.1f}%)")
+        if b["status"] == "ok" and n["status"] != "ok":
+            e["regressions"].append(f"status ok -> {n['status']}: {n.get('error')}")
+        out.append(e)
+    only = [f"only in BASE: {r.get('label') or h}" for h, r in b_rows.items() if h not in n_rows]
+    only += [f"only in NEW: {r.get('label') or h}" for h, r in n_rows.items() if h not in b_rows]
+    return out, only
+
+
+def _pct(e, key):
+    c = e.get(f"{key}_change")
+    return "—" if c is None else f"{c:+.1f}%"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m moe_exp.compare",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("base", type=Path)
+    ap.add_argument("new", type=Path)
+    ap.add_argument("--threshold", type=float, default=5.0,
+                    help="percent a metric may worsen beyond the measured noise (default 5)")
+    a = ap.parse_args(argv)
+    if a.threshold < 0:
+        print("error: --threshold: must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        base, new = load(a.base), load(a.new)
+    except (FileNotFoundError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    entries, only = compare(base, new, a.threshold)
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{a.base} -> {a.new} (threshold {a.threshold:g}%)")
+    for col in ("configuration", "status", "tokens/s", "change", "peak GiB", "change", "verdict"):
+        t.add_column(col)
+    for e in entries:
+        (bt, nt), (bm, nm) = e["tokens_per_s"], e["peak_mem_gib"]
+        f = lambda v, s: "—" if v is None else format(v, s)  # noqa: E731
+        t.add_row(e["config"], f"{e['base_status']} -> {e['new_status']}",
+                  f"{f(bt, ',.0f')} -> {f(nt, ',.0f')}", _pct(e, "tokens_per_s"),
+                  f"{f(bm, '.3f')} -> {f(nm, '.3f')}", _pct(e, "peak_mem_gib"),
+                  "REGRESSION: " + "; ".join(e["regressions"]) if e["regressions"] else "ok")
+    Console(width=200).print(t)
+    for line in only:
+        print(line)
+    bad = [e for e in entries if e["regressions"]]
+    if not entries:
+        print("error: no configuration appears in both tables", file=sys.stderr)
+        return 2
+    print(f"{len(bad)} regression(s) in {len(entries)} matched configuration(s)")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Report of a sweep dir: the table (printed, results.csv/.parquet/.md), PNG plots and
+report.md; optionally a W&B summary run.
+
+    python -m moe_exp.report SWEEP_DIR [--baseline precision=fp32 ...] [--by model] [--wandb]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def report(sweep_dir: Path, baseline: dict | None = None, by=("model",), wandb_cfg=None,
+           group: str | None = None, title: str | None = None, plots: bool = True) -> dict:
+    """Rebuild everything from the job records in sweep_dir; returns the output paths."""
+    from .sweep.table import build_table, collect, markdown, print_table, write_tables
+
+    sweep_dir = Path(sweep_dir)
+    title = title or f"Sweep {sweep_dir}"
+    records = collect(sweep_dir)
+    if not records:
+        raise FileNotFoundError(f"no job records (*/metrics.json) under {sweep_dir}")
+    df = build_table(records, baseline, by)
+    paths = write_tables(df, sweep_dir, title)
+    print_table(df, title)
+    pngs = {}
+    if plots:
+        from .sweep.plots import write_plots
+
+        pngs = write_plots(df, sweep_dir / "plots")
+    parts = [markdown(df, title)]
+    from .sweep.seed import seed_tables
+
+    seed = seed_tables(df)
+    if seed:
+        parts.append(seed)
+        print(seed)
+    for name, p in pngs.items():
+        parts.append(f"## {name.capitalize()}\n\n![{name}]({p.relative_to(sweep_dir)})\n")
+    paths["report"] = sweep_dir / "report.md"
+    paths["report"].write_text("\n".join(parts))
+    paths.update(pngs)
+    if wandb_cfg is not None:
+        from .tracking import log_sweep
+
+        log_sweep(df, sweep_dir, wandb_cfg, group or f"report-{sweep_dir.name}", pngs)
+    print(f"[report] {', '.join(str(p) for p in paths.values())}")
+    return paths
+
+
+def _pairs(items: list[str]) -> dict | None:
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise SystemExit(f"error: --baseline: '{item}' is not key=value")
+        k, v = item.split("=", 1)
+        out[k] = v
+    return out or None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m moe_exp.report", description=__doc__.split(
+        "\n\n")[0])
+    ap.add_argument("sweep_dir", type=Path)
+    ap.add_argument("--baseline", nargs="*", metavar="KEY=VALUE",
+                    help="the baseline row (default: the one with the fewest optimizations on)")
+    ap.add_argument("--by", nargs="*", default=["model"], help="one baseline per value of")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--wandb", action="store_true", help="log a W&B summary run (offline "
+                    "unless WANDB_MODE=online)")
+    a = ap.parse_args(argv)
+    if not a.sweep_dir.is_dir():
+        print(f"error: sweep_dir: no directory {a.sweep_dir}", file=sys.stderr)
+        return 2
+    wandb_cfg = None
+    if a.wandb:
+        import os
+
+        from omegaconf import OmegaConf
+
+        wandb_cfg = OmegaConf.create({"project": "moe_exp", "entity": None,
+                                      "mode": os.environ.get("WANDB_MODE", "offline")})
+    try:
+        report(a.sweep_dir, _pairs(a.baseline), a.by, wandb_cfg, plots=not a.no_plots)
+    except (FileNotFoundError, KeyError) as e:
+        print(f"error: {str(e).strip(chr(39))}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Hydra callback of every multirun: progress (job k of n, combination, elapsed, time left),
+the table rebuilt after each job (an interrupted sweep keeps its rows), and at the end the
+printed table, plots, report.md and the W&B summary run."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+SWEEP_KEYS = ("sweep.", "+sweep", "hydra.", "logger", "+logger")
+
+
+def _fmt_s(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def plan(config: DictConfig) -> tuple[int | None, list[str]]:
+    """(number of jobs, keys that vary) for the basic sweeper; (None, []) if unknown."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", "")):
+        return None, []
+    params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
+    try:
+        parsed = OverridesParser.create().parse_overrides(params + list(config.hydra.overrides.task))
+        jobs = BasicSweeper.split_arguments(parsed, None)[0]
+    except Exception:  # noqa: BLE001 - progress is a nicety; Hydra reports real errors
+        return None, []
+    varying = [o.get_key_element() for o in parsed if o.is_sweep_override()]
+    return len(jobs), varying
+
+
+class SweepCallback(Callback):
+    def __init__(self) -> None:
+        self.total, self.varying = None, []
+        self.t0 = self.job_t0 = time.time()
+        self.ran: list[float] = []  # durations of jobs that did run (not resumed/skipped)
+        self.counts: dict[str, int] = {}
+        self.finished = 0
+        self.active = False  # single runs call on_job_start/end too: nothing to do there
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.active = True
+        self.total, self.varying = plan(config)
+        self.t0 = time.time()
+        n = f"{self.total} jobs" if self.total else "jobs"
+        print(f"[sweep] {n} -> {config.hydra.sweep.dir}", flush=True)
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if not self.active:
+            return
+        self.job_t0 = time.time()
+        num = config.hydra.job.num
+        items = dict(o.split("=", 1) for o in config.hydra.overrides.task if "=" in o)
+        combo = " ".join(f"{k}={items[k]}" for k in self.varying if k in items) or "(no sweep)"
+        elapsed = time.time() - self.t0
+        left = self.total - self.finished if self.total else None
+        eta = (f"~{_fmt_s(sum(self.ran) / len(self.ran) * left)} left" if self.ran and left
+               else "time left: after the first job")
+        of = f"/{self.total}" if self.total else ""
+        print(f"[sweep] job {num + 1}{of} (#{num}) · {combo} · elapsed {_fmt_s(elapsed)} · {eta}",
+              flush=True)
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        if not self.active:
+            return
+        self.finished += 1
+        rec = job_return._return_value if hasattr(job_return, "_return_value") else None
+        status = rec.get("status", "?") if isinstance(rec, dict) else "error"
+        self.counts[status] = self.counts.get(status, 0) + 1
+        dt = time.time() - self.job_t0
+        if dt > 2.0 and status not in ("invalid", "skipped"):
+            self.ran.append(dt)
+        try:  # keep results.* current: an interrupted sweep still has its table
+            from .table import build_table, collect, write_tables
+
+            write_tables(build_table(collect(Path(config.hydra.sweep.dir)),
+                                     _baseline(config), config.sweep.baseline_by),
+                         Path(config.hydra.sweep.dir))
+        except Exception as e:  # noqa: BLE001
+            print(f"[sweep] could not update the table yet: {e}", flush=True)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from ..report import report
+
+        sweep_dir = Path(config.hydra.sweep.dir)
+        summary = ", ".join(f"{n} {s}" for s, n in sorted(self.counts.items()))
+        print(f"[sweep] done: {self.finished} jobs in {_fmt_s(time.time() - self.t0)}"
+              f"{': ' + summary if summary else ''}", flush=True)
+        report(sweep_dir, baseline=_baseline(config), by=list(config.sweep.baseline_by),
+               wandb_cfg=config.logger if config.logger.name == "wandb" else None,
+               title=f"Sweep {config.sweep.name or sweep_dir}")
+
+
+def _baseline(config: DictConfig) -> dict | None:
+    from omegaconf import OmegaConf
+
+    b = config.sweep.baseline
+    return OmegaConf.to_container(b) if b is not None else None

@@ -1,0 +1,23 @@
+"""A sweep job's own process: `python -m moe_exp.sweep.child <job.json>` runs the resolved
+config in job.json and writes metrics.json beside it (see sweep/job.py)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def main(spec_path: str) -> int:
+    from omegaconf import OmegaConf
+
+    from ..run import run
+    from .job import load_spec
+
+    spec = load_spec(spec_path)
+    cfg = OmegaConf.create(spec["config"])
+    run(cfg, out_dir=Path(spec_path).parent, progress=spec.get("progress", False),
+        overrides=spec["overrides"], choices=spec["choices"])
+    return 0  # the record's status says how the run went
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

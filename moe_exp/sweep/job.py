@@ -1,0 +1,191 @@
+"""One sweep job (called by `run.main` under -m): validate here, run the benchmark in its
+own process, and return a record whatever happens, so Hydra never sees a job raise and
+always reaches `on_multirun_end`.
+
+Layout: <sweep dir>/<job num>/metrics.json (with sweep.repeats=N: rep<i>/metrics.json per
+repeat and the combined record at the job level), job.log (the child's output), job.json
+(the resolved config the child ran).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from collections import deque
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from ..results import config_hash, fill_null_reasons, new_record, write_json_atomic
+from .table import DONE, combine, read_record
+
+
+def sweep_group(cfg, sweep_dir: Path) -> str:
+    """W&B group of a sweep's runs: the preset name and the sweep dir's timestamp."""
+    stamp = f"{sweep_dir.parent.name}_{sweep_dir.name}"
+    return f"{cfg.sweep.name or 'sweep'}-{stamp}"
+
+
+def run_job(cfg) -> dict:
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    job_dir, sweep_dir = Path(hc.runtime.output_dir), Path(hc.sweep.dir)
+    overrides = list(hc.overrides.task)
+    choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")}
+    cfg = cfg.copy()
+    OmegaConf.set_struct(cfg, False)
+    if cfg.logger.group is None:
+        cfg.logger.group = sweep_group(cfg, sweep_dir)
+    try:
+        rec = _run_job(cfg, job_dir, sweep_dir, overrides, choices, hc.job.num)
+    except Exception as e:  # noqa: BLE001 - a job must not raise (Hydra would drop the table)
+        (job_dir / "error.log").write_text(traceback.format_exc())
+        rec = _failed(cfg, overrides, "error", f"{type(e).__name__}: {e}"[:300])
+    rec["job"] = hc.job.num
+    write_json_atomic(job_dir / "metrics.json", rec)
+    return rec
+
+
+def _failed(cfg, overrides, status: str, error: str) -> dict:
+    from ..run import _container
+
+    rec = new_record(_container(cfg), overrides)
+    rec.update(status=status, error=error)
+    fill_null_reasons(rec, f"not measured: job {status}")
+    return rec
+
+
+def _run_job(cfg, job_dir: Path, sweep_dir: Path, overrides, choices, num: int) -> dict:
+    from ..run import _container, prepare
+
+    s = cfg.sweep
+    cfg, rec = prepare(cfg, overrides)
+    if rec is not None:  # invalid or skipped: no process started
+        print(f"[sweep] job #{num}: {rec['status']}: {rec['error']}", file=sys.stderr)
+        return rec
+    cfg_dict = _container(cfg)
+    pool = finished_records(sweep_dir, config_hash(cfg_dict), job_dir) if s.resume else []
+    reps = []
+    for i in range(s.repeats):
+        rdir = job_dir / f"rep{i}" if s.repeats > 1 else job_dir
+        if pool:
+            path, prev = pool.pop(0)
+            if path != rdir / "metrics.json":
+                write_json_atomic(rdir / "metrics.json", {**prev, "resumed_from": str(path)})
+            print(f"[sweep] job #{num}: already done ({prev['status']}, {path}); skipped by "
+                  "sweep.resume", file=sys.stderr)
+            reps.append(prev)
+            continue
+        if s.isolate:
+            rec = run_child(cfg_dict, overrides, choices, rdir, s)
+        else:
+            from ..run import run
+
+            rec = run(cfg, out_dir=rdir, progress=sys.stderr.isatty(), overrides=overrides,
+                      choices=choices)
+        rec.update(repeat=i, repeats=s.repeats)
+        write_json_atomic(rdir / "metrics.json", rec)
+        reps.append(rec)
+    return reps[0] if s.repeats == 1 else combine(reps)
+
+
+def finished_records(sweep_dir: Path, h: str, job_dir: Path) -> list[tuple[Path, dict]]:
+    """Per-run records with config hash h and a finished status, this job's own first."""
+    found = []
+    for p in sorted(Path(sweep_dir).glob("*/metrics.json")) + \
+            sorted(Path(sweep_dir).glob("*/rep*/metrics.json")):
+        rec = read_record(p)
+        if rec and rec.get("config_hash") == h and rec.get("status") in DONE \
+                and not rec.get("combined"):
+            found.append((p, rec))
+    found.sort(key=lambda pr: job_dir not in pr[0].parents)
+    return found
+
+
+def _why_died(rc: int) -> str:
+    if rc < 0:
+        name = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else -rc
+        oom = " (the kernel's OOM killer sends SIGKILL)" if -rc == signal.SIGKILL else ""
+        return f"was killed by {name}{oom}"
+    return f"exited with code {rc} before writing its record"
+
+
+def run_child(cfg_dict: dict, overrides, choices, out_dir: Path, s) -> dict:
+    """`python -m moe_exp.sweep.child` on this job; a process that dies is a `crashed` row."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    metrics = out_dir / "metrics.json"
+    metrics.unlink(missing_ok=True)
+    spec = out_dir / "job.json"
+    write_json_atomic(spec, {"config": cfg_dict, "overrides": overrides, "choices": choices,
+                             "progress": sys.stderr.isatty()})
+    env = dict(os.environ)
+    cache = None
+    if s.fresh_compile_cache:  # this job's compile time is its own, not a cache hit
+        cache = tempfile.mkdtemp(prefix="moe_exp_compile_")
+        env.update(TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"))
+    tail: deque = deque(maxlen=40)
+    cmd = [sys.executable, "-m", "moe_exp.sweep.child", str(spec)]
+    with open(out_dir / "job.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # its own group: killed as a whole
+        reader = threading.Thread(target=_forward, args=(proc.stdout, log, tail), daemon=True)
+        reader.start()
+        timed_out = False
+        try:
+            proc.wait(timeout=s.job_timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill(proc)
+        except BaseException:  # Ctrl-C: take the child down with the sweep
+            _kill(proc)
+            raise
+        finally:
+            reader.join(timeout=10)
+            if cache:
+                shutil.rmtree(cache, ignore_errors=True)
+    rec = read_record(metrics)
+    if rec is not None and not timed_out:
+        return rec
+    lines = [ln for ln in b"".join(tail).decode(errors="replace").replace("\r", "\n")
+             .splitlines() if ln.strip()]
+    why = (f"was killed after sweep.job_timeout_s={s.job_timeout_s:g} s" if timed_out
+           else _why_died(proc.returncode))
+    last = f": {lines[-1].strip()[:200]}" if lines and not timed_out else ""
+    rec = new_record(cfg_dict, overrides)
+    rec.update(status="crashed", error=f"job process {why}{last} (see {out_dir}/job.log)")
+    fill_null_reasons(rec, "not measured: the job's process died")
+    return rec
+
+
+def _forward(stream, log, tail: deque) -> None:
+    out = getattr(sys.stdout, "buffer", None)
+    for chunk in iter(lambda: stream.read1(65536), b""):
+        log.write(chunk)
+        tail.append(chunk)
+        try:
+            if out:
+                out.write(chunk)
+                out.flush()
+            else:
+                sys.stdout.write(chunk.decode(errors="replace"))
+        except (OSError, ValueError):
+            pass
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def load_spec(path: str | Path) -> dict:
+    return json.loads(Path(path).read_text())

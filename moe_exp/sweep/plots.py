@@ -1,0 +1,100 @@
+"""PNG plots of a sweep table: throughput, peak memory, throughput-vs-memory Pareto frontier.
+Shared by `moe_exp.report` and notebooks/results.ipynb."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def ok_rows(df):
+    out = df[(df["status"] == "ok") & df["tokens_per_s"].notna()].copy()
+    models = out["model"].nunique() > 1
+    out["name"] = [f"{m} · {lb}" if models else lb for m, lb in zip(out["model"], out["label"])]
+    return out
+
+
+def pareto_mask(df):
+    """Rows no other row beats on both throughput (higher) and peak memory (lower)."""
+    pts = list(zip(df["tokens_per_s"], df["peak_mem_gib"]))
+    keep = []
+    for i, (t, m) in enumerate(pts):
+        if m != m or t != t:  # NaN memory or throughput: not comparable
+            keep.append(False)
+            continue
+        dominated = any(t2 >= t and m2 <= m and (t2 > t or m2 < m)
+                        for j, (t2, m2) in enumerate(pts) if j != i and m2 == m2)
+        keep.append(not dominated)
+    return keep
+
+
+def _bars(ax, names, values, colors, xlabel, texts):
+    y = list(range(len(names)))
+    ax.barh(y, values, color=colors)
+    ax.set_yticks(y, names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    for i, (v, text) in enumerate(zip(values, texts)):
+        ax.text(v, i, " " + text, va="center", fontsize=7)
+    ax.grid(axis="x", alpha=0.3)
+
+
+def throughput(ax, df):
+    d = ok_rows(df)
+    colors = ["tab:gray" if b else "tab:blue" for b in d["baseline"]]
+    texts = [f"{v:,.0f}" + (f" ({s:.2f}×)" if s is not None and s == s else "")
+             for v, s in zip(d["tokens_per_s"], d["speedup"])]
+    _bars(ax, list(d["name"]), list(d["tokens_per_s"]), colors, "tokens/s (median step)", texts)
+    ax.set_title("Throughput by combination (grey: baseline)")
+
+
+def memory(ax, df):
+    d = ok_rows(df)
+    d = d[d["peak_mem_gib"].notna()]
+    colors = ["tab:gray" if b else "tab:orange" for b in d["baseline"]]
+    _bars(ax, list(d["name"]), list(d["peak_mem_gib"]), colors, "peak memory (GiB)",
+          [f"{v:.3f}" for v in d["peak_mem_gib"]])
+    ax.set_title("Peak memory by combination (grey: baseline)")
+
+
+def pareto(ax, df):
+    d = ok_rows(df)
+    d = d[d["peak_mem_gib"].notna()]
+    front = pareto_mask(d)
+    ax.scatter(d["peak_mem_gib"], d["tokens_per_s"], c=["tab:red" if f else "tab:blue"
+                                                        for f in front], zorder=3)
+    fd = d[front].sort_values("peak_mem_gib")
+    ax.step(fd["peak_mem_gib"], fd["tokens_per_s"], where="post", color="tab:red", alpha=0.6,
+            label="Pareto frontier")
+    for name, x, y in zip(d["name"], d["peak_mem_gib"], d["tokens_per_s"]):
+        ax.annotate(name, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("peak memory (GiB)")
+    ax.set_ylabel("tokens/s")
+    ax.set_title("Throughput vs memory (red: no other combination is faster and smaller)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def write_plots(df, out_dir: Path) -> dict[str, Path]:
+    """throughput.png, memory.png, pareto.png in out_dir (only those with data)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    d = ok_rows(df)
+    paths = {}
+    if d.empty:
+        return paths
+    height = 1.2 + 0.35 * len(d)
+    for name, fn, size in (("throughput", throughput, (9, height)),
+                           ("memory", memory, (9, height)), ("pareto", pareto, (9, 6))):
+        if name != "throughput" and d["peak_mem_gib"].isna().all():
+            continue
+        fig, ax = plt.subplots(figsize=size)
+        fn(ax, df)
+        fig.tight_layout()
+        paths[name] = out_dir / f"{name}.png"
+        fig.savefig(paths[name], dpi=110)
+        plt.close(fig)
+    return paths

@@ -1,0 +1,89 @@
+"""The seed guide's two tables (shared/seeds/000, "Benchmark Results"), filled with our
+measurements from a `+sweep=seed_table` run, beside the guide's claims."""
+from __future__ import annotations
+
+import json
+import math
+
+# (row key in extra.seed_row, label as the seed prints it, the seed's claim)
+THROUGHPUT_ROWS = (("baseline", "Baseline", "1.0x"),
+                   ("mixed_precision", "+ Mixed Precision", "1.5x"),
+                   ("checkpointing", "+ Gradient Checkpointing", "1.4x"),
+                   ("expert_parallel", "+ Expert Parallelism", "2.7x"),
+                   ("all", "All Optimizations", "3.2x"))
+MEMORY_ROWS = (("baseline", "Baseline", "-"),
+               ("mem_checkpointing", "+ Gradient Checkpointing", "29%"),
+               ("mem_cpu_offload", "+ CPU Offloading", "47%"))
+
+
+def _row_key(extra) -> str | None:
+    if isinstance(extra, str):
+        try:
+            extra = json.loads(extra)
+        except ValueError:
+            return None
+    return extra.get("seed_row") if isinstance(extra, dict) else None
+
+
+def _cell(r, value: str) -> str:
+    if r is None:
+        return "not run"
+    if r["status"] != "ok":
+        err = str(r["error"] or "").split(": ", 1)[-1]
+        return f"{r['status']}: {err[:70]}"
+    return value
+
+
+def _md(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def seed_tables(df) -> str:
+    """Markdown for both tables, or "" when the sweep has no seed rows."""
+    keys = [_row_key(e) for e in df.get("extra", [])]
+    if not any(keys):
+        return ""
+    d = df.assign(seed_row=keys)
+    d = d[d["seed_row"].notna()]
+    models = list(dict.fromkeys(d["model"]))
+    at = {(r.seed_row, r.model): r._asdict() for r in d.itertuples(index=False)}
+
+    def size(m):
+        r = next((v for (k, mm), v in at.items() if mm == m and v["params_total"]), None)
+        return f"{m} ({r['params_total'] / 1e6:.1f}M)" if r else m
+
+    rows = []
+    for key, label, claim in THROUGHPUT_ROWS:
+        cells, ratios = [], []
+        for m in models:
+            r, b = at.get((key, m)), at.get(("baseline", m))
+            ok = r is not None and r["status"] == "ok"
+            cells.append(_cell(r, f"{r['tokens_per_s']:,.0f}" if ok else ""))
+            if ok and b is not None and b["status"] == "ok":
+                ratios.append(r["tokens_per_s"] / b["tokens_per_s"])
+        geo = f"{math.exp(sum(map(math.log, ratios)) / len(ratios)):.2f}x" if ratios else "—"
+        rows.append([label, *cells, geo, claim])
+    out = ["## The seed's tables, measured", "",
+           "### Training Throughput (tokens/second)", "",
+           _md(["Configuration", *map(size, models), "Speedup (geo-mean)", "Seed claims"], rows),
+           "", "Rows are cumulative as in the seed; speedup is the geometric mean over the "
+           "columns of each model's tokens/s over its baseline.", ""]
+    out += ["### Memory Usage", ""]
+    for m in models:
+        base = at.get(("baseline", m))
+        rows = []
+        for key, label, claim in MEMORY_ROWS:
+            r = at.get((key, m))
+            ok = r is not None and r["status"] == "ok" and r["peak_mem_gib"] is not None
+            saved = "-"
+            if ok and key != "baseline" and base is not None and base["status"] == "ok":
+                saved = f"{100 * (1 - r['peak_mem_gib'] / base['peak_mem_gib']):.0f}%"
+            weights = f"{r['params_total'] * 4 / 2**30:.3f} GiB" if r and r["params_total"] \
+                else "—"
+            rows.append([label, weights, _cell(r, f"{r['peak_mem_gib']:.3f} GiB" if ok else ""),
+                         saved if ok else "—", claim])
+        out += [f"**{size(m)}**", "",
+                _md(["Optimization", "Model Size (fp32 weights)", "Peak Memory", "Memory Saved",
+                     "Seed claims"], rows), ""]
+    return "\n".join(out)

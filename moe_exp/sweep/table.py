@@ -1,0 +1,248 @@
+"""A sweep's table: one row per job (the result record) plus speedup and memory saved
+against a baseline row; repeats combined into median and spread."""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+from ..results import FIELDS
+
+# Finished outcomes that a re-run would repeat: resume keeps them (error/crashed re-run).
+DONE = ("ok", "oom", "diverged", "invalid", "skipped")
+ADDED = ("job", "label", "repeats", "tokens_per_s_min", "tokens_per_s_max", "baseline",
+         "speedup", "speedup_significant", "mem_saved_pct")
+# What counts as "an optimization on" when choosing the default baseline (fewest on).
+_OFF = {"precision": "fp32", "activation_checkpointing": "none", "compile": "off",
+        "parallel": "none"}
+_HIDDEN_OVERRIDES = ("sweep.", "+sweep", "hydra.", "logger", "+logger")
+
+
+def _num(x) -> float | None:
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
+
+
+def read_record(path: Path) -> dict | None:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def job_dirs(sweep_dir: Path) -> list[Path]:
+    """Job dirs of a sweep (those holding a metrics.json), in job order."""
+    dirs = [p.parent for p in Path(sweep_dir).glob("*/metrics.json")]
+    return sorted(dirs, key=lambda d: (0, int(d.name), "") if d.name.isdigit() else (1, 0, d.name))
+
+
+def collect(sweep_dir: Path) -> list[dict]:
+    """Job-level records, in job order; one per configuration (resume may copy a record)."""
+    out, seen = [], set()
+    for d in job_dirs(sweep_dir):
+        rec = read_record(d / "metrics.json")
+        if rec is None or rec.get("config_hash") in seen:
+            continue
+        seen.add(rec.get("config_hash"))
+        rec.setdefault("job", int(d.name) if d.name.isdigit() else d.name)
+        out.append(rec)
+    return out
+
+
+def combine(records: list[dict]) -> dict:
+    """One record from a combination's repeats: medians of the measurements over the ok
+    repeats, their min and max, and the worst status (a combination is ok only if all are)."""
+    ok = [r for r in records if r["status"] == "ok"]
+    bad = [r for r in records if r["status"] != "ok"]
+    rec = dict((ok or records)[0])
+    rec.update(repeats=len(records), repeats_ok=len(ok), combined=True, repeat=None)
+    if bad:
+        first = bad[0]
+        rec.update(status=first["status"], error=f"repeat {first.get('repeat', '?')}: "
+                                                  f"{first.get('error')}")
+    for k in FIELDS[FIELDS.index("tokens_per_s"):]:
+        vals = [r.get(k) for r in ok]
+        if vals and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+            rec[k] = statistics.median(vals)
+    for k in ("tokens_per_s", "peak_mem_gib", "step_time_ms"):
+        vals = [r[k] for r in ok if isinstance(r.get(k), (int, float))]
+        rec[f"{k}_min"], rec[f"{k}_max"] = (min(vals), max(vals)) if vals else (None, None)
+    return rec
+
+
+def _norm_key(key: str) -> str:
+    key = key.lstrip("+")
+    if key.startswith("train."):
+        return key[len("train."):]
+    return key[: -len(".name")] if key.endswith(".name") else key
+
+
+def _override_items(rec: dict) -> dict:
+    items = {}
+    for o in rec.get("overrides") or []:
+        if "=" in o and not o.startswith(_HIDDEN_OVERRIDES):
+            k, v = o.split("=", 1)
+            items[k] = v
+    return items
+
+
+def labels(records: list[dict]) -> list[str]:
+    """Each row's combination: the overrides whose value varies across the sweep."""
+    items = [_override_items(r) for r in records]
+    keys = sorted({k for it in items for k in it})
+    varying = [k for k in keys if len({it.get(k) for it in items}) > 1]
+    out = []
+    for r, it in zip(records, items):
+        text = " ".join(f"{k}={it[k]}" for k in varying if k in it)
+        out.append(text or f"job {r.get('job')}")
+    return out
+
+
+def _opts_on(row) -> int:
+    on = sum(str(row.get(k)) != off for k, off in _OFF.items())
+    return on + int((row.get("grad_accum_steps") or 1) > 1)
+
+
+def _matches(row, baseline: dict) -> bool:
+    for key, want in baseline.items():
+        k = _norm_key(key)
+        if k not in row:
+            raise KeyError(f"sweep.baseline: '{key}' is not a column of the table "
+                           f"(e.g. precision, activation_checkpointing, compile, model)")
+        if str(row[k]) != str(want):
+            return False
+    return True
+
+
+def build_table(records: list[dict], baseline: dict | None = None, by=("model",)):
+    """DataFrame: the record fields, then job/label/speedup/mem_saved_pct, then the rest."""
+    import pandas as pd
+
+    records = [dict(r) for r in records]
+    for r, label in zip(records, labels(records)):
+        r["label"] = label
+        r.setdefault("repeats", 1)
+    by = [_norm_key(b) for b in by]
+    groups: dict = {}
+    for r in records:
+        groups.setdefault(tuple(str(r.get(b)) for b in by), []).append(r)
+    for rows in groups.values():
+        ok = [r for r in rows if r["status"] == "ok" and _num(r.get("tokens_per_s"))]
+        if baseline:
+            cands = [r for r in ok if _matches(r, baseline)]
+        else:
+            cands = sorted(ok, key=_opts_on)[:1]
+        base = cands[0] if cands else None
+        for r in rows:
+            r["baseline"] = r is base
+            _relative(r, base)
+    df = pd.DataFrame.from_records(records)
+    for col in (*FIELDS, *ADDED):
+        if col not in df:
+            df[col] = None
+    rest = [c for c in df.columns if c not in FIELDS and c not in ADDED]
+    return df[["job", "label", *FIELDS, *ADDED[2:], *rest]]
+
+
+def _relative(r: dict, base: dict | None) -> None:
+    r["speedup"] = r["mem_saved_pct"] = r["speedup_significant"] = None
+    if base is None or r["status"] != "ok":
+        return
+    tps, btps = _num(r.get("tokens_per_s")), _num(base.get("tokens_per_s"))
+    if tps and btps:
+        r["speedup"] = tps / btps
+    mem, bmem = _num(r.get("peak_mem_gib")), _num(base.get("peak_mem_gib"))
+    if mem is not None and bmem:
+        r["mem_saved_pct"] = 100.0 * (bmem - mem) / bmem
+    if r.get("repeats", 1) > 1 and base.get("repeats", 1) > 1 and r is not base:
+        lo, hi = r.get("tokens_per_s_min"), r.get("tokens_per_s_max")
+        blo, bhi = base.get("tokens_per_s_min"), base.get("tokens_per_s_max")
+        if None not in (lo, hi, blo, bhi):  # significant only if the ranges do not overlap
+            r["speedup_significant"] = bool(lo > bhi or hi < blo)
+
+
+def flat(df):
+    """Lists and dicts as JSON strings: a table CSV and Parquet can hold."""
+    out = df.copy()
+    for col in out.columns:
+        if out[col].map(lambda v: isinstance(v, (list, dict))).any():
+            out[col] = out[col].map(lambda v: json.dumps(v) if isinstance(v, (list, dict))
+                                    else (None if v is None else str(v)))
+    return out
+
+
+def _fmt(v, spec: str, suffix: str = "") -> str:
+    v = _num(v)
+    return "—" if v is None else f"{v:{spec}}{suffix}"
+
+
+def compact(df):
+    """The columns a reader compares, formatted (for results.md and the terminal)."""
+    import pandas as pd
+
+    reps = (df["repeats"].fillna(1) > 1).any()
+    rows = []
+    for _, r in df.iterrows():
+        sp = _fmt(r["speedup"], ".2f", "×")
+        if r["speedup_significant"] is False:
+            sp += " (n.s.)"
+        row = {"job": r["job"], "combination": r["label"], "status": r["status"],
+               "tokens/s": _fmt(r["tokens_per_s"], ",.0f")}
+        if reps:
+            lo, hi, med = _num(r["tokens_per_s_min"]), _num(r["tokens_per_s_max"]), \
+                _num(r["tokens_per_s"])
+            row["spread"] = f"±{50 * (hi - lo) / med:.1f}%" if None not in (lo, hi) and med \
+                else "—"
+        row.update({
+            "speedup": sp + (" (base)" if r["baseline"] else ""),
+            "step ms": _fmt(r["step_time_ms"], ".1f"),
+            "peak GiB": _fmt(r["peak_mem_gib"], ".3f"),
+            "mem saved": _fmt(r["mem_saved_pct"], ".0f", "%"),
+            "MFU": _fmt(r["mfu"] * 100 if _num(r["mfu"]) is not None else None, ".1f", "%"),
+            "loss": _fmt(r["loss_last"], ".3f"),
+            "error": str(r["error"])[:90] if isinstance(r["error"], str) else "",
+        })
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def markdown(df, title: str = "Sweep results") -> str:
+    lines = [f"# {title}", "", compact(df).to_markdown(index=False), ""]
+    base = df[df["baseline"] == True]  # noqa: E712 - pandas mask
+    if len(base):
+        lines.append("Baseline (speedup 1.00×, memory saved 0%): " +
+                     "; ".join(f"job {r.job} ({r.label})" for r in base.itertuples()) + ".")
+    if (df["repeats"].fillna(1) > 1).any():
+        lines.append("Median over repeats; spread = half the min–max range; (n.s.) = the "
+                     "tokens/s ranges of this row and its baseline overlap.")
+    lines.append("All fields: results.csv / results.parquet (nulls are explained in "
+                 "null_reasons).")
+    return "\n".join(lines) + "\n"
+
+
+def write_tables(df, out_dir: Path, title: str = "Sweep results") -> dict:
+    """results.csv, results.parquet and results.md in out_dir; returns their paths."""
+    out_dir = Path(out_dir)
+    paths = {ext: out_dir / f"results.{ext}" for ext in ("csv", "parquet", "md")}
+    f = flat(df)
+    tmp = {ext: p.with_suffix(f".{ext}.tmp") for ext, p in paths.items()}
+    f.to_csv(tmp["csv"], index=False)
+    f.to_parquet(tmp["parquet"], index=False)
+    tmp["md"].write_text(markdown(df, title))
+    for ext, p in paths.items():
+        tmp[ext].replace(p)
+    return paths
+
+
+def print_table(df, title: str = "Sweep results") -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    c = compact(df)
+    t = Table(title=title, show_lines=False)
+    for col in c.columns:
+        t.add_column(str(col), overflow="fold", justify="right" if col in (
+            "tokens/s", "speedup", "step ms", "peak GiB", "mem saved", "MFU", "loss") else "left")
+    for row in c.itertuples(index=False):
+        t.add_row(*[str(v) for v in row])
+    Console(width=200).print(t)

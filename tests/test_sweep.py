@@ -1,0 +1,202 @@
+"""Sweeps: each job in its own process, one table, nothing lost (see tests/sweep_cases)."""
+import json
+import os
+import signal
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from conftest import ROOT, run_cli
+
+CASES = f"hydra.searchpath=[file://{ROOT / 'tests' / 'sweep_cases'}]"
+pytestmark = pytest.mark.slow
+
+
+def sweep(tmp, *args, env=None, timeout=600):
+    return run_cli(["-m", CASES, f"hydra.sweep.dir={tmp}", *args], cwd=tmp.parent,
+                   timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    """fp32, bf16, an invalid combination and a run that diverges; W&B offline."""
+    d = tmp_path_factory.mktemp("sweep") / "s"
+    r = sweep(d, "+case=fp32,bf16,invalid,diverge", "logger=wandb",
+              env={"WANDB_MODE": "offline"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return d, r
+
+
+def test_table_has_every_row_status_and_speedup(swept):
+    d, r = swept
+    for ext in ("csv", "parquet", "md"):
+        assert (d / f"results.{ext}").is_file()
+    df = pd.read_parquet(d / "results.parquet")
+    assert list(df["status"]) == ["ok", "ok", "invalid", "diverged"]
+    assert list(df["label"]) == ["+case=fp32", "+case=bf16", "+case=invalid", "+case=diverge"]
+    assert "train.seq_len" in df.loc[2, "error"] and "diverged" not in df.loc[2, "error"]
+    assert "nan" in df.loc[3, "error"]
+    rec = [json.loads((d / str(i) / "metrics.json").read_text()) for i in range(4)]
+    # fewest optimizations on (fp32) is the baseline; bf16's speedup is the ratio of records
+    assert list(df["baseline"]) == [True, False, False, False]
+    assert df.loc[0, "speedup"] == 1.0
+    assert df.loc[1, "speedup"] == pytest.approx(rec[1]["tokens_per_s"] / rec[0]["tokens_per_s"])
+    assert df.loc[1, "mem_saved_pct"] == pytest.approx(
+        100 * (1 - rec[1]["peak_mem_gib"] / rec[0]["peak_mem_gib"]))
+    assert df.loc[2:, "speedup"].isna().all()
+    assert not (d / "2" / "job.log").exists()  # invalid: caught before a process started
+    assert "| +case=diverge" in (d / "results.md").read_text()
+    assert "Sweep" in r.stdout and "job 4/4" in r.stdout
+    for png in ("throughput", "memory", "pareto"):
+        assert (d / "plots" / f"{png}.png").stat().st_size > 1000
+    assert "![pareto]" in (d / "report.md").read_text()
+
+
+def test_each_job_own_wandb_run_and_summary_table(swept):
+    from moe_exp.tracking import read_offline_run
+
+    d, _ = swept
+    groups = set()
+    for i in (0, 1, 3):  # the invalid job starts no run
+        files = list((d / str(i)).glob("wandb/offline-run-*/run-*.wandb"))
+        assert len(files) == 1, i
+        run = read_offline_run(files[0])
+        groups.add(run["config"]["logger"]["group"])
+        assert run["summary"]["status"] == ("diverged" if i == 3 else "ok")
+    assert len(groups) == 1 and groups.pop().startswith("sweep-")
+    summary = list(d.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(summary) == 1
+    s = read_offline_run(summary[0])
+    assert s["summary"]["jobs"] == 4 and s["summary"]["jobs_ok"] == 2
+    assert s["summary"]["results/_type"] == "table-file"
+    table = json.loads(next(summary[0].parent.glob("files/media/table/results_*.table.json"))
+                       .read_text())
+    assert len(table["data"]) == 4 and "speedup" in table["columns"]
+    for chart in ("throughput_table", "peak_memory_table"):  # the bar charts' data
+        assert s["summary"][f"{chart}/nrows"] == 2
+
+
+def test_resume_skips_finished_jobs_and_rebuilds_table(swept, tmp_path):
+    d0, _ = swept
+    d = tmp_path / "s"
+    shutil.copytree(d0, d, ignore=shutil.ignore_patterns("wandb", "results.*"))
+    logs = {i: (d / str(i) / "job.log").stat().st_mtime_ns for i in (0, 1, 3)}
+    r = sweep(d, "+case=fp32,bf16,invalid,diverge", "logger=none", "sweep.resume=true")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count("already done") == 3  # ok, ok, diverged; invalid is re-checked
+    for i, mtime in logs.items():  # no job process ran again
+        assert (d / str(i) / "job.log").stat().st_mtime_ns == mtime
+    df = pd.read_parquet(d / "results.parquet")
+    assert list(df["status"]) == ["ok", "ok", "invalid", "diverged"]
+    old = pd.read_parquet(d0 / "results.parquet")
+    assert list(df["tokens_per_s"].fillna(-1)) == list(old["tokens_per_s"].fillna(-1))
+
+
+def _child_of(job_dir: Path, timeout=120):
+    """pid of the job process running job_dir/job.json."""
+    end = time.time() + timeout
+    needle = str(job_dir / "job.json").encode()
+    while time.time() < end:
+        for p in Path("/proc").iterdir():
+            if p.name.isdigit():
+                try:
+                    if needle in (p / "cmdline").read_bytes():
+                        return int(p.name)
+                except OSError:
+                    pass
+        time.sleep(0.2)
+    raise TimeoutError(f"no process for {job_dir}")
+
+
+def test_killed_job_is_crashed_row_and_sweep_goes_on(tmp_path):
+    d = tmp_path / "s"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "moe_exp.run", "-m", CASES,
+                             f"hydra.sweep.dir={d}", "+case=long,fp32", "logger=none"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    pid = _child_of(d / "0")
+    time.sleep(3)  # let it get into its steps
+    os.kill(pid, signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    df = pd.read_csv(d / "results.csv")
+    assert list(df["status"]) == ["crashed", "ok"]
+    assert "SIGKILL" in df.loc[0, "error"]
+    assert df.loc[0, "config_hash"] and pd.isna(df.loc[0, "tokens_per_s"])
+
+
+def test_repeats_report_median_and_spread(tmp_path):
+    d = tmp_path / "s"
+    r = sweep(d, "+case=fp32,bf16", "logger=none", "sweep.repeats=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    df = pd.read_parquet(d / "results.parquet")
+    for i in range(2):
+        reps = [json.loads((d / str(i) / f"rep{k}" / "metrics.json").read_text())
+                for k in range(2)]
+        tps = sorted(x["tokens_per_s"] for x in reps)
+        assert df.loc[i, "repeats"] == 2
+        assert df.loc[i, "tokens_per_s"] == pytest.approx(sum(tps) / 2)  # median of two
+        assert (df.loc[i, "tokens_per_s_min"], df.loc[i, "tokens_per_s_max"]) == \
+            pytest.approx(tps)
+    assert df.loc[1, "speedup_significant"] in (True, False)
+    assert "spread" in (d / "results.md").read_text()
+
+
+def test_compare_flags_planted_regression_and_passes_unchanged(swept, tmp_path):
+    d, _ = swept
+    same = run_compare(d, d)
+    assert same.returncode == 0, same.stdout + same.stderr
+    df = pd.read_parquet(d / "results.parquet")
+    df.loc[1, "tokens_per_s"] *= 0.8  # bf16 got 20% slower
+    slow = tmp_path / "slow.parquet"
+    df.to_parquet(slow)
+    r = run_compare(d / "results.parquet", slow, "--threshold", "5")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "REGRESSION" in r.stdout and "1 regression(s) in 4" in r.stdout
+    assert run_compare(d, slow, "--threshold", "25").returncode == 0
+    assert run_compare(d, tmp_path / "missing").returncode == 2
+
+
+def run_compare(*args):
+    return subprocess.run([sys.executable, "-m", "moe_exp.compare", *map(str, args)],
+                          capture_output=True, text=True, env={**os.environ,
+                                                               "PYTHONPATH": str(ROOT)})
+
+
+def test_report_cli_rebuilds_with_chosen_baseline(swept, tmp_path):
+    d0, _ = swept
+    d = tmp_path / "s"
+    shutil.copytree(d0, d, ignore=shutil.ignore_patterns("wandb", "results.*", "plots"))
+    r = subprocess.run([sys.executable, "-m", "moe_exp.report", str(d), "--baseline",
+                        "precision=bf16"], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    df = pd.read_parquet(d / "results.parquet")
+    assert list(df["baseline"]) == [False, True, False, False]
+    assert df.loc[1, "speedup"] == 1.0
+    assert (d / "plots" / "pareto.png").is_file() and (d / "report.md").is_file()
+    bad = subprocess.run([sys.executable, "-m", "moe_exp.report", str(d), "--baseline",
+                          "colour=red"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert bad.returncode == 2 and "colour" in bad.stderr
+
+
+def test_notebook_executes_against_a_sweep(swept):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    d, _ = swept
+    nb = nbformat.read(ROOT / "notebooks" / "results.ipynb", as_version=4)
+    assert nb.cells[1].source.startswith("SWEEP_DIR = None")
+    nb.cells[1].source = f'SWEEP_DIR = "{d}"\nBASELINE = None'
+    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(ROOT)}}).execute()
+    outs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outs if o.output_type == "error"]
+    assert sum("image/png" in o.get("data", {}) for o in outs) == 2
+    assert "4 jobs" in "".join(o.get("text", "") for o in outs)
