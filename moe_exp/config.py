@@ -14,9 +14,10 @@ from hydra.core.config_store import ConfigStore
 
 # Allowed values of string-valued keys, checked by validate.py (one place, one message).
 CHOICES: Dict[str, List[str]] = {
-    "task": ["bench"],
+    "task": ["bench", "comm"],
     "precision.name": ["fp32", "tf32", "fp16", "bf16", "fp8"],
-    "parallel.name": ["none"],
+    "parallel.name": ["none", "ddp", "fsdp", "expert", "expert_fsdp"],
+    "parallel.backend": ["auto", "nccl", "gloo"],
     "hardware.device": ["auto", "cpu", "cuda", "hpu"],
     "data.source": ["markov", "tokens"],
     "optim.name": ["adamw"],
@@ -24,6 +25,7 @@ CHOICES: Dict[str, List[str]] = {
     "logger.name": ["wandb", "none"],
     "logger.mode": ["offline", "online", "disabled"],
     "model.dispatch": ["auto", "grouped", "loop"],
+    "comm.dtype": ["float32", "bfloat16", "float16"],
     "train.activation_checkpointing": ["none", "full", "selective"],
     "train.compile": ["off", "default", "reduce-overhead", "max-autotune",
                       "max-autotune-no-cudagraphs"],
@@ -61,7 +63,18 @@ class PrecisionConfig:
 
 @dataclass
 class ParallelConfig:
-    name: str = "none"
+    name: str = "none"  # none | ddp | fsdp | expert | expert_fsdp
+    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
+    timeout_s: float = 120.0  # a collective waiting longer fails the run (never a hang)
+    expert_parallel_size: Optional[int] = None  # ranks experts are sharded over; null = all
+    # ddp
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+    # fsdp / expert_fsdp (FSDP2 fully_shard per block; mixed precision from the precision group)
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False  # CPUOffloadPolicy: GPUs only
+    profile_steps: int = 2  # extra steps under torch.profiler to measure communication time
 
 
 @dataclass
@@ -128,6 +141,19 @@ class TrainConfig:
 
 
 @dataclass
+class CommConfig:
+    """task=comm: collective latency and bus bandwidth over message sizes."""
+    ops: List[str] = field(default_factory=lambda: ["all_reduce", "all_gather",
+                                                    "reduce_scatter", "all_to_all"])
+    min_bytes: int = 1024
+    max_bytes: int = 64 * 2**20
+    factor: int = 4  # each size is the previous one times this
+    iters: int = 10  # timed repetitions per size (median reported)
+    warmup: int = 3
+    dtype: str = "float32"
+
+
+@dataclass
 class SweepConfig:
     """How a multirun (-m) runs its jobs and builds its table (not part of the config hash)."""
     name: Optional[str] = None  # preset name; the W&B group defaults to it + the sweep dir
@@ -151,6 +177,7 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     task: str = "bench"
     extra: Dict[str, Any] = field(default_factory=dict)  # free-form notes, kept in the record
 

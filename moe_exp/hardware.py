@@ -99,8 +99,9 @@ def device_memory_gib(device: str) -> float | None:
 
 
 def torch_device(cfg) -> torch.device:
-    return torch.device(cfg.hardware.device, 0) if cfg.hardware.device != "cpu" \
-        else torch.device("cpu")
+    if cfg.hardware.device == "cpu":
+        return torch.device("cpu")
+    return torch.device(cfg.hardware.device, int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def setup_backends(cfg) -> None:

@@ -67,11 +67,59 @@ def run(cfg: DictConfig, out_dir: Path | None = None, progress: bool = True,
         print(f"error: {rec['error']}", file=sys.stderr)
         return rec
 
+    cfg_dict = _container(cfg)
+    if cfg.parallel.name != "none" or cfg.hardware.devices > 1 or cfg.task == "comm":
+        from .distributed import is_rank
+
+        if is_rank():  # started by torchrun / SLURM: this process is one of the ranks
+            return rank_main(cfg_dict, str(out_dir), overrides, choices, progress)
+        return launch(cfg_dict, out_dir, overrides, choices, progress)
+
     from .bench.runner import bench
 
-    cfg_dict = _container(cfg)
     rec = new_record(cfg_dict, overrides)
     return bench(cfg, cfg_dict, rec, out_dir, choices, progress)
+
+
+def launch(cfg_dict: dict, out_dir: Path, overrides, choices, progress) -> dict:
+    """hardware.devices ranks on this machine via torch's elastic agent; rank 0's record.
+    A rank that fails stops them all; the record names it (status error, or oom)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from .distributed import failure_message, launch as elastic, rank_entry
+
+    try:
+        rec = elastic(rank_entry, cfg_dict["hardware"]["devices"], rank_main, cfg_dict,
+                      str(out_dir), overrides, choices, progress)
+    except ChildFailedError as e:
+        rec = new_record(cfg_dict, overrides)
+        msg = failure_message(e)
+        rec.update(status="oom" if "OutOfMemoryError" in msg else "error", error=msg)
+        fill_null_reasons(rec, f"not measured: run {rec['status']}")
+        write_json_atomic(out_dir / "metrics.json", rec)
+        print(f"error: run {rec['status']}: {msg}", file=sys.stderr)
+    return rec
+
+
+def rank_main(cfg_dict: dict, out_dir: str, overrides, choices, progress) -> dict | None:
+    """One rank: join the group, run the task, leave. Rank 0 returns the record."""
+    from . import distributed
+
+    cfg = OmegaConf.create(cfg_dict)
+    d = distributed.init(cfg)
+    try:
+        rec = new_record(cfg_dict, overrides)
+        if cfg.task == "comm":
+            from .bench.comm import comm_bench
+
+            rec = comm_bench(cfg, cfg_dict, rec, Path(out_dir), choices, d)
+        else:
+            from .bench.runner import bench
+
+            rec = bench(cfg, cfg_dict, rec, Path(out_dir), choices, progress, d)
+        return rec if d.main else None
+    finally:
+        distributed.finish()
 
 
 def _container(cfg) -> dict:

@@ -20,6 +20,10 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
     rows = [
         ("run", f"model={r['model']} precision={r['precision']} "
                 f"ac={r['activation_checkpointing']} compile={r['compile']} on {r['device_name']}"),
+        *([("parallel", f"{r['parallel']} on {r['world_size']} ranks; collectives "
+                        f"{_f(r.get('comm_ms'), '.1f', ' ms')}/step"
+                        + (f" ({100 * r['comm_share']:.0f}%)" if r.get("comm_share") else ""))]
+          if (r.get("world_size") or 1) > 1 or r["parallel"] != "none" else []),
         ("params", f"{r['params_total'] / 1e6:,.2f}M total, {r['params_active'] / 1e6:,.2f}M active"),
         ("tokens/s", f"{r['tokens_per_s']:,.0f}  ({r['tokens_per_s_per_device']:,.0f} per device)"),
         ("step time", f"{_f(r['step_time_ms'], '.1f', ' ms')} median, "

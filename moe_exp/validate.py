@@ -75,9 +75,45 @@ def check_precision(cfg) -> None:
 
 
 def check_parallel(cfg) -> None:
-    if cfg.parallel.name == "none" and cfg.hardware.devices != 1:
+    import os
+
+    p, hw, m = cfg.parallel, cfg.hardware, cfg.model
+    n = hw.devices
+    if p.name == "none" and n != 1 and cfg.task == "bench":
         raise ConfigError("hardware.devices", f"parallel=none runs one rank; got "
-                          f"hardware.devices={cfg.hardware.devices}")
+                          f"hardware.devices={n} (use parallel=ddp, fsdp, expert or expert_fsdp)")
+    if hw.device == "cpu" and n > (os.cpu_count() or 1):
+        raise Unsupported("hardware.devices", f"{n} ranks asked for, this machine has "
+                          f"{os.cpu_count()} CPU cores (one gloo rank per core at most)")
+    if p.backend == "nccl" and hw.device != "cuda":
+        raise Unsupported("parallel.backend", "nccl needs CUDA GPUs; on CPU use gloo (or auto)")
+    if p.timeout_s <= 0:
+        raise ConfigError("parallel.timeout_s", f"must be > 0 seconds, got {p.timeout_s}")
+    _at_least(cfg, "parallel.profile_steps", 0)
+    if p.name in ("expert", "expert_fsdp"):
+        if m.num_experts == 0:
+            raise ConfigError("parallel", f"parallel={p.name} needs an MoE model "
+                              f"(model={m.name} is dense: model.num_experts=0)")
+        ep = p.expert_parallel_size or n
+        if ep < 1 or n % ep:
+            raise ConfigError("parallel.expert_parallel_size", f"must divide hardware.devices="
+                              f"{n}, got {ep}")
+        if m.num_experts % ep:
+            raise ConfigError("parallel.expert_parallel_size", f"model.num_experts="
+                              f"{m.num_experts} is not divisible by the expert-parallel size {ep}")
+    elif p.expert_parallel_size is not None:
+        raise ConfigError("parallel.expert_parallel_size", f"only for parallel=expert or "
+                          f"expert_fsdp, not parallel={p.name}")
+    if p.name in ("fsdp", "expert_fsdp"):
+        if p.cpu_offload and hw.device != "cuda":
+            raise Unsupported("parallel.cpu_offload", "FSDP CPU offload needs GPUs (it moves "
+                              "parameters between GPU and CPU memory)")
+        if cfg.precision.name in ("fp16", "fp8"):
+            raise ConfigError("precision", f"parallel={p.name} supports precision fp32, tf32 "
+                              f"and bf16 here, not {cfg.precision.name}")
+    if cfg.task == "comm" and n < 2:
+        raise ConfigError("hardware.devices", "task=comm measures collectives between ranks: "
+                          "set hardware.devices >= 2")
 
 
 def check_data(cfg) -> None:
@@ -126,6 +162,20 @@ def check_memory(cfg) -> None:
                           f"{mem:,.0f} GiB per device (use a parallel strategy or a smaller model)")
 
 
+def check_comm(cfg) -> None:
+    c = cfg.comm
+    bad = [op for op in c.ops if op not in ("all_reduce", "all_gather", "reduce_scatter",
+                                             "all_to_all")]
+    if bad or not c.ops:
+        raise ConfigError("comm.ops", f"{bad or 'empty'}: allowed are all_reduce, all_gather, "
+                          "reduce_scatter, all_to_all")
+    for key, low in (("comm.min_bytes", 4), ("comm.factor", 2), ("comm.iters", 1),
+                     ("comm.warmup", 0)):
+        _at_least(cfg, key, low)
+    if c.max_bytes < c.min_bytes:
+        raise ConfigError("comm.max_bytes", f"must be >= comm.min_bytes={c.min_bytes}")
+
+
 def check_sweep(cfg) -> None:
     _at_least(cfg, "sweep.repeats", 1)
     t = cfg.sweep.job_timeout_s
@@ -143,4 +193,5 @@ def validate(cfg) -> None:
     check_data(cfg)
     check_optim(cfg)
     check_sweep(cfg)
+    check_comm(cfg)
     check_memory(cfg)

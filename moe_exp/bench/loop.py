@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from ..config import total_steps
@@ -28,6 +29,7 @@ class LoopResult:
     balance: float | None = None  # mean load-balancing loss over measured steps
     z: float | None = None
     steps_done: int = 0
+    comm_ms: float | None = None  # per step, from the profiled last steps (distributed only)
 
 
 def micro_step(model, tokens, targets, autocast, scaler, accum: int, timer=None):
@@ -41,6 +43,13 @@ def micro_step(model, tokens, targets, autocast, scaler, accum: int, timer=None)
     if timer:
         timer.lap("backward")
     return out
+
+
+def _profiler(device):
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=acts)
 
 
 def _sync(device):
@@ -61,9 +70,17 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
     bar = tqdm(total=total, desc="warmup", unit="step", disable=not progress,
                mininterval=0.5 if tty else 10.0, dynamic_ncols=True)
     model.train()
+    # Distributed: the last profile_steps measured steps run under torch.profiler to time
+    # the collectives; they are left out of the step-time figures.
+    n_prof = cfg.parallel.profile_steps if dist.is_initialized() else 0
+    prof_from = total - n_prof if 0 < n_prof < t.steps else total
+    prof = None
     try:
         for step in range(total):
             measured = step >= t.warmup_steps
+            if step == prof_from:
+                prof = _profiler(device)
+                prof.__enter__()
             if step == t.warmup_steps:
                 memory.reset()
                 bar.set_description("bench")
@@ -84,10 +101,12 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                     res.counts = out.counts if res.counts is None else res.counts + out.counts
                     balances.append(out.balance.detach())
                     zs.append(out.z.detach())
+            if applied.before_step:
+                applied.before_step()
             if scaler:
                 scaler.unscale_(optimizer)
             if cfg.optim.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
+                (applied.clip or torch.nn.utils.clip_grad_norm_)(params, cfg.optim.grad_clip)
             if scaler:
                 scaler.step(optimizer)
                 scaler.update()
@@ -96,7 +115,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             timer.lap("optimizer")
-            if measured:
+            if measured and step < prof_from:
                 timer.end()
             if step == 0:
                 _sync(device)
@@ -104,7 +123,11 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
             pending.append(step_loss)
             res.steps_done = step + 1
             if (step + 1) % t.log_every == 0 or step + 1 == total:
-                values = torch.stack(pending).tolist()  # one sync per log interval
+                losses = torch.stack(pending)
+                if dist.is_initialized():  # the global batch's loss: same on every rank
+                    dist.all_reduce(losses)
+                    losses /= dist.get_world_size()
+                values = losses.tolist()  # one sync per log interval
                 pending.clear()
                 res.losses.extend(values)
                 bar.set_postfix(loss=f"{values[-1]:.3f}")
@@ -115,7 +138,15 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
             bar.update(1)
         _sync(device)
         res.wall_s = time.perf_counter() - wall0
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            from ..optimizations.parallel import comm_ms_per_step
+
+            res.comm_ms = comm_ms_per_step(prof, total - prof_from)
+            prof = None
     finally:
+        if prof is not None:
+            prof.__exit__(None, None, None)
         bar.close()
     res.timings = timer.results()
     if balances:

@@ -33,7 +33,12 @@ def _resolve_dispatch(cfg, device: torch.device) -> None:
             else "loop"
 
 
-def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress: bool) -> dict:
+def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress: bool,
+          d=None) -> dict:
+    """One measured run. Single process: never raises (the status says what went wrong).
+    As a rank (d = distributed.Dist): only divergence is a status (every rank sees the same
+    global loss); other errors propagate so the launcher stops all ranks and names this one.
+    Rank 0 alone logs to W&B, writes the record and prints the summary."""
     from ..hardware import torch_device
     from ..tracking import Tracker
 
@@ -43,27 +48,38 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
     rec["torch_version"] = torch.__version__
     name = "-".join([cfg.model.name, cfg.precision.name, f"ac_{cfg.train.activation_checkpointing}",
                      f"compile_{cfg.train.compile}"])
+    if cfg.parallel.name != "none":
+        name += f"-{cfg.parallel.name}x{cfg.hardware.devices}"
+    main = d is None or d.main
     tracker = None
     try:
-        tracker = Tracker(cfg, cfg_dict, out_dir, _tags(choices, cfg), name)
-        _measure(cfg, rec, device, tracker, progress)
+        if main:
+            tracker = Tracker(cfg, cfg_dict, out_dir, _tags(choices, cfg), name)
+        _measure(cfg, rec, device, tracker, progress and main, d)
         rec["status"] = "ok"
     except Diverged as e:
         rec.update(status="diverged", error=str(e))
     except torch.OutOfMemoryError as e:
+        if d is not None:
+            raise
         rec.update(status="oom", error=str(e).splitlines()[0][:300])
     except Exception as e:  # noqa: BLE001 - a run's failure is a status, not a crash
+        if d is not None:
+            raise
         (out_dir / "error.log").write_text(traceback.format_exc())
         first = (str(e).strip().splitlines() or [""])[0][:300]
         rec.update(status="error", error=f"{type(e).__name__}: {first} (see {out_dir}/error.log)")
     finally:
-        if rec["status"] != "ok":
-            print(f"error: run {rec['status']}: {rec['error']}", file=sys.stderr)
-        fill_null_reasons(rec, f"not measured: run {rec['status']}")
-        write_json_atomic(out_dir / "metrics.json", rec)
+        if main:
+            if rec["status"] != "ok":
+                print(f"error: run {rec['status']}: {rec['error']}", file=sys.stderr)
+            fill_null_reasons(rec, f"not measured: run {rec['status']}")
+            write_json_atomic(out_dir / "metrics.json", rec)
         if tracker:
             tracker.summary(rec)
             tracker.finish(ok=rec["status"] == "ok")
+    if not main:
+        return rec
     if rec["status"] == "ok":
         from ..summary import print_summary
 
@@ -71,7 +87,7 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
     return rec
 
 
-def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool) -> None:
+def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=None) -> None:
     from ..data import build_loader
     from ..hardware import setup_backends
     from ..model import build_model
@@ -91,14 +107,19 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool) -> N
     rec.update(params_total=counts["params_total"], params_active=counts["params_active"],
                moe_dispatch=cfg.model.dispatch if cfg.model.num_experts else None)
     assert counts["params_total"] == sum(p.numel() for p in model.parameters())
-    applied = apply(model, cfg, device)
-    optimizer, scheduler, rec["optim_impl"] = build_optimizer(model, cfg, device)
+    if d is not None:  # every rank starts from the same weights (the seed), as one process
+        torch.manual_seed(t.seed + 1 + d.rank)
+    rank, world = (d.rank, d.world) if d else (0, 1)
+    applied = apply(model, cfg, device, world)
+    optimizer, scheduler, rec["optim_impl"] = build_optimizer(applied.model, cfg, device)
     num_samples = total_steps(t) * t.grad_accum_steps * t.micro_batch_size
-    loader = build_loader(cfg, device, num_samples)
+    loader = build_loader(cfg, device, num_samples, rank, world)
 
     total = total_steps(t)
 
     def on_log(step, values):
+        if tracker is None:
+            return
         first = step + 1 - len(values)
         for i, v in enumerate(values):
             lr = cfg.optim.lr * lr_factor(first + i, total, cfg.optim)
@@ -109,7 +130,10 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool) -> N
     tokens_per_step = t.micro_batch_size * t.grad_accum_steps * t.seq_len
     tm = res.timings
     step_ms = median(tm["step_ms"])
-    world = cfg.hardware.devices
+    mem, mem_why = memory.read()
+    if world > 1:  # the slowest rank sets the pace; the largest peak is what must fit
+        _across_ranks(res, tm, mem, device)
+        step_ms = median(tm["step_ms"])
     rec.update(
         step_time_ms=step_ms, step_time_iqr_ms=iqr(tm["step_ms"]),
         tokens_per_s=tokens_per_step * world / (step_ms / 1e3),
@@ -124,9 +148,14 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool) -> N
         why["compile_s"] = "train.compile=off"
     else:  # the first step's time beyond a steady step: compilation dominates it
         rec["compile_s"] = max(0.0, res.first_step_s - step_ms / 1e3)
-    mem, mem_why = memory.read()
     rec.update(mem)
     why.update(mem_why)
+    if res.comm_ms is not None:
+        rec.update(comm_ms=res.comm_ms, comm_share=res.comm_ms / step_ms)
+    else:
+        why["comm_ms"] = ("one rank: no communication" if world == 1 else
+                          "parallel.profile_steps=0 or train.steps <= profile_steps")
+    rec["world_size"] = world
     fpt = flops_per_token(cfg.model, t.seq_len)
     rec["flops_per_token"] = fpt
     rec["tflops_per_device"] = fpt * rec["tokens_per_s_per_device"] / 1e12
@@ -144,3 +173,25 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool) -> N
     else:
         for k in ("aux_loss", "expert_load_cv", "expert_load_max_over_mean"):
             why[k] = "dense model (model.num_experts=0)"
+
+
+def _across_ranks(res, tm: dict, mem: dict, device) -> None:
+    """Per-step times -> max over ranks; peaks and comm -> max; expert counts -> summed."""
+    import torch.distributed as dist
+
+    from ..distributed import all_max
+
+    n = len(tm["step_ms"])
+    keys = [k for k in tm]
+    flat = [v for k in keys for v in tm[k]]
+    flat = all_max(flat, device if device.type == "cuda" else "cpu")
+    for i, k in enumerate(keys):
+        tm[k] = flat[i * n: (i + 1) * n]
+    mkeys = [k for k, v in mem.items() if v is not None]
+    extra = [res.comm_ms] if res.comm_ms is not None else []
+    vals = all_max([mem[k] for k in mkeys] + extra, device if device.type == "cuda" else "cpu")
+    mem.update(zip(mkeys, vals))
+    if extra:
+        res.comm_ms = vals[-1]
+    if res.counts is not None:
+        dist.all_reduce(res.counts)

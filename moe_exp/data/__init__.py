@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
 from .markov import MarkovTokens
 from .tokens import TokenFile, prepare, read_meta
@@ -10,13 +10,22 @@ from .tokens import TokenFile, prepare, read_meta
 __all__ = ["MarkovTokens", "TokenFile", "build_loader", "prepare", "read_meta"]
 
 
-def build_loader(cfg, device: torch.device, num_samples: int) -> DataLoader:
-    """Exactly num_samples sequences of train.seq_len tokens, in order, no repeats."""
+def build_loader(cfg, device: torch.device, num_samples: int, rank: int = 0,
+                 world: int = 1) -> DataLoader:
+    """Exactly num_samples sequences of train.seq_len tokens for this rank, in order, no
+    repeats. With several ranks, global micro-batch m is samples [m*B*world, (m+1)*B*world)
+    and rank r takes its r-th block of B: together the ranks see what one process with
+    micro_batch_size B*world would (tests compare the two)."""
     d, t = cfg.data, cfg.train
+    n = num_samples * world
     if d.source == "markov":
-        ds = MarkovTokens(cfg.model.vocab_size, t.seq_len, num_samples, d.branching, t.seed)
+        ds = MarkovTokens(cfg.model.vocab_size, t.seq_len, n, d.branching, t.seed)
     else:
-        ds = TokenFile(d.path, t.seq_len, num_samples, t.seed)
+        ds = TokenFile(d.path, t.seq_len, n, t.seed)
+    if world > 1:
+        b = t.micro_batch_size
+        ds = Subset(ds, [m * b * world + rank * b + i for m in range(num_samples // b)
+                         for i in range(b)])
     kwargs = {}
     if d.num_workers > 0:
         kwargs["persistent_workers"] = d.persistent_workers

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 from torch import nn
@@ -17,16 +17,33 @@ class Applied:
     model: nn.Module  # what the loop calls (maybe compiled or wrapped)
     autocast: Callable[[], ContextManager]
     scaler: Optional[torch.amp.GradScaler]
+    before_step: Optional[Callable[[], None]] = None  # gradient sync the wrapper doesn't do
+    clip: Optional[Callable[[Any, float], Any]] = None  # grad-norm clipping across ranks
 
 
-def apply(model: nn.Module, cfg, device: torch.device) -> Applied:
-    """precision -> activation checkpointing -> compile (the order torchtitan uses).
+def apply(model: nn.Module, cfg, device: torch.device, world: int = 1) -> Applied:
+    """precision -> expert parallel -> activation checkpointing -> data parallel (DDP /
+    FSDP2) -> compile (torchtitan's order).
 
     Gradient accumulation is a loop knob (train.grad_accum_steps), done in bench.loop.
     """
     set_matmul_precision(device, cfg.precision.tf32)
     if cfg.precision.name == "fp8":
         model = apply_fp8(model, cfg.precision)
+    par = cfg.parallel.name
+    mesh = ep_group = dp_group = None
+    if par in ("expert", "expert_fsdp"):
+        from .parallel import apply_expert
+
+        mesh, ep_group, dp_group = apply_expert(model, cfg, world)
     model = apply_checkpointing(model, cfg.train.activation_checkpointing)
+    before_step = clip = None
+    if par != "none":
+        from .parallel import apply_data_parallel, clip_grad_norm, grad_sync
+
+        model = apply_data_parallel(model, cfg, device, world, mesh)
+        before_step = grad_sync(model, cfg, world, dp_group)
+        clip = lambda params, max_norm: clip_grad_norm(params, max_norm, ep_group)  # noqa: E731
     model = apply_compile(model, cfg.train.compile)
-    return Applied(model, autocast_factory(cfg.precision, device), grad_scaler(cfg.precision, device))
+    return Applied(model, autocast_factory(cfg.precision, device),
+                   grad_scaler(cfg.precision, device), before_step, clip)

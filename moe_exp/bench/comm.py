@@ -1,0 +1,115 @@
+"""task=comm: latency and bus bandwidth of the collectives MoE training uses, over message
+sizes (the comm profiler of seed 004; the nccl-tests conventions).
+
+size = the full buffer per rank: all_reduce's tensor, all_gather's output, reduce_scatter's
+input, all_to_all's input. algbw = size / time; busbw = algbw x (2(n-1)/n for all_reduce,
+(n-1)/n for the others): comparable with the link's bandwidth. Times are the max over
+ranks of the median over comm.iters, each bracketed by a device sync.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..results import fill_null_reasons, write_json_atomic
+
+
+def _op(name: str, n: int, numel: int, dtype, device):
+    x = torch.ones(numel, dtype=dtype, device=device)
+    if name == "all_reduce":
+        return lambda: dist.all_reduce(x), 2 * (n - 1) / n
+    if name == "all_gather":
+        part = x[: numel // n].clone()
+        return lambda: dist.all_gather_into_tensor(x, part), (n - 1) / n
+    if name == "reduce_scatter":
+        part = x[: numel // n].clone()
+        return lambda: dist.reduce_scatter_tensor(part, x), (n - 1) / n
+    out = torch.empty_like(x)
+    return lambda: dist.all_to_all_single(out, x), (n - 1) / n
+
+
+def measure(cfg, d, device) -> list[dict]:
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    c = cfg.comm
+    dtype = getattr(torch, c.dtype)
+    esize = torch.tensor([], dtype=dtype).element_size()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rows, size = [], c.min_bytes
+    sizes = []
+    while size <= c.max_bytes:
+        sizes.append(size)
+        size *= c.factor
+    for name in c.ops:
+        for nbytes in sizes:
+            numel = max(d.world, nbytes // esize // d.world * d.world)
+            fn, bus = _op(name, d.world, numel, dtype, device)
+            times = []
+            for i in range(c.warmup + c.iters):
+                sync()
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                if i >= c.warmup:
+                    times.append(time.perf_counter() - t0)
+            t = torch.tensor([statistics.median(times)], dtype=torch.float64,
+                             device=device if device.type == "cuda" else "cpu")
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            sec, real = t.item(), numel * esize
+            rows.append({"op": name, "bytes": real, "latency_us": sec * 1e6,
+                         "algbw_gbps": real / sec / 1e9, "busbw_gbps": real / sec / 1e9 * bus})
+    return rows
+
+
+def comm_bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, d) -> dict:
+    import pandas as pd
+
+    from ..hardware import torch_device
+    from ..tracking import Tracker
+
+    device = torch_device(cfg)
+    rows = measure(cfg, d, device)
+    if not d.main:
+        return rec
+    df = pd.DataFrame(rows)
+    df.to_csv(out_dir / "comm.csv", index=False)
+    (out_dir / "comm.md").write_text(df.to_markdown(index=False, floatfmt=".3f") + "\n")
+    best = df.loc[df.groupby("op")["busbw_gbps"].idxmax()]
+    rec.update(status="ok", task="comm", comm=rows, world_size=d.world,
+               device_name=torch.cuda.get_device_name(device) if device.type == "cuda"
+               else "cpu", torch_version=torch.__version__, comm_backend=dist.get_backend(),
+               **{f"busbw_gbps_{r.op}": r.busbw_gbps for r in best.itertuples()})
+    fill_null_reasons(rec, "task=comm measures collectives, not training")
+    write_json_atomic(out_dir / "metrics.json", rec)
+    tracker = Tracker(cfg, cfg_dict, out_dir, [f"{k}={v}" for k, v in sorted(choices.items())],
+                      f"comm-{dist.get_backend()}x{d.world}")
+    if tracker.run:
+        import wandb
+
+        tracker.run.log({"comm": wandb.Table(dataframe=df)})
+        tracker.summary(rec)
+    tracker.finish(ok=True)
+    _print(df, d, out_dir)
+    return rec
+
+
+def _print(df, d, out_dir: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"collectives on {d.world} ranks ({dist.get_backend()})")
+    for col in ("op", "size", "latency", "algbw", "busbw"):
+        t.add_column(col, justify="left" if col == "op" else "right")
+    for r in df.itertuples():
+        size = f"{r.bytes / 2**20:.2f} MiB" if r.bytes >= 2**20 else f"{r.bytes / 1024:.0f} KiB"
+        t.add_row(r.op, size, f"{r.latency_us:,.1f} us", f"{r.algbw_gbps:.3f} GB/s",
+                  f"{r.busbw_gbps:.3f} GB/s")
+    Console(width=120).print(t)
+    print(f"record: {out_dir / 'metrics.json'} (table: comm.csv, comm.md)", file=sys.stderr)

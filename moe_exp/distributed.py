@@ -1,0 +1,96 @@
+"""Ranks on torch.distributed: launched from inside the app with torch's elastic agent
+(one output dir, one record), or joined when started by torchrun / SLURM (already a rank).
+
+    python -m moe_exp.run parallel=expert hardware.devices=2          # 2 ranks, launched here
+    torchrun --nnodes=2 --nproc-per-node=8 -m moe_exp.run parallel=fsdp hardware.devices=8
+"""
+from __future__ import annotations
+
+import datetime as dt
+import os
+import uuid
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def is_rank() -> bool:
+    """Started by torchrun / the elastic agent / SLURM with torch env: don't launch again."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def backend(cfg) -> str:
+    b = cfg.parallel.backend
+    return b if b != "auto" else ("nccl" if cfg.hardware.device == "cuda" else "gloo")
+
+
+def init(cfg) -> Dist:
+    """Join the process group (env:// rendezvous set up by the launcher)."""
+    d = Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+             int(os.environ.get("LOCAL_RANK", 0)))
+    if cfg.hardware.device == "cuda":
+        torch.cuda.set_device(d.local_rank)
+    elif "OMP_NUM_THREADS" not in os.environ:  # ranks share the cores: no oversubscription
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", d.world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    if not dist.is_initialized():
+        dist.init_process_group(backend(cfg), timeout=dt.timedelta(seconds=cfg.parallel.timeout_s))
+    return d
+
+
+def finish() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def launch(entry, n: int, *args, run_id: str | None = None):
+    """Run entry(*args) on n local ranks; returns rank 0's return value. A rank that fails
+    ends all of them (the agent stops the rest) and raises ChildFailedError naming it."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n,
+                      run_id=run_id or f"moe_exp-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
+                      rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.2,
+                      start_method="spawn")
+    return elastic_launch(lc, entry)(*args)[0]
+
+
+def failure_message(err) -> str:
+    """One line naming the first failed rank and its error, from a ChildFailedError."""
+    rank, f = err.get_first_failure()
+    m = f.message
+    text = m.get("message", "") if isinstance(m, dict) else str(m or "")
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return f"rank {rank} failed: {(lines[-1] if lines else f'exit code {f.exitcode}')[:300]}"
+
+
+@record
+def rank_entry(fn, *args):
+    """What each launched rank runs: errors land in the agent's error file (then the
+    parent names the rank)."""
+    return fn(*args)
+
+
+def all_max(values: list[float], device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def all_mean(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.AVG if dist.get_backend() == "nccl" else dist.ReduceOp.SUM)
+    return t if dist.get_backend() == "nccl" else t / dist.get_world_size()

@@ -1,0 +1,150 @@
+"""parallel=none|ddp|fsdp|expert|expert_fsdp applied to a plain model (torchtitan order:
+expert parallel first, then activation checkpointing and compile, data parallel last).
+
+Gradient semantics: every rank's loss is the mean over its own micro-batch; the update
+equals the single-process one on the concatenated global batch (tests check it)."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .expert import shard_experts
+
+
+def expert_groups(cfg, world: int):
+    """(device mesh (dp, ep), ep process group, dp process group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ep = cfg.parallel.expert_parallel_size or world
+    mesh = init_device_mesh(cfg.hardware.device, (world // ep, ep), mesh_dim_names=("dp", "ep"))
+    return mesh, mesh["ep"].get_group(), mesh["dp"].get_group()
+
+
+def apply_expert(model: nn.Module, cfg, world: int):
+    mesh, ep_group, dp_group = expert_groups(cfg, world)
+    shard_experts(model, ep_group)
+    return mesh, ep_group, dp_group
+
+
+def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh=None):
+    """ddp / fsdp / expert_fsdp wrapping (after AC, before compile)."""
+    p = cfg.parallel
+    if p.name == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                   bucket_cap_mb=p.bucket_cap_mb, gradient_as_bucket_view=p.gradient_as_bucket_view,
+                   static_graph=p.static_graph)
+    if p.name in ("fsdp", "expert_fsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        from ..precision import DTYPES
+
+        dtype = DTYPES.get(cfg.precision.autocast_dtype)
+        kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+              "reshard_after_forward": p.reshard_after_forward}
+        if p.cpu_offload:
+            kw["offload_policy"] = CPUOffloadPolicy()
+        world_mesh = init_device_mesh(cfg.hardware.device, (world,))
+        for block in _blocks(model):
+            if p.name == "expert_fsdp" and hasattr(block.ffn, "experts"):
+                experts = block.ffn.experts.local  # EP shard: FSDP over dp only
+                fully_shard(experts, mesh=mesh["dp"], **kw)
+                experts.set_gradient_divide_factor(float(world))  # sum over ep, mean over all
+            fully_shard(block, mesh=world_mesh, **kw)
+        fully_shard(model, mesh=world_mesh, **kw)
+    return model
+
+
+def _blocks(model: nn.Module):
+    inner = getattr(model, "_checkpoint_wrapped_module", model)
+    for block in inner.layers:
+        yield block
+
+
+def grad_sync(model: nn.Module, cfg, world: int, dp_group):
+    """parallel=expert: average replicated grads over all ranks; expert grads are summed
+    over the EP group by the all_to_all backward, so sum over dp and divide by world."""
+    if cfg.parallel.name != "expert":
+        return None
+    params = [p for p in model.parameters()]
+
+    def sync():
+        rep = [p.grad for p in params if p.grad is not None and not _is_expert(p)]
+        exp = [p.grad for p in params if p.grad is not None and _is_expert(p)]
+        for grads, group in ((rep, None), (exp, dp_group)):
+            if not grads:
+                continue
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            if group is None or dist.get_world_size(group) > 1:
+                dist.all_reduce(flat, group=group)
+            flat /= world
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset: offset + g.numel()].view_as(g))
+                offset += g.numel()
+    return sync
+
+
+def _is_expert(p) -> bool:
+    return getattr(p, "_expert_parallel", False)
+
+
+def clip_grad_norm(params, max_norm: float, ep_group) -> torch.Tensor:
+    """Global grad-norm clipping across ranks: local squares summed over the group each
+    parameter is split over (its FSDP mesh, and the EP group for expert shards)."""
+    from torch.distributed.tensor import DTensor
+
+    sums: dict = {}
+    grads = []
+    for p in params:
+        if p.grad is None:
+            continue
+        g = p.grad
+        local = g.to_local() if isinstance(g, DTensor) else g
+        grads.append(local)
+        groups = []
+        if isinstance(g, DTensor) and g.device_mesh.size() > 1:
+            groups.append(g.device_mesh.get_group())
+        if _is_expert(p) and ep_group is not None:
+            groups.append(ep_group)
+        key = tuple(groups)
+        sums[key] = sums.get(key, 0) + local.detach().float().pow(2).sum()
+    total = torch.zeros((), device=grads[0].device) if grads else torch.zeros(())
+    for groups, sq in sums.items():
+        for grp in groups:
+            dist.all_reduce(sq, group=grp)
+        total = total + sq
+    norm = total.sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return norm
+
+
+def comm_ms_per_step(prof, steps: int) -> float | None:
+    """Time spent in collectives per step from a torch.profiler trace: NCCL kernels on
+    GPU, gloo/c10d operations on CPU (outermost events only)."""
+    if steps <= 0:
+        return None
+    keys = ("nccl", "gloo", "c10d::", "all_to_all", "allreduce", "all_reduce", "all_gather",
+            "allgather", "reduce_scatter", "alltoall")
+    events = [ev for ev in prof.events() if any(k in ev.name.lower() for k in keys)]
+    kernels = [ev for ev in events if "nccl" in ev.name.lower()
+               and str(getattr(ev, "device_type", "")).endswith("CUDA")]
+    if kernels:  # GPU: the collectives' kernel time
+        total_us = sum(ev.device_time_total for ev in kernels)
+    else:  # CPU: outermost collective events (their nested ones are the same time)
+        def nested(ev):
+            parent = ev.cpu_parent
+            while parent is not None:
+                if any(k in parent.name.lower() for k in keys):
+                    return True
+                parent = parent.cpu_parent
+            return False
+        total_us = sum(ev.cpu_time_total for ev in events if not nested(ev))
+    return total_us / 1e3 / steps

@@ -1,0 +1,59 @@
+"""Expert parallelism: each rank of the expert-parallel group holds num_experts / ep of the
+experts. The MoE layer hands its experts module the rows sorted by (global) expert and the
+count per expert; this wrapper sends each row to the rank that owns its expert with
+`all_to_all_single` (uneven splits, autograd-aware), runs the local experts, and sends the
+results back. The model itself is unchanged (the wrapper replaces `moe.experts`)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+from ...model.moe import Experts
+
+
+class ExpertParallel(nn.Module):
+    def __init__(self, experts: Experts, group, timer=None):
+        super().__init__()
+        self.group, self.timer = group, timer
+        self.ep, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        total = experts.w1.shape[0]
+        self.num_local = total // self.ep
+        lo = self.rank * self.num_local
+        h, f = experts.w1.shape[1:]
+        self.local = Experts(self.num_local, h, f).to(experts.w1.device)
+        with torch.no_grad():
+            for name in ("w1", "w3", "w2"):
+                getattr(self.local, name).copy_(getattr(experts, name)[lo: lo + self.num_local])
+        for p in self.local.parameters():
+            p._expert_parallel = True  # sharded over the EP group (grad sync and clipping)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+        ep, n = self.ep, self.num_local
+        # counts[e] rows for global expert e; rank r owns experts [r*n, (r+1)*n)
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.group)  # (src rank, local e)
+        send = counts.view(ep, n).sum(1).tolist()
+        recv_by_src = recv_counts.view(ep, n)
+        recv = recv_by_src.sum(1).tolist()
+        x_recv = all_to_all_single_autograd(x, recv, send, self.group)
+        # rows arrive grouped by source rank, then local expert: regroup by local expert
+        local_e = torch.arange(n, device=x.device).repeat(ep)
+        seg = torch.repeat_interleave(local_e, recv_by_src.reshape(-1))
+        order = torch.argsort(seg, stable=True)
+        y = self.local(x_recv[order], recv_by_src.sum(0), grouped)
+        y_back = torch.empty_like(y).index_copy(0, order, y)
+        return all_to_all_single_autograd(y_back, send, recv, self.group)
+
+
+def shard_experts(model: nn.Module, group) -> int:
+    """Replace every MoE layer's experts with this rank's shard; returns how many."""
+    from ...model.moe import MoE
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.experts = ExpertParallel(m.experts, group)
+            n += 1
+    return n

@@ -1,0 +1,75 @@
+"""Functions run on gloo ranks by tests/test_distributed.py (importable by spawned ranks)."""
+import torch
+import torch.distributed as dist
+
+
+def _cfg(overrides):
+    from omegaconf import OmegaConf
+
+    from conftest import compose
+
+    cfg = compose(["hardware=cpu", "logger=none", *overrides])
+    OmegaConf.set_struct(cfg, False)
+    return cfg
+
+
+def ep_grads_match(overrides, batch: int) -> dict:
+    """One forward/backward of the global batch: EP on 2 ranks vs one process on rank 0.
+    Returns rank 0's comparison (max abs differences, counts equal)."""
+    from moe_exp import distributed
+    from moe_exp.model import build_model
+    from moe_exp.optimizations import apply
+
+    cfg = _cfg(overrides)
+    d = distributed.init(cfg)
+    try:
+        torch.manual_seed(0)
+        ref = build_model(cfg.model)
+        model = build_model(cfg.model)
+        model.load_state_dict(ref.state_dict())
+        g = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, cfg.model.vocab_size, (batch * d.world, 17), generator=g)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        applied = apply(model, cfg, torch.device("cpu"), d.world)
+        mine = slice(d.rank * batch, (d.rank + 1) * batch)
+        out = applied.model(x[mine], y[mine])
+        out.loss.backward()
+        applied.before_step()
+        loss = distributed.all_mean(out.loss.detach())
+        counts = out.counts.clone()
+        dist.all_reduce(counts)
+        grads = {n: p.grad for n, p in applied.model.named_parameters()}
+        gathered = [None] * d.world
+        dist.all_gather_object(gathered, grads)
+        if not d.main:
+            return None
+        ref_out = ref(x, y)
+        ref_out.loss.backward()
+        diffs = {}
+        for name, p in ref.named_parameters():
+            if ".experts." in name:  # rank r holds experts [r*n, (r+1)*n) as experts.local
+                local = name.replace(".experts.", ".experts.local.")
+                ep = cfg.parallel.expert_parallel_size or d.world
+                mine_g = torch.cat([gr[local] for gr in gathered[:ep]])  # ep ranks 0..ep-1
+                for r in range(ep, d.world):  # dp replicas of a shard hold the same grads
+                    assert torch.allclose(gathered[r][local], gathered[r % ep][local]), name
+            else:
+                mine_g = gathered[0][name]
+                for other in gathered[1:]:  # replicated grads are identical on every rank
+                    assert torch.equal(other[name], mine_g), name
+            diffs[name] = (mine_g - p.grad).abs().max().item()
+        return {"loss": loss.item(), "ref_loss": ref_out.loss.item(), "grad_diffs": diffs,
+                "counts_equal": torch.equal(counts, ref_out.counts)}
+    finally:
+        distributed.finish()
+
+
+def fail_on_rank_1(overrides) -> str:
+    """Rank 1 raises; rank 0 waits in a collective that would never finish on its own."""
+    from moe_exp import distributed
+
+    d = distributed.init(_cfg(overrides))
+    if d.rank == 1:
+        raise ValueError("boom on purpose")
+    dist.barrier()
+    return "rank 0 was not stopped"

@@ -1,0 +1,135 @@
+"""torch.distributed on CPU: 2 gloo ranks launched by torch's elastic agent."""
+import json
+import time
+
+import pytest
+import torch
+
+from conftest import run_cli, run_inproc
+
+pytestmark = pytest.mark.distributed
+TINY = ["hardware=cpu", "logger=none", "model.aux_loss_coef=0", "train.micro_batch_size=2",
+        "train.seq_len=32", "train.steps=4", "train.warmup_steps=0", "parallel.profile_steps=0"]
+
+
+def launch(fn, *args, n=2):
+    from moe_exp.distributed import launch as elastic
+    from moe_exp.distributed import rank_entry
+
+    return elastic(rank_entry, n, fn, *args)
+
+
+@pytest.mark.parametrize("ranks,ep", [(2, 2), (4, 2)])
+def test_expert_parallel_loss_grads_and_counts_match_one_process(ranks, ep):
+    """4 ranks, ep=2: two expert-parallel groups, experts replicated over dp=2."""
+    import dist_helpers
+
+    res = launch(dist_helpers.ep_grads_match, ["parallel=expert", f"hardware.devices={ranks}",
+                                               f"parallel.expert_parallel_size={ep}",
+                                               "model.aux_loss_coef=0"], 3, n=ranks)
+    assert res["loss"] == pytest.approx(res["ref_loss"], rel=1e-5)
+    assert res["counts_equal"]
+    assert any(".experts.w1" in n for n in res["grad_diffs"])
+    worst = max(res["grad_diffs"].items(), key=lambda kv: kv[1])
+    assert worst[1] < 1e-5, worst
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """One process on the global batch (2 ranks x micro-batch 2)."""
+    return run_inproc([*TINY, "train.micro_batch_size=4"], tmp_path_factory.mktemp("one"))
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "expert", "expert_fsdp"])
+def test_losses_after_k_steps_match_one_process(parallel, single, tmp_path):
+    from moe_exp.run import run
+
+    from conftest import compose
+
+    rec = run(compose([*TINY, f"parallel={parallel}", "hardware.devices=2"]), out_dir=tmp_path,
+              progress=False)
+    assert rec["status"] == "ok", rec["error"]
+    assert rec["world_size"] == 2 and rec["parallel"] == parallel
+    assert single["status"] == "ok"
+    assert len(rec["losses"]) == len(single["losses"]) == 4
+    assert rec["losses"] == pytest.approx(single["losses"], rel=2e-5)
+    if parallel.startswith("expert"):  # tokens per expert summed over ranks
+        assert rec["tokens_per_expert"] == single["tokens_per_expert"]
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert saved["tokens_per_s"] == pytest.approx(2 * saved["tokens_per_s_per_device"])
+
+
+def test_cli_expert_parallel_record(tmp_path):
+    p = run_cli(["parallel=expert", "hardware.devices=2", "logger=none", "train.steps=6",
+                 f"hydra.run.dir={tmp_path}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rec = json.loads((tmp_path / "metrics.json").read_text())
+    assert rec["status"] == "ok" and rec["world_size"] == 2
+    assert rec["comm_ms"] > 0 and 0 < rec["comm_share"] < 1
+    assert rec["tokens_per_s"] == pytest.approx(2 * rec["tokens_per_s_per_device"])
+    assert rec["peak_mem_gib"] > 0
+    assert len(list(tmp_path.glob("**/metrics.json"))) == 1  # one output dir, one record
+
+
+def test_rank_failure_ends_job_naming_the_rank():
+    import dist_helpers
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from moe_exp.distributed import failure_message
+
+    t0 = time.time()
+    with pytest.raises(ChildFailedError) as err:
+        launch(dist_helpers.fail_on_rank_1, ["parallel=ddp", "hardware.devices=2"])
+    assert time.time() - t0 < 60  # rank 0 sat in a barrier: the agent stopped it
+    assert failure_message(err.value) == "rank 1 failed: ValueError: boom on purpose"
+
+
+@pytest.mark.parametrize("override,key", [
+    (["parallel=expert", "hardware.devices=2", "model=tiny_dense"], "parallel"),
+    (["parallel=expert", "hardware.devices=2", "model.num_experts=3", "model.top_k=1"],
+     "parallel.expert_parallel_size"),
+    (["parallel=ddp", "hardware.devices=64"], "hardware.devices"),
+    (["parallel=ddp", "hardware.devices=2", "parallel.backend=nccl"], "parallel.backend"),
+    (["parallel=fsdp", "parallel.cpu_offload=true"], "parallel.cpu_offload"),
+    (["parallel=none", "hardware.devices=2"], "hardware.devices"),
+])
+def test_parallel_errors_before_any_work(override, key, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("CPU-specific checks")
+    p = run_cli([*override, "logger=none"], tmp_path)
+    assert p.returncode == 2
+    assert p.stderr.strip().startswith(f"error: {key}: "), p.stderr
+
+
+def test_comm_task_measures_collectives(tmp_path):
+    import pandas as pd
+
+    p = run_cli(["task=comm", "hardware.devices=2", "logger=none", "comm.max_bytes=65536",
+                 "comm.iters=2", "comm.warmup=1", f"hydra.run.dir={tmp_path}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    df = pd.read_csv(tmp_path / "comm.csv")
+    assert set(df["op"]) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
+    assert sorted(set(df["bytes"])) == [1024, 4096, 16384, 65536]
+    assert (df["latency_us"] > 0).all() and (df["busbw_gbps"] > 0).all()
+    ar = df[df.op == "all_reduce"].iloc[0]  # 2 ranks: busbw = algbw * 2(n-1)/n = algbw
+    assert ar.busbw_gbps == pytest.approx(ar.algbw_gbps)
+    ag = df[df.op == "all_gather"].iloc[0]
+    assert ag.busbw_gbps == pytest.approx(ag.algbw_gbps / 2)
+    rec = json.loads((tmp_path / "metrics.json").read_text())
+    assert rec["status"] == "ok" and rec["world_size"] == 2 and len(rec["comm"]) == 16
+    assert rec["tokens_per_s"] is None and "task=comm" in rec["null_reasons"]["tokens_per_s"]
+
+
+def test_sweep_over_parallel_and_devices(tmp_path):
+    """Each (parallel, devices) job is one row; one rank per job for parallel=none."""
+    import pandas as pd
+
+    d = tmp_path / "s"
+    p = run_cli(["-m", "parallel=none,ddp", "hardware.devices=1,2", "logger=none",
+                 "train.steps=4", "train.warmup_steps=1", "train.seq_len=32",
+                 f"hydra.sweep.dir={d}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    df = pd.read_csv(d / "results.csv")
+    assert list(df["status"]) == ["ok", "invalid", "ok", "ok"]
+    assert list(df["world_size"]) == [1, 2, 1, 2]
+    assert df.loc[0, "baseline"] and df.loc[3, "speedup"] > 0
