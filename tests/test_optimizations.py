@@ -38,16 +38,25 @@ def test_grad_accum_run_processes_4x_tokens(tmp_path):
     assert rec["status"] == "ok" and rec["tokens_per_step"] == 4 * 8 * 128
 
 
-def test_moe_dispatch_compiles_without_graph_breaks():
+@pytest.mark.parametrize("dispatch,dtype", [("loop", None), ("grouped", torch.bfloat16)])
+def test_moe_dispatch_compiles_without_graph_breaks(dispatch, dtype):
+    """The dispatches `auto` picks under torch.compile: loop (fp32), grouped_mm (bf16)."""
     import torch._dynamo as dynamo
 
+    from moe_exp.model.moe import grouped_mm_supported
     from moe_exp.optimizations.compile import apply_compile
 
-    cfg = compose(["model.dispatch=loop"]).model
+    if dispatch == "grouped" and not grouped_mm_supported("cpu", dtype):
+        pytest.skip("grouped_mm does not run here")
+    cfg = compose([f"model.dispatch={dispatch}"]).model
     model = build_model(cfg)
+    assert model.layers[0].ffn.dispatch == dispatch
     apply_compile(torch.nn.Identity(), "default")  # sets the dynamo flags the run uses
     tokens = torch.randint(0, cfg.vocab_size, (2, 16))
-    explain = dynamo.explain(model)(tokens, tokens)
+    ctx = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+    dynamo.reset()
+    with ctx:
+        explain = dynamo.explain(model)(tokens, tokens)
     assert explain.graph_break_count == 0, explain.break_reasons
     assert explain.graph_count == 1
 

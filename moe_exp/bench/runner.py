@@ -21,16 +21,14 @@ def _tags(choices: dict, cfg) -> list[str]:
 
 
 def _resolve_dispatch(cfg, device: torch.device) -> None:
-    from ..model import grouped_mm_supported
+    from ..model.moe import resolve_dispatch
     from ..optimizations.precision import DTYPES
 
     m = cfg.model
     if m.dispatch == "auto":
         dtype = DTYPES.get(cfg.precision.autocast_dtype, torch.float32)
-        # Under torch.compile, grouped_mm lowers for bf16 only.
-        ok = cfg.train.compile == "off" or dtype == torch.bfloat16
-        m.dispatch = "grouped" if m.num_experts and ok and grouped_mm_supported(device, dtype) \
-            else "loop"
+        m.dispatch = resolve_dispatch("auto", device, dtype, cfg.train.compile != "off") \
+            if m.num_experts else "loop"
 
 
 def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress: bool,
