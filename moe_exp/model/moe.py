@@ -18,7 +18,7 @@ _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 def _mm_dtype(x: torch.Tensor) -> torch.dtype:
     """Dtype autocast would give a matmul on x (grouped_mm has no autocast rule)."""
     dev = x.device.type
-    if torch.is_autocast_enabled(dev):
+    if dev != "meta" and torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
     return x.dtype
 
