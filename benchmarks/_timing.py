@@ -19,14 +19,16 @@ _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def _cpu_ticks() -> tuple[int, int] | None:
-    """(busy ticks of the whole machine, ticks of this process and its threads)."""
+    """(busy ticks of the whole machine, ticks of this process, its threads and its
+    finished children)."""
     try:
         with open("/proc/stat") as f:
             v = [int(x) for x in f.readline().split()[1:]]
         busy = sum(v) - v[3] - (v[4] if len(v) > 4 else 0)  # minus idle and iowait
         with open("/proc/self/stat") as f:
             own = f.read().rsplit(")", 1)[1].split()
-        return busy, int(own[11]) + int(own[12])  # utime + stime
+        # utime + stime, and cutime + cstime (children this process has waited for)
+        return busy, sum(int(x) for x in own[11:15])
     except (OSError, ValueError, IndexError):
         return None
 

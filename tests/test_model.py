@@ -133,3 +133,16 @@ def test_auto_dispatch_choice():
     assert resolve_dispatch("auto", "cpu", torch.bfloat16, compiled=True) == \
         ("grouped" if grouped else "loop")
     assert resolve_dispatch("loop", "cpu", torch.bfloat16) == "loop"
+
+
+def test_dispatch_probe_leaves_the_global_rng_alone():
+    """The weights' init follows the probe: a probe drawing random numbers would make a
+    run's weights depend on whether an earlier run in the process had probed (cached)."""
+    from moe_exp.model import moe as moe_mod
+
+    moe_mod._SUPPORTED.clear()
+    torch.manual_seed(0)
+    grouped_mm_supported("cpu", torch.float32)
+    a = torch.rand(3)
+    torch.manual_seed(0)
+    assert torch.equal(a, torch.rand(3))

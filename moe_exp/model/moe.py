@@ -38,8 +38,9 @@ def grouped_mm_supported(device: torch.device | str, dtype: torch.dtype) -> bool
     key = (torch.device(device).type, dtype)
     if key not in _SUPPORTED:
         try:
-            x = torch.randn(24, 16, device=device, dtype=dtype, requires_grad=True)
-            w = torch.randn(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+            # no torch.randn: the probe must not move the global RNG (weights' init follows)
+            x = torch.ones(24, 16, device=device, dtype=dtype, requires_grad=True)
+            w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
             offs = torch.tensor([8, 24], device=device, dtype=torch.int32)
             y = grouped_mm(x, w, offs)
             y.backward(torch.ones_like(y))
