@@ -127,11 +127,11 @@ def test_padded_dispatch_with_one_hot_expert_matches_loop():
 def test_auto_dispatch_choice():
     from moe_exp.model.moe import resolve_dispatch
 
-    grouped = grouped_mm_supported("cpu", torch.bfloat16)
+    grouped = grouped_mm_supported("cpu", torch.float32)
     assert resolve_dispatch("auto", "cpu", torch.bfloat16) == "padded"
     assert resolve_dispatch("auto", "cpu", torch.float32, compiled=True) == "loop"
-    assert resolve_dispatch("auto", "cpu", torch.bfloat16, compiled=True) == \
-        ("grouped" if grouped else "loop")
+    assert resolve_dispatch("auto", "cpu", torch.bfloat16, compiled=True) == "padded"
+    assert resolve_dispatch("auto", "cpu", torch.float32) == ("grouped" if grouped else "loop")
     assert resolve_dispatch("loop", "cpu", torch.bfloat16) == "loop"
 
 

@@ -54,14 +54,15 @@ def resolve_dispatch(dispatch: str, device: torch.device | str, dtype: torch.dty
                      compiled: bool = False) -> str:
     """The expert kernel to use for `dispatch` on this device, matmul dtype and mode.
 
-    auto: on CPU in eager mode, padded for bf16 and grouped for fp32 (the fastest in
-    benchmarks/moe_layer.py); on GPUs, grouped. Under torch.compile grouped_mm lowers in
-    bf16 only and padded's capacity is a data-dependent size, so compiled runs use grouped
-    (bf16) or loop. An explicit grouped falls back to loop where grouped_mm cannot run.
+    auto, from benchmarks/moe_layer.py and compile_step.py (see benchmarks/README.md):
+    GPUs: grouped (grouped_mm; under torch.compile it lowers in bf16 only, else loop).
+    CPU: bf16 -> padded (one bmm per weight: oneDNN/AMX batched matmuls beat per-expert
+    matmuls, eager and compiled); fp32 -> grouped eager, loop compiled.
+    An explicit grouped falls back to loop where grouped_mm cannot run.
     """
     grouped_ok = (not compiled or dtype == torch.bfloat16) and grouped_mm_supported(device, dtype)
     if dispatch == "auto":
-        if torch.device(device).type == "cpu" and not compiled and dtype == torch.bfloat16:
+        if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
             return "padded"
         return "grouped" if grouped_ok else "loop"
     if dispatch == "grouped" and not grouped_ok:
@@ -166,9 +167,12 @@ class Experts(nn.Module):
         gradients are zero and they add nothing to the weight gradients.
         """
         num_experts, n = counts.shape[0], x.shape[0]
-        cap = int(counts.max())  # host sync: an eager path (CPU)
-        if num_experts * cap > 2 * n + 64 * num_experts:  # badly balanced: padding would
-            return self.forward(x, counts, "loop")  # more than double the matmuls
+        # host sync (compiled: a data-dependent size; >= 2 spares inductor a size-1 case)
+        cap = max(int(counts.max()), 2)
+        torch._check(cap >= 2)
+        if not torch.compiler.is_compiling() and num_experts * cap > 2 * n + 64 * num_experts:
+            # badly balanced: padding would more than double the matmuls
+            return self.forward(x, counts, "loop")
         starts = counts.cumsum(0) - counts
         expert = torch.repeat_interleave(torch.arange(num_experts, device=x.device), counts,
                                          output_size=n)
