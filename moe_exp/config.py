@@ -24,7 +24,7 @@ CHOICES: Dict[str, List[str]] = {
     "optim.impl": ["auto", "fused", "foreach", "for-loop"],
     "logger.name": ["wandb", "none"],
     "logger.mode": ["offline", "online", "disabled"],
-    "model.dispatch": ["auto", "grouped", "loop"],
+    "model.dispatch": ["auto", "grouped", "padded", "loop"],
     "comm.dtype": ["float32", "bfloat16", "float16"],
     "train.activation_checkpointing": ["none", "full", "selective"],
     "train.compile": ["off", "default", "reduce-overhead", "max-autotune",
@@ -49,7 +49,9 @@ class ModelConfig:
     init_std: float = 0.02
     aux_loss_coef: float = 0.01  # Switch load-balancing loss
     z_loss_coef: float = 0.001  # router z-loss
-    dispatch: str = "auto"  # expert matmuls: grouped | loop | auto (grouped where supported)
+    # expert matmuls: grouped (grouped_mm) | padded (bmm) | loop | auto (the fastest that
+    # runs here: see moe_exp.model.moe.resolve_dispatch)
+    dispatch: str = "auto"
 
 
 @dataclass

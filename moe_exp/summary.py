@@ -37,6 +37,9 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                         + (f" (reserved {r['peak_reserved_gib']:.3f} GiB)"
                            if r.get("peak_reserved_gib") is not None else "")),
     ]
+    if r.get("startup_s") is not None:
+        rows.append(("startup", f"{r['startup_s']:.1f} s from process start to the first "
+                                "measured step (compile excluded)"))
     if r.get("compile_s") is not None:
         rows.append(("compile", f"{r['compile_s']:.1f} s (first step beyond a steady step)"))
     if r.get("expert_load_cv") is not None:

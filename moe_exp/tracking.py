@@ -5,30 +5,52 @@ from pathlib import Path
 
 
 class Tracker:
-    def __init__(self, cfg, cfg_dict: dict, out_dir: Path, tags: list[str], name: str | None):
+    """One W&B run. defer=True starts W&B only at finish(): the logged history and the
+    summary are replayed then, so W&B's start-up (about 2 s on a 2-core machine: imports and
+    its service process) is neither in the time to the first measured step nor, with its
+    service process, competing for the CPU during the measured steps."""
+
+    def __init__(self, cfg, cfg_dict: dict, out_dir: Path, tags: list[str], name: str | None,
+                 defer: bool = False):
         self.run = None
+        self._pending: list | None = None
         if cfg.logger.name != "wandb" or cfg.logger.mode == "disabled":
             return
-        import wandb
-
-        self.run = wandb.init(
+        self._kwargs = dict(
             project=cfg.logger.project, entity=cfg.logger.entity, group=cfg.logger.group,
             mode=cfg.logger.mode, dir=str(out_dir), config=cfg_dict, name=name, job_type="bench",
-            tags=sorted(set(tags) | set(cfg.logger.tags)),
-            settings=wandb.Settings(silent=True, x_disable_stats=True, x_disable_machine_info=True,
-                                    disable_git=True, save_code=False),
-        )
+            tags=sorted(set(tags) | set(cfg.logger.tags)))
+        if defer:
+            self._pending = []
+        else:
+            self._start()
+
+    def _start(self) -> None:
+        import wandb
+
+        self.run = wandb.init(**self._kwargs, settings=wandb.Settings(
+            silent=True, x_disable_stats=True, x_disable_machine_info=True, disable_git=True,
+            save_code=False))
 
     def log(self, metrics: dict, step: int) -> None:
-        if self.run:
+        if self._pending is not None:
+            self._pending.append(("log", metrics, step))
+        elif self.run:
             self.run.log(metrics, step=step)
 
     def summary(self, record: dict) -> None:
-        if self.run:
-            flat = {k: v for k, v in record.items() if isinstance(v, (int, float, str, bool))}
+        flat = {k: v for k, v in record.items() if isinstance(v, (int, float, str, bool))}
+        if self._pending is not None:
+            self._pending.append(("summary", flat, None))
+        elif self.run:
             self.run.summary.update(flat)
 
     def finish(self, ok: bool) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._start()
+            for kind, data, step in pending:
+                self.log(data, step) if kind == "log" else self.run.summary.update(data)
         if self.run:
             self.run.finish(exit_code=0 if ok else 1)
             self.run = None

@@ -9,7 +9,7 @@ from moe_exp.model.moe import _grouped_mm
 
 from conftest import compose
 
-DISPATCHES = ["loop"] + (["grouped"] if grouped_mm_supported("cpu", torch.float32) else [])
+DISPATCHES = ["loop", "padded"] + (["grouped"] if grouped_mm_supported("cpu", torch.float32) else [])
 
 
 def naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -106,3 +106,43 @@ def test_model_file_knows_nothing_of_optimizations():
 def test_grouped_mm_probe_reports_unsupported_dtype_cleanly():
     assert isinstance(grouped_mm_supported("cpu", torch.float16), bool)
     assert _grouped_mm is not None
+
+
+def test_padded_dispatch_with_one_hot_expert_matches_loop():
+    """All tokens prefer one expert: padded falls back to the loop (no 8x padding)."""
+    torch.manual_seed(2)
+    a = MoE(16, 24, num_experts=8, top_k=2, dispatch="padded")
+    for p in a.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    with torch.no_grad():
+        a.router.gate.weight[:2] += 5.0  # experts 0 and 1 win every token
+    b = MoE(16, 24, num_experts=8, top_k=2, dispatch="loop")
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(512, 16).abs()
+    ya, _, _, counts = a(x)
+    assert counts[2:].sum() == 0
+    torch.testing.assert_close(ya, b(x)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_auto_dispatch_choice():
+    from moe_exp.model.moe import resolve_dispatch
+
+    grouped = grouped_mm_supported("cpu", torch.float32)
+    assert resolve_dispatch("auto", "cpu", torch.bfloat16) == "padded"
+    assert resolve_dispatch("auto", "cpu", torch.float32, compiled=True) == "loop"
+    assert resolve_dispatch("auto", "cpu", torch.bfloat16, compiled=True) == "padded"
+    assert resolve_dispatch("auto", "cpu", torch.float32) == ("grouped" if grouped else "loop")
+    assert resolve_dispatch("loop", "cpu", torch.bfloat16) == "loop"
+
+
+def test_dispatch_probe_leaves_the_global_rng_alone():
+    """The weights' init follows the probe: a probe drawing random numbers would make a
+    run's weights depend on whether an earlier run in the process had probed (cached)."""
+    from moe_exp.model import moe as moe_mod
+
+    moe_mod._SUPPORTED.clear()
+    torch.manual_seed(0)
+    grouped_mm_supported("cpu", torch.float32)
+    a = torch.rand(3)
+    torch.manual_seed(0)
+    assert torch.equal(a, torch.rand(3))

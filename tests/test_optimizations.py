@@ -38,16 +38,27 @@ def test_grad_accum_run_processes_4x_tokens(tmp_path):
     assert rec["status"] == "ok" and rec["tokens_per_step"] == 4 * 8 * 128
 
 
-def test_moe_dispatch_compiles_without_graph_breaks():
+@pytest.mark.parametrize("dispatch,dtype", [("loop", None), ("grouped", torch.bfloat16),
+                                            ("padded", torch.bfloat16)])
+def test_moe_dispatch_compiles_without_graph_breaks(dispatch, dtype):
+    """The dispatches `auto` picks under torch.compile: loop (fp32), grouped_mm (GPU, bf16),
+    padded (CPU, bf16)."""
     import torch._dynamo as dynamo
 
+    from moe_exp.model.moe import grouped_mm_supported
     from moe_exp.optimizations.compile import apply_compile
 
-    cfg = compose(["model.dispatch=loop"]).model
+    if dispatch == "grouped" and not grouped_mm_supported("cpu", dtype):
+        pytest.skip("grouped_mm does not run here")
+    cfg = compose([f"model.dispatch={dispatch}"]).model
     model = build_model(cfg)
+    assert model.layers[0].ffn.dispatch == dispatch
     apply_compile(torch.nn.Identity(), "default")  # sets the dynamo flags the run uses
     tokens = torch.randint(0, cfg.vocab_size, (2, 16))
-    explain = dynamo.explain(model)(tokens, tokens)
+    ctx = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+    dynamo.reset()
+    with ctx:
+        explain = dynamo.explain(model)(tokens, tokens)
     assert explain.graph_break_count == 0, explain.break_reasons
     assert explain.graph_count == 1
 
@@ -60,3 +71,24 @@ def test_compiled_run_matches_eager_losses(tmp_path):
     assert compiled["status"] == "ok", compiled["error"]
     assert compiled["compile_s"] > 0
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_padded_dispatch_compiles_and_matches_eager():
+    """Inductor lowers the padded dispatch (a data-dependent capacity) in a whole model
+    (a size-1 capacity once failed to lower) and gets eager's loss and gradients."""
+    from moe_exp.optimizations.compile import apply_compile
+
+    cfg = compose(["model.dispatch=padded"]).model
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 32))
+    ref = model(tokens, tokens).loss
+    g_ref = torch.autograd.grad(ref, list(model.parameters()))
+    torch._dynamo.reset()
+    compiled = apply_compile(model, "default")
+    loss = compiled(tokens, tokens).loss
+    g = torch.autograd.grad(loss, list(model.parameters()))
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)

@@ -41,6 +41,7 @@ def test_default_record_is_complete_and_sane(default_record):
     assert rec["aux_loss"] > 0.9  # Switch loss is >= ~1 for top-k routing
     assert rec["world_size"] == 1 and rec["hardware"] in ("cpu", "a100", "h100", "h200", "cuda")
     assert rec["compile_s"] is None and rec["null_reasons"]["compile_s"] == "train.compile=off"
+    assert rec.get("startup_s") is None and "in-process" in rec["null_reasons"]["startup_s"]
     assert len(rec["config_hash"]) == 12 and rec["torch_version"] == torch.__version__
 
 
@@ -122,3 +123,5 @@ def test_default_cli_run_writes_record_under_outputs(tmp_path):
     assert rec["status"] == "ok" and rec["loss_last"] < rec["loss_first"]
     assert "tokens/s" in p.stdout and "MFU" in p.stdout and "loss" in p.stdout
     assert list(tmp_path.glob("outputs/*/*/wandb/offline-run-*"))
+    # process start -> first measured step: more than the warmup steps, less than the run
+    assert 0 < rec["startup_s"] < 120

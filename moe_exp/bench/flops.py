@@ -5,6 +5,9 @@ N_matmul_active: the weights a token multiplies (attention, router, top_k expert
 dense FFN, LM head); embeddings (a lookup) and norm weights excluded. Causal attention is
 counted in full, as the convention does; activation recomputation is not counted (MFU,
 not HFU).
+
+Checked against torch.utils.flop_counter.FlopCounterMode on real steps (with formulas for
+grouped_mm and CPU attention): moe_exp.bench.flop_check and tests/test_flops.py.
 """
 from __future__ import annotations
 

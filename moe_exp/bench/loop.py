@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from ..config import total_steps
 from .memory import MemoryMeter
-from .timer import StepTimer
+from .timer import StepTimer, process_age_s
 
 
 class Diverged(Exception):
@@ -30,6 +30,7 @@ class LoopResult:
     z: float | None = None
     steps_done: int = 0
     comm_ms: float | None = None  # per step, from the profiled last steps (distributed only)
+    startup_s: float | None = None  # process start -> first measured step (compile included)
 
 
 def micro_step(model, tokens, targets, autocast, scaler, accum: int, timer=None):
@@ -82,6 +83,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                 prof = _profiler(device)
                 prof.__enter__()
             if step == t.warmup_steps:
+                res.startup_s = process_age_s()
                 memory.reset()
                 bar.set_description("bench")
                 wall0 = time.perf_counter()

@@ -12,7 +12,7 @@ from ..results import fill_null_reasons, write_json_atomic
 from .flops import flops_per_token, param_counts
 from .loop import Diverged, train_loop
 from .memory import MemoryMeter
-from .timer import iqr, median
+from .timer import iqr, median, own_process
 
 
 def _tags(choices: dict, cfg) -> list[str]:
@@ -21,16 +21,14 @@ def _tags(choices: dict, cfg) -> list[str]:
 
 
 def _resolve_dispatch(cfg, device: torch.device) -> None:
-    from ..model import grouped_mm_supported
+    from ..model.moe import resolve_dispatch
     from ..optimizations.precision import DTYPES
 
     m = cfg.model
     if m.dispatch == "auto":
         dtype = DTYPES.get(cfg.precision.autocast_dtype, torch.float32)
-        # Under torch.compile, grouped_mm lowers for bf16 only.
-        ok = cfg.train.compile == "off" or dtype == torch.bfloat16
-        m.dispatch = "grouped" if m.num_experts and ok and grouped_mm_supported(device, dtype) \
-            else "loop"
+        m.dispatch = resolve_dispatch("auto", device, dtype, cfg.train.compile != "off") \
+            if m.num_experts else "loop"
 
 
 def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress: bool,
@@ -54,7 +52,7 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
     tracker = None
     try:
         if main:
-            tracker = Tracker(cfg, cfg_dict, out_dir, _tags(choices, cfg), name)
+            tracker = Tracker(cfg, cfg_dict, out_dir, _tags(choices, cfg), name, defer=True)
         _measure(cfg, rec, device, tracker, progress and main, d)
         rec["status"] = "ok"
     except Diverged as e:
@@ -148,6 +146,10 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
         why["compile_s"] = "train.compile=off"
     else:  # the first step's time beyond a steady step: compilation dominates it
         rec["compile_s"] = max(0.0, res.first_step_s - step_ms / 1e3)
+    if res.startup_s is not None and own_process():  # framework overhead, compile excluded
+        rec["startup_s"] = res.startup_s - (rec["compile_s"] or 0.0)
+    else:
+        why["startup_s"] = "process not started for this run (in-process call), or no /proc"
     rec.update(mem)
     why.update(mem_why)
     if res.comm_ms is not None:

@@ -5,6 +5,7 @@ figures are GPU time between boundaries. On CPU, wall time between boundaries.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -63,3 +64,27 @@ def iqr(xs):
         return None
     q = statistics.quantiles(xs, n=4, method="inclusive")
     return q[2] - q[0]
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def own_process() -> bool:
+    """Whether this process was started for one run (`python -m moe_exp.run`, the moe-exp
+    script, a sweep job's child), so that its start is the run's start."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    name = getattr(spec, "name", "") or ""
+    return name in ("moe_exp.run", "moe_exp.sweep.child") or \
+        os.path.basename(sys.argv[0] if sys.argv else "") == "moe-exp"

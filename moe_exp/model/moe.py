@@ -1,8 +1,10 @@
 """Mixture-of-Experts FFN: softmax top-k router, SwiGLU experts, dropless dispatch.
 
 Dispatch: every (token, choice) pair is sorted by expert, each expert multiplies its
-contiguous slice (one grouped matmul, or a loop of matmuls), and the weighted
-outputs are scattered back with index_add. No token is ever dropped.
+contiguous slice (grouped: one grouped matmul per weight; padded: one bmm over groups
+padded to the largest; loop: a matmul per expert), the outputs are gathered back to
+(token, choice) order and summed with the routing weights. No token is ever dropped.
+Every row move is a gather whose backward is a gather too (no scatter-add: slow on CPU).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 def _mm_dtype(x: torch.Tensor) -> torch.dtype:
     """Dtype autocast would give a matmul on x (grouped_mm has no autocast rule)."""
     dev = x.device.type
-    if torch.is_autocast_enabled(dev):
+    if dev != "meta" and torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
     return x.dtype
 
@@ -26,19 +28,78 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return _grouped_mm(x, w, offs=offs)
 
 
+_SUPPORTED: dict = {}
+
+
 def grouped_mm_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether forward and backward of grouped_mm run here (probed on tiny tensors)."""
+    """Whether forward and backward of grouped_mm run here (probed once on tiny tensors)."""
     if _grouped_mm is None:
         return False
-    try:
-        x = torch.randn(24, 16, device=device, dtype=dtype, requires_grad=True)
-        w = torch.randn(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-        offs = torch.tensor([8, 24], device=device, dtype=torch.int32)
-        y = grouped_mm(x, w, offs)
-        y.backward(torch.ones_like(y))
-        return bool(torch.isfinite(x.grad).all())
-    except Exception:  # noqa: BLE001 - any failure means "not supported here"
-        return False
+    key = (torch.device(device).type, dtype)
+    if key not in _SUPPORTED:
+        try:
+            # no torch.randn: the probe must not move the global RNG (weights' init follows)
+            x = torch.ones(24, 16, device=device, dtype=dtype, requires_grad=True)
+            w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+            offs = torch.tensor([8, 24], device=device, dtype=torch.int32)
+            y = grouped_mm(x, w, offs)
+            y.backward(torch.ones_like(y))
+            _SUPPORTED[key] = bool(torch.isfinite(x.grad).all())
+        except Exception:  # noqa: BLE001 - any failure means "not supported here"
+            _SUPPORTED[key] = False
+    return _SUPPORTED[key]
+
+
+def resolve_dispatch(dispatch: str, device: torch.device | str, dtype: torch.dtype,
+                     compiled: bool = False) -> str:
+    """The expert kernel to use for `dispatch` on this device, matmul dtype and mode.
+
+    auto, from benchmarks/moe_layer.py and compile_step.py (see benchmarks/README.md):
+    GPUs: grouped (grouped_mm; under torch.compile it lowers in bf16 only, else loop).
+    CPU: bf16 -> padded (one bmm per weight: oneDNN/AMX batched matmuls beat per-expert
+    matmuls, eager and compiled); fp32 -> grouped eager, loop compiled.
+    An explicit grouped falls back to loop where grouped_mm cannot run.
+    """
+    grouped_ok = (not compiled or dtype == torch.bfloat16) and grouped_mm_supported(device, dtype)
+    if dispatch == "auto":
+        if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
+            return "padded"
+        return "grouped" if grouped_ok else "loop"
+    if dispatch == "grouped" and not grouped_ok:
+        return "loop"
+    return dispatch
+
+
+class _Gather(torch.autograd.Function):
+    """rows = x.index_select(0, idx), with a backward that gathers too.
+
+    Autograd's backward of index_select is a scatter (index_add), slow on CPU. Here every
+    x row r was copied to rows back[r, 0..m-1] (back: (x rows, m) indices into `rows`), or
+    to none where back[r] = -1 when m = 1 (then its gradient is 0), so
+    grad_x[r] = sum_j grad_rows[back[r, j]]: one gather and a sum.
+    """
+
+    @staticmethod
+    def forward(ctx, x, idx, back):
+        ctx.save_for_backward(back)
+        ctx.n = x.shape[0]
+        return x.index_select(0, idx)
+
+    @staticmethod
+    def backward(ctx, g):
+        (back,) = ctx.saved_tensors
+        if back.dim() == 1:  # m = 1; -1 marks rows nobody copied
+            pad = torch.cat([g, g.new_zeros(1, g.shape[1])])
+            return pad.index_select(0, torch.where(back < 0, g.shape[0], back)), None, None
+        gx = g.index_select(0, back.reshape(-1))
+        if back.shape[1] > 1:
+            gx = gx.view(ctx.n, back.shape[1], -1).sum(1)
+        return gx, None, None
+
+
+def gather_rows(x: torch.Tensor, idx: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
+    """x[idx] for a row map whose inverse `back` is known (see _Gather)."""
+    return _Gather.apply(x, idx, back)
 
 
 class Router(nn.Module):
@@ -58,8 +119,16 @@ class Router(nn.Module):
         return logits, probs, weights, experts
 
 
+DISPATCHES = ("grouped", "padded", "loop")
+
+
 class Experts(nn.Module):
-    """num_experts SwiGLU FFNs held as stacked weights (E, in, out)."""
+    """num_experts SwiGLU FFNs held as stacked weights (E, in, out).
+
+    forward(x, counts, grouped): x (N, H) rows sorted by expert, counts (E,) rows per expert.
+    `grouped` picks the kernel: True or "grouped" (grouped_mm), "padded" (bmm over groups
+    padded to the largest count), False or "loop" (a matmul per expert).
+    """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int):
         super().__init__()
@@ -67,24 +136,56 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
-        """x: (N, H) rows sorted by expert; counts: (E,) rows per expert."""
-        if grouped:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool | str) -> torch.Tensor:
+        mode = "grouped" if grouped is True else "loop" if grouped is False else grouped
+        if mode == "grouped":
             dt = _mm_dtype(x)
             x = x.to(dt)
             offs = counts.cumsum(0).to(torch.int32)
             w1, w3, w2 = (w.to(dt) for w in (self.w1, self.w3, self.w2))
             h = F.silu(grouped_mm(x, w1, offs)) * grouped_mm(x, w3, offs)
             return grouped_mm(h, w2, offs)
+        if mode == "padded":
+            return self._padded(x, counts)
         sizes = counts.tolist()
         for n in sizes:  # tells torch.compile these data-dependent sizes are valid
             torch._check(n >= 0)
         torch._check(sum(sizes) == x.shape[0])
+        # unbind, not w[e]: each w[e]'s backward would materialise a zero gradient of the
+        # whole (E, in, out) stack; unbind's backward is one stack.
+        w1, w3, w2 = self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)
         outs = []
         for e, xe in enumerate(torch.split(x, sizes)):
-            h = F.silu(xe @ self.w1[e]) * (xe @ self.w3[e])
-            outs.append(h @ self.w2[e])
+            h = F.silu(xe @ w1[e]) * (xe @ w3[e])
+            outs.append(h @ w2[e])
         return torch.cat(outs)
+
+    def _padded(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Pad every expert's rows to the largest count, three batched matmuls, unpad.
+
+        Padding rows read row 0 (any finite row): their outputs are dropped, so their
+        gradients are zero and they add nothing to the weight gradients.
+        """
+        num_experts, n = counts.shape[0], x.shape[0]
+        # host sync (compiled: a data-dependent size; >= 2 spares inductor a size-1 case)
+        cap = max(int(counts.max()), 2)
+        torch._check(cap >= 2)
+        if not torch.compiler.is_compiling() and num_experts * cap > 2 * n + 64 * num_experts:
+            # badly balanced: padding would more than double the matmuls
+            return self.forward(x, counts, "loop")
+        starts = counts.cumsum(0) - counts
+        expert = torch.repeat_interleave(torch.arange(num_experts, device=x.device), counts,
+                                         output_size=n)
+        rows = torch.arange(n, device=x.device)
+        slot = expert * cap + rows - starts[expert]  # (N,) where each row goes
+        src = slot.new_zeros(num_experts * cap).scatter_(0, slot, rows)  # padding: row 0
+        owner = slot.new_full((num_experts * cap,), -1).scatter_(0, slot, rows)
+        dt = _mm_dtype(x)
+        xp = gather_rows(x.to(dt), src, slot[:, None]).view(num_experts, cap, x.shape[1])
+        w1, w3, w2 = (w.to(dt) for w in (self.w1, self.w3, self.w2))
+        h = F.silu(torch.bmm(xp, w1)) * torch.bmm(xp, w3)
+        y = torch.bmm(h, w2).view(num_experts * cap, -1)
+        return gather_rows(y, slot, owner)
 
 
 class MoE(nn.Module):
@@ -93,8 +194,13 @@ class MoE(nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
                  dispatch: str = "loop"):
         super().__init__()
+        if dispatch == "auto":  # unresolved (see resolve_dispatch): the portable choice
+            dispatch = "loop"
+        if dispatch not in DISPATCHES:
+            raise ValueError(f"dispatch must be one of {DISPATCHES} or auto, got {dispatch!r}")
         self.num_experts = num_experts
         self.top_k = top_k
+        self.dispatch = dispatch
         self.grouped = dispatch == "grouped"
         self.router = Router(hidden_size, num_experts, top_k)
         self.experts = Experts(num_experts, hidden_size, ffn_hidden_size)
@@ -103,15 +209,21 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (T, H)
         logits, probs, weights, experts = self.router(x)
-        flat = experts.reshape(-1)  # (T*k,)
+        flat = experts.reshape(-1)  # (T*k,) in (token, choice) order
         order = torch.argsort(flat, stable=True)
-        token = order // self.top_k
         # static-shape histogram (bincount's output size is data-dependent under compile)
         counts = flat.new_zeros(self.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
-        y = self.experts(x[token], counts, self.grouped)
-        y = y * weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
-        out = torch.zeros(x.shape[0], shape[-1], dtype=y.dtype, device=x.device)
-        out = out.index_add(0, token, y)
+        # inv[i]: where pair i = (token, choice) sits in the sorted order
+        inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(),
+                                                                      device=x.device))
+        # Gathers whose backward is a gather too (no scatter): token rows sorted by expert
+        # (cast first: the matmuls' dtype, half the bytes to move under bf16 autocast).
+        xs = gather_rows(x.to(_mm_dtype(x)), order // self.top_k, inv.view(-1, self.top_k))
+        mode = self.grouped if self.dispatch != "padded" else "padded"
+        y = self.experts(xs, counts, mode)
+        # Back to (token, choice) order, then the routing-weighted sum over the k choices.
+        y = gather_rows(y, inv, order[:, None]).view(x.shape[0], self.top_k, -1)
+        out = (y * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)
         # Switch load-balancing loss: E * sum_e (fraction of assignments to e) * (mean prob of e)
         frac = counts.to(probs.dtype) / flat.numel()
         balance = self.num_experts * (frac * probs.mean(dim=0)).sum()

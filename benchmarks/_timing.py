@@ -1,0 +1,88 @@
+"""Side-by-side timing on a shared machine: interleaved rounds, contended rounds dropped.
+
+Every contender runs once per round, in the same order, so slow drifts hit all alike.
+On Linux each round also reads /proc/stat: when other processes used more than
+`max_other` of the machine's CPU time during the round, the whole round is dropped and
+run again (up to `max_tries` rounds in all); a 2-core box shared with a test suite
+otherwise turns a 10 ms step into 500 ms (OpenMP threads waiting for a preempted peer).
+The report says how many rounds were dropped and, if no quiet round came, that the
+figures were taken under contention.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Callable
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(busy ticks of the whole machine, ticks of this process, its threads and its
+    finished children)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        busy = sum(v) - v[3] - (v[4] if len(v) > 4 else 0)  # minus idle and iowait
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()
+        # utime + stime, and cutime + cstime (children this process has waited for)
+        return busy, sum(int(x) for x in own[11:15])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def other_load(t0, t1, wall_s: float) -> float | None:
+    """Share of the machine's CPU time that other processes used between two readings."""
+    if t0 is None or t1 is None or wall_s <= 0:
+        return None
+    others = (t1[0] - t0[0]) - (t1[1] - t0[1])
+    return max(0.0, others / _TICK) / (wall_s * (os.cpu_count() or 1))
+
+
+def run_rounds(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 2,
+               sync: Callable[[], None] = lambda: None, max_other: float | None = None,
+               max_tries: int | None = None) -> dict:
+    """Median ms per contender over `reps` quiet rounds (see module doc).
+
+    max_other: default 0.15, plus the share of cores this process leaves free
+    (torch.get_num_threads() below the core count).
+    """
+    if max_other is None:
+        import torch
+
+        cores = os.cpu_count() or 1
+        max_other = 0.15 + max(0, cores - torch.get_num_threads()) / cores
+    max_tries = max_tries or 4 * reps + warmup
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    sync()
+    times: dict[str, list[float]] = {n: [] for n in fns}
+    noisy: dict[str, list[float]] = {n: [] for n in fns}
+    dropped = tries = 0
+    while min(len(v) for v in times.values()) < reps and tries < max_tries:
+        tries += 1
+        c0, w0 = _cpu_ticks(), time.perf_counter()
+        row = {}
+        for n, fn in fns.items():
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            row[n] = (time.perf_counter() - t) * 1e3
+        load = other_load(c0, _cpu_ticks(), time.perf_counter() - w0)
+        target = times if load is None or load <= max_other else noisy
+        if target is noisy:
+            dropped += 1
+        for n, ms in row.items():
+            target[n].append(ms)
+    contended = min(len(v) for v in times.values()) == 0
+    use = noisy if contended else times
+    return {
+        "median_ms": {n: statistics.median(v) for n, v in use.items()},
+        "rounds": min(len(v) for v in use.values()),
+        "dropped_rounds": dropped,
+        "contended": contended,
+    }

@@ -1,0 +1,230 @@
+"""MoE layer forward + backward (dropless): our dispatch paths against the naive loop.
+
+    PYTHONPATH=. python benchmarks/moe_layer.py [--shapes tiny,small,1b] [--dtypes fp32,bf16]
+                                                [--reps 20] [--json out.json]
+
+Contenders, all with the same router, the same weights and the same routing:
+  naive     the per-expert loop popular model libraries use: Hugging Face transformers 5.x
+            Mixtral (stacked expert weights indexed per expert): for each expert hit,
+            torch.where(one_hot mask), gather its tokens, SwiGLU, scale by the routing
+            weight, index_add_ into the output. Written here (class Naive).
+  naive-v4  the same loop over one nn.Linear module per expert (transformers 4.x Mixtral).
+  loop      moe_exp's `model.dispatch=loop` (sort by expert, split, per-expert matmuls)
+  grouped   moe_exp's `model.dispatch=grouped` (sort by expert, three grouped matmuls)
+  padded    moe_exp's `model.dispatch=padded` (groups padded to the largest, three bmm)
+  auto      what `model.dispatch=auto` picks on this device and dtype
+
+Timing: every contender runs once per round, rounds interleaved (so machine noise hits all
+alike), after warmup rounds; rounds during which other processes used the CPU are dropped
+and rerun (benchmarks/_timing.py). The table gives median ms per fwd+bwd and
+speedup = naive's median / the contender's. bf16 means autocast to bfloat16 (the model's bf16 precision).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import run_rounds  # noqa: E402
+
+from moe_exp.model.moe import MoE, resolve_dispatch  # noqa: E402
+
+# name: (tokens, hidden, ffn, experts, top_k); tokens = micro_batch_size * seq_len
+SHAPES = {
+    "tiny": (8 * 128, 128, 256, 8, 2),  # tiny_moe, default micro batch 8
+    "small": (8 * 256, 256, 512, 16, 2),  # small_moe, micro batch 8
+    "1b-cpu": (2048, 1024, 1152, 16, 2),  # moe_1b's layer, one 2048-token sequence
+    "1b": (4 * 2048, 1024, 1152, 16, 2),  # moe_1b, micro batch 4 (GPU)
+}
+
+
+COLS = ("naive", "naive-v4", "loop", "grouped", "padded", "auto")
+
+
+class Naive(torch.nn.Module):
+    """The per-expert loop of Hugging Face transformers' Mixtral, over moe_exp's router.
+
+    style="v5": transformers 5.x `MixtralExperts`: stacked parameters gate_up_proj (E, 2F, H)
+    and down_proj (E, H, F), indexed per expert (`F.linear(x, self.gate_up_proj[e])`).
+    style="v4": transformers 4.x `MixtralSparseMoeBlock`: one module per expert with its own
+    nn.Linear w1, w3, w2. Both: one_hot mask, experts hit, torch.where, gather the expert's
+    tokens, SwiGLU, scale by the routing weight, index_add_ into the output.
+    The weights are copies of `moe`'s (same numbers, own parameters).
+    """
+
+    def __init__(self, moe: MoE, style: str = "v5"):
+        super().__init__()
+        self.router, self.num_experts, self.style = moe.router, moe.num_experts, style
+        ex = moe.experts
+        with torch.no_grad():
+            if style == "v5":
+                self.gate_up_proj = torch.nn.Parameter(
+                    torch.cat([ex.w1, ex.w3], dim=2).transpose(1, 2).contiguous())
+                self.down_proj = torch.nn.Parameter(ex.w2.transpose(1, 2).contiguous())
+            else:
+                self.experts = torch.nn.ModuleList()
+                for e in range(self.num_experts):
+                    m = torch.nn.Module()
+                    for name in ("w1", "w3", "w2"):
+                        w = getattr(ex, name)[e]
+                        lin = torch.nn.Linear(w.shape[0], w.shape[1], bias=False)
+                        lin.weight.copy_(w.t())
+                        setattr(m, name, lin)
+                    self.experts.append(m)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        _, _, weights, experts = self.router(x)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        with torch.no_grad():
+            mask = F.one_hot(experts, num_classes=self.num_experts).permute(2, 1, 0)  # E, k, T
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit:
+            e = e[0]
+            idx, top_x = torch.where(mask[e])
+            cur = x[top_x]
+            if self.style == "v5":
+                gate, up = F.linear(cur, self.gate_up_proj[e]).chunk(2, dim=-1)
+                y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            else:
+                m = self.experts[int(e)]
+                y = m.w2(F.silu(m.w1(cur)) * m.w3(cur))
+            y = y * weights[top_x, idx, None]
+            out.index_add_(0, top_x, y.to(out.dtype))
+        return out.reshape(shape)
+
+
+def contenders(shape, device, dtype):
+    t, h, f, e, k = shape
+    torch.manual_seed(0)
+    base = MoE(h, f, e, k, dispatch="loop").to(device)
+    for p in base.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    out = {"naive": Naive(base, "v5").to(device), "naive-v4": Naive(base, "v4").to(device),
+           "loop": base}
+    auto = resolve_dispatch("auto", device, dtype)
+    for d in ("grouped", "padded"):
+        if d == "grouped" and resolve_dispatch("grouped", device, dtype) != "grouped":
+            continue  # grouped_mm does not run here
+        m = MoE(h, f, e, k, dispatch=d).to(device)
+        m.load_state_dict(base.state_dict())
+        out[d] = m
+    out["auto"] = out[auto]
+    return out, auto
+
+
+def step_fn(model, x, g, autocast):
+    def step():
+        for p in model.parameters():
+            p.grad = None
+        x.grad = None
+        with autocast():
+            y = model(x)
+            y = y[0] if isinstance(y, tuple) else y
+        y.backward(g)
+    return step
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_shape(name, shape, device, dtype, reps, warmup):
+    t, h, f, e, k = shape
+    models, auto = contenders(shape, device, dtype)
+    torch.manual_seed(1)
+    x = torch.randn(t, h, device=device, requires_grad=True)
+    g = torch.randn(t, h, device=device)
+    if dtype == torch.float32:
+        autocast = contextlib.nullcontext
+    else:
+        g = g.to(dtype)
+        autocast = lambda: torch.autocast(device.type, dtype=dtype)  # noqa: E731
+    # Same numbers from every contender (bf16: loose).
+    ref = None
+    for mname, m in models.items():
+        if mname == "auto":
+            continue
+        with autocast():
+            y = m(x)
+            y = (y[0] if isinstance(y, tuple) else y).float()
+        if ref is None:
+            ref = y
+        else:
+            tol = 1e-4 if dtype == torch.float32 else 3e-2
+            torch.testing.assert_close(y, ref, rtol=tol, atol=tol * ref.abs().max().item(),
+                                       msg=lambda s, n=mname: f"{n} differs from naive: {s}")
+    steps = {n: step_fn(m, x, g, autocast) for n, m in models.items() if n != "auto"}
+    res = run_rounds(steps, reps, warmup, sync=lambda: sync(device))
+    med = dict(res["median_ms"])
+    med["auto"] = med[auto]
+    return {"auto": auto, "shape": name, "tokens": t, "hidden": h, "ffn": f, "experts": e, "top_k": k,
+            "dtype": str(dtype).replace("torch.", ""), "device": device.type,
+            "rounds": res["rounds"], "dropped_rounds": res["dropped_rounds"],
+            "contended": res["contended"],
+            "median_ms": med, "speedup_vs_naive": {n: med["naive"] / v for n, v in med.items()}}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shapes", default=None, help="comma list of " + ",".join(SHAPES))
+    ap.add_argument("--dtypes", default=None, help="fp32,bf16 (CPU default) or bf16 (CUDA)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    ap.add_argument("--json", default=None, help="write the results here")
+    a = ap.parse_args(argv)
+    device = torch.device(a.device)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    cuda = device.type == "cuda"
+    shapes = (a.shapes or ("tiny,small,1b" if cuda else "tiny,small,1b-cpu")).split(",")
+    dtypes = (a.dtypes or ("bf16" if cuda else "fp32,bf16")).split(",")
+    dmap = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    dev_name = torch.cuda.get_device_name(device) if cuda else \
+        f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    print(f"# MoE layer fwd+bwd, {dev_name}, torch {torch.__version__}, "
+          f"python {platform.python_version()}, {dt.date.today()}, median of {a.reps}")
+    print(f"{'shape':8} {'T x H x F x E x k':>24} {'dtype':>8}  "
+          + "  ".join(f"{n:>16}" for n in COLS) + "  auto is")
+    rows = []
+    for s in shapes:
+        for dn in dtypes:
+            r = bench_shape(s, SHAPES[s], device, dmap[dn], a.reps, a.warmup)
+            rows.append(r)
+            dims = "x".join(str(v) for v in SHAPES[s])
+            cells = []
+            for n in COLS:
+                ms = r["median_ms"].get(n)
+                cells.append(f"{'—':>16}" if ms is None else
+                             f"{ms:8.2f} ({r['speedup_vs_naive'][n]:4.1f}x)")
+            cells.append(f"  {r['auto']}")
+            cells.append(f"  [{r['rounds']} rounds, {r['dropped_rounds']} dropped"
+                         + (", CONTENDED]" if r["contended"] else "]"))
+            print(f"{s:8} {dims:>24} {dn:>8}  " + "  ".join(cells), flush=True)
+    if a.json:
+        meta = {"device": dev_name, "torch": torch.__version__, "date": str(dt.date.today()),
+                "command": " ".join(sys.argv), "reps": a.reps}
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

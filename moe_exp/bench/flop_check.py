@@ -1,0 +1,125 @@
+"""Count the FLOPs of a real training step and compare them with the analytic formula.
+
+    python -m moe_exp.bench.flop_check [--meta] [model=small_moe precision=bf16 ...]
+
+torch.utils.flop_counter.FlopCounterMode counts matmuls (mm, addmm, bmm) and GPU
+attention, but not `aten._grouped_mm` (no formula) nor CPU attention (counted as 0), and
+its GPU attention backward formula includes the recomputation of the scores (hardware
+FLOPs). `count_step_flops` adds formulas for grouped_mm and every SDPA kernel, forward
+and backward, with the model-FLOPs convention of `flops.py`: attention forward = QK^T and
+PV (causal counted in full), backward = the 4 matmuls of the gradients, no recomputation.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+
+aten = torch.ops.aten
+
+
+def _grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """2D x 3D -> 2D (rows grouped), 3D x 3D (batched), 3D x 2D: 2 * out * K;
+    2D x 2D -> 3D (the weight gradient: the contraction is split into groups): 2 * K*N*M."""
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    out = 1
+    for d in out_shape:
+        out *= d
+    return 2 * out * a_shape[-1]
+
+
+def _sdpa_fwd(q, k, v) -> int:
+    b, h, s_q, d_qk = q
+    s_k, d_v = k[2], v[3]
+    return 2 * b * h * s_q * s_k * (d_qk + d_v)  # QK^T and PV, every head of the query
+
+
+def _sdpa_flop(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+    return _sdpa_fwd(q_shape, k_shape, v_shape)
+
+
+def _sdpa_backward_flop(grad_out_shape, q_shape, k_shape, v_shape, *args, out_shape=None,
+                        **kwargs) -> int:
+    return 2 * _sdpa_fwd(q_shape, k_shape, v_shape)  # dV, dP, dQ, dK
+
+
+def flop_formulas() -> dict:
+    """custom_mapping for FlopCounterMode (ops missing in this torch build are skipped)."""
+    fwd = ["_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+           "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"]
+    out = {getattr(aten, n): _sdpa_flop for n in fwd if hasattr(aten, n)}
+    out.update({getattr(aten, n + "_backward"): _sdpa_backward_flop for n in fwd
+                if hasattr(aten, n + "_backward")})
+    if hasattr(aten, "_grouped_mm"):
+        out[aten._grouped_mm] = _grouped_mm_flop
+    return out
+
+
+def count_step_flops(model, tokens, targets, autocast=contextlib.nullcontext) -> dict:
+    """FLOPs of one forward + backward of `model` on one micro-batch, counted per op."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False, custom_mapping=flop_formulas())
+    with counter:
+        with autocast():
+            out = model(tokens, targets)
+        out.loss.backward()
+    by_op = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
+    total = counter.get_total_flops()
+    return {"total": total, "per_token": total / tokens.numel(), "by_op": by_op}
+
+
+def check(overrides=(), device: str = "cpu") -> dict:
+    """Analytic flops_per_token vs the counted FLOPs of one step of the configured model.
+
+    device="meta" counts without memory or compute (shapes only; grouped dispatch), e.g.
+    for moe_1b on a laptop."""
+    from hydra import compose, initialize_config_module
+
+    from ..model import build_model
+    from ..optimizations.precision import DTYPES, autocast_factory
+    from .flops import flops_per_token
+
+    with initialize_config_module(config_module="moe_exp.conf", version_base="1.3"):
+        cfg = compose("run", overrides=list(overrides))
+    m, t = cfg.model, cfg.train
+    if not m.num_experts:
+        m.dispatch = "loop"  # unused by a dense model
+    elif device == "meta":  # the loop needs the counts' values
+        m.dispatch = "grouped"
+    elif m.dispatch in ("auto", "padded"):  # padded multiplies padding rows: not model FLOPs
+        dtype = DTYPES.get(cfg.precision.autocast_dtype, torch.float32)
+        from ..model.moe import grouped_mm_supported
+
+        m.dispatch = "grouped" if grouped_mm_supported("cpu", dtype) else "loop"
+    torch.manual_seed(t.seed)
+    with torch.device(device):
+        model = build_model(m)
+        if device == "meta":  # grouped_mm's meta kernel wants bf16; FLOPs are the same
+            model = model.to(torch.bfloat16)
+        tokens = torch.randint(0, m.vocab_size, (t.micro_batch_size, t.seq_len))
+    counted = count_step_flops(model, tokens, tokens,
+                               autocast_factory(cfg.precision, torch.device("cpu")))
+    analytic = flops_per_token(m, t.seq_len)
+    return {"model": m.name, "dispatch": m.dispatch if m.num_experts else None, "precision": cfg.precision.name,
+            "analytic_per_token": analytic, "counted_per_token": counted["per_token"],
+            "rel_diff": counted["per_token"] / analytic - 1, "by_op": counted["by_op"]}
+
+
+def main(argv=None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    meta = "--meta" in args
+    r = check([a for a in args if a != "--meta"], "meta" if meta else "cpu")
+    print(f"model={r['model']} precision={r['precision']} dispatch={r['dispatch']}")
+    print(f"  analytic {r['analytic_per_token'] / 1e6:12.4f} MFLOP/token")
+    print(f"  counted  {r['counted_per_token'] / 1e6:12.4f} MFLOP/token  "
+          f"({100 * r['rel_diff']:+.3f}%)")
+    for op, v in sorted(r["by_op"].items(), key=lambda kv: -kv[1]):
+        print(f"    {op:60} {v:.4g}")
+    return 0 if abs(r["rel_diff"]) <= 0.02 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
