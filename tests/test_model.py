@@ -146,3 +146,16 @@ def test_dispatch_probe_leaves_the_global_rng_alone():
     a = torch.rand(3)
     torch.manual_seed(0)
     assert torch.equal(a, torch.rand(3))
+
+
+@pytest.mark.parametrize("dispatch", DISPATCHES)
+def test_experts_with_no_rows(dispatch):
+    """An expert-parallel rank may receive no tokens: every kernel returns (0, H)."""
+    from moe_exp.model.moe import Experts
+
+    ex = Experts(4, 8, 12)
+    for p in ex.parameters():
+        torch.nn.init.normal_(p)
+    y = ex(torch.zeros(0, 8, requires_grad=True), torch.zeros(4, dtype=torch.long), dispatch)
+    y.sum().backward()
+    assert y.shape == (0, 8) and ex.w1.grad is not None and ex.w1.grad.abs().sum() == 0

@@ -138,6 +138,9 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool | str) -> torch.Tensor:
         mode = "grouped" if grouped is True else "loop" if grouped is False else grouped
+        if mode == "grouped" and x.shape[0] == 0 and not torch.compiler.is_compiling():
+            mode = "loop"  # grouped_mm rejects an empty input (an expert-parallel rank may
+            # receive no rows)
         if mode == "grouped":
             dt = _mm_dtype(x)
             x = x.to(dt)
@@ -170,8 +173,10 @@ class Experts(nn.Module):
         # host sync (compiled: a data-dependent size; >= 2 spares inductor a size-1 case)
         cap = max(int(counts.max()), 2)
         torch._check(cap >= 2)
-        if not torch.compiler.is_compiling() and num_experts * cap > 2 * n + 64 * num_experts:
-            # badly balanced: padding would more than double the matmuls
+        if not torch.compiler.is_compiling() and (
+                n == 0 or num_experts * cap > 2 * n + 64 * num_experts):
+            # no rows (an expert-parallel rank can get none), or badly balanced: padding
+            # would more than double the matmuls
             return self.forward(x, counts, "loop")
         starts = counts.cumsum(0) - counts
         expert = torch.repeat_interleave(torch.arange(num_experts, device=x.device), counts,
