@@ -7,7 +7,8 @@ For each model and precision: two copies of the same model (same weights, same b
 one eager (train.compile=off) and one compiled (train.compile=default), each built the way
 a run builds it (moe_exp.optimizations.apply, the run's optimizer) with the MoE dispatch
 `auto` resolves to for that mode. A step = forward + backward + clip + optimizer step.
-The first compiled step's time is reported as compile time; then rounds alternate one
+The first compiled step's time is reported as compile time (cold: a fresh inductor cache
+unless --warm-cache); then rounds alternate one
 eager and one compiled step (rounds disturbed by other processes are rerun, see
 _timing.py) and the table gives median ms and eager/compiled speedup.
 Default: tiny_moe, small_moe on CPU; tiny_moe, small_moe, moe_1b on CUDA (bf16).
@@ -113,8 +114,14 @@ def main(argv=None):
     ap.add_argument("--precisions", default=None)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--warm-cache", action="store_true",
+                    help="keep inductor's cache (default: a fresh one: cold compile times)")
     ap.add_argument("overrides", nargs="*", help="extra config overrides for every model")
     a = ap.parse_args(argv)
+    if not a.warm_cache:
+        import tempfile
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cold-")
     device = torch.device(a.device)
     cuda = device.type == "cuda"
     models = (a.models or ("tiny_moe,small_moe,moe_1b" if cuda else "tiny_moe,small_moe")).split(",")

@@ -14,6 +14,17 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def _release_free_heap() -> None:
+    """glibc keeps freed heap memory for reuse; hand it back to the OS (malloc_trim), so
+    that a run after bigger work in the same process still grows the RSS it measures."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 class MemoryMeter:
     """baseline() before the model is built; reset() before the window; read() after it."""
 
@@ -24,6 +35,7 @@ class MemoryMeter:
 
     def baseline(self) -> None:
         if self.device.type == "cpu":
+            _release_free_heap()
             self.base_rss = _status_kib("VmRSS") * 1024
 
     def reset(self) -> None:
