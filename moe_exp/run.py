@@ -136,6 +136,8 @@ def main(cfg: DictConfig) -> dict:
 
         return run_job(cfg)
     rec = run(cfg)
+    if rec is None:  # a rank other than 0 under torchrun: rank 0 reports
+        return None
     if rec["status"] != "ok":
         sys.exit(EXIT_INVALID if rec["status"] in ("invalid", "skipped") else EXIT_FAILED)
     return rec

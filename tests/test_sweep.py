@@ -200,3 +200,12 @@ def test_notebook_executes_against_a_sweep(swept):
     assert not [o for o in outs if o.output_type == "error"]
     assert sum("image/png" in o.get("data", {}) for o in outs) == 2
     assert "4 jobs" in "".join(o.get("text", "") for o in outs)
+
+
+def test_job_timeout_kills_the_job_as_crashed(tmp_path):
+    d = tmp_path / "s"
+    r = sweep(d, "+case=long", "logger=none", "sweep.job_timeout_s=8")
+    assert r.returncode == 0, r.stderr[-3000:]
+    df = pd.read_csv(d / "results.csv")
+    assert list(df["status"]) == ["crashed"]
+    assert "sweep.job_timeout_s=8" in df.loc[0, "error"]

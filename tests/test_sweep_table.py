@@ -86,3 +86,26 @@ def test_sweep_keys_do_not_change_the_config_hash():
     b = OmegaConf.to_container(compose(["sweep.resume=true", "sweep.repeats=3"]), resolve=True)
     c = OmegaConf.to_container(compose(["precision=bf16"]), resolve=True)
     assert config_hash(a) == config_hash(b) != config_hash(c)
+
+
+def test_seed_tables_render_rows_columns_and_reasons():
+    from moe_exp.sweep.seed import seed_tables
+
+    rows, job = [], 0
+    for model, tps in (("seed_dense", 100.0), ("seed_moe8", 80.0)):
+        for key, mult, mem in (("baseline", 1.0, 2.0), ("mixed_precision", 1.5, 1.5),
+                               ("checkpointing", 1.2, 1.0), ("mem_checkpointing", 0.9, 1.4)):
+            rows.append(rec(job, tps * mult, mem, model=model, params_total=1_000_000,
+                            extra={"seed_row": key}))
+            job += 1
+        rows.append(rec(job, None, None, status="skipped", model=model, params_total=1_000_000,
+                        error="parallel.cpu_offload: FSDP CPU offload needs GPUs",
+                        extra={"seed_row": "mem_cpu_offload"}))
+        job += 1
+    md = seed_tables(build_table(rows))
+    assert "| + Mixed Precision | 150 | 120 | 1.50x | 1.5x |" in md
+    assert "| Baseline | 100 | 80 | 1.00x | 1.0x |" in md
+    assert "| + Expert Parallelism | not run | not run | — | 2.7x |" in md
+    assert "| + Gradient Checkpointing | 0.004 GiB | 1.400 GiB | 30% | 29% |" in md
+    assert "skipped: FSDP CPU offload needs GPUs" in md
+    assert seed_tables(build_table([rec(0, 1.0, 1.0)])) == ""

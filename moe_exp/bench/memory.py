@@ -61,6 +61,11 @@ class MemoryMeter:
                    "above the RSS before the model was built"}
             if not self.reset_ok:
                 why["peak_mem_note"] = "could not reset VmHWM: peak includes warmup steps"
+            if peak <= 0:  # the run reused heap that earlier work in this process freed
+                why["peak_mem_gib"] = ("RSS never rose above the RSS before the model was "
+                                       "built (memory freed earlier in this process was "
+                                       "reused): run it in its own process, as sweeps do")
+                peak = None
             return {"peak_mem_gib": peak, "peak_reserved_gib": None}, why
         reason = f"no memory API used for device type {self.device.type}"
         return {"peak_mem_gib": None, "peak_reserved_gib": None}, \
