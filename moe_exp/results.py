@@ -51,6 +51,16 @@ def new_record(cfg_dict: dict, overrides: list[str]) -> dict:
     return rec
 
 
+def failed_record(cfg_dict: dict, overrides: list[str], status: str, error: str,
+                  why: str) -> dict:
+    """A record for a run that measured nothing: its status, one-line error, and `why` as
+    the reason of every null measurement."""
+    rec = new_record(cfg_dict, overrides)
+    rec.update(status=status, error=error)
+    fill_null_reasons(rec, why)
+    return rec
+
+
 def write_json_atomic(path: str | Path, obj) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

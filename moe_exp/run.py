@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import config as _config  # noqa: F401  (registers the schemas)
 from .hardware import ConfigError
-from .results import fill_null_reasons, new_record, write_json_atomic
+from .results import failed_record, new_record, write_json_atomic
 
 EXIT_INVALID, EXIT_FAILED = 2, 1
 
@@ -44,10 +44,8 @@ def prepare(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, dict | N
         resolve(cfg)
         validate(cfg)
     except ConfigError as e:
-        rec = new_record(_container(cfg), overrides)
-        rec.update(status="skipped" if isinstance(e, Unsupported) else "invalid", error=str(e))
-        fill_null_reasons(rec, f"not run: {rec['status']}")
-        return cfg, rec
+        status = "skipped" if isinstance(e, Unsupported) else "invalid"
+        return cfg, failed_record(_container(cfg), overrides, status, str(e), f"not run: {status}")
     return cfg, None
 
 
@@ -92,10 +90,9 @@ def launch(cfg_dict: dict, out_dir: Path, overrides, choices, progress) -> dict:
         rec = elastic(rank_entry, cfg_dict["hardware"]["devices"], rank_main, cfg_dict,
                       str(out_dir), overrides, choices, progress)
     except ChildFailedError as e:
-        rec = new_record(cfg_dict, overrides)
         msg = failure_message(e)
-        rec.update(status="oom" if "OutOfMemoryError" in msg else "error", error=msg)
-        fill_null_reasons(rec, f"not measured: run {rec['status']}")
+        status = "oom" if "OutOfMemoryError" in msg else "error"
+        rec = failed_record(cfg_dict, overrides, status, msg, f"not measured: run {status}")
         write_json_atomic(out_dir / "metrics.json", rec)
         print(f"error: run {rec['status']}: {msg}", file=sys.stderr)
     return rec

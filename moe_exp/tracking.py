@@ -4,6 +4,13 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def _settings():
+    import wandb
+
+    return wandb.Settings(silent=True, x_disable_stats=True, x_disable_machine_info=True,
+                          disable_git=True, save_code=False)
+
+
 class Tracker:
     """One W&B run. defer=True starts W&B only at finish(): the logged history and the
     summary are replayed then, so W&B's start-up (about 2 s on a 2-core machine: imports and
@@ -28,9 +35,7 @@ class Tracker:
     def _start(self) -> None:
         import wandb
 
-        self.run = wandb.init(**self._kwargs, settings=wandb.Settings(
-            silent=True, x_disable_stats=True, x_disable_machine_info=True, disable_git=True,
-            save_code=False))
+        self.run = wandb.init(**self._kwargs, settings=_settings())
 
     def log(self, metrics: dict, step: int) -> None:
         if self._pending is not None:
@@ -110,9 +115,7 @@ def log_sweep(df, sweep_dir: Path, logger_cfg, group: str, pngs: dict) -> None:
     run = wandb.init(project=logger_cfg.project, entity=logger_cfg.entity, group=group,
                      mode=logger_cfg.mode, dir=str(sweep_dir), name=f"{group}-summary",
                      job_type="sweep-summary", config={"sweep_dir": str(sweep_dir)},
-                     settings=wandb.Settings(silent=True, x_disable_stats=True,
-                                             x_disable_machine_info=True, disable_git=True,
-                                             save_code=False))
+                     settings=_settings())
     try:
         f = flat(df)
         f = f.astype(object).where(f.notna(), None)

@@ -127,8 +127,9 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
             if (step + 1) % t.log_every == 0 or step + 1 == total:
                 losses = torch.stack(pending)
                 if dist.is_initialized():  # the global batch's loss: same on every rank
-                    dist.all_reduce(losses)
-                    losses /= dist.get_world_size()
+                    from ..distributed import all_mean
+
+                    losses = all_mean(losses)
                 values = losses.tolist()  # one sync per log interval
                 pending.clear()
                 res.losses.extend(values)

@@ -183,15 +183,15 @@ def _across_ranks(res, tm: dict, mem: dict, device) -> None:
 
     from ..distributed import all_max
 
+    dev = device if device.type == "cuda" else "cpu"
     n = len(tm["step_ms"])
-    keys = [k for k in tm]
-    flat = [v for k in keys for v in tm[k]]
-    flat = all_max(flat, device if device.type == "cuda" else "cpu")
+    keys = list(tm)
+    flat = all_max([v for k in keys for v in tm[k]], dev)
     for i, k in enumerate(keys):
         tm[k] = flat[i * n: (i + 1) * n]
     mkeys = [k for k, v in mem.items() if v is not None]
     extra = [res.comm_ms] if res.comm_ms is not None else []
-    vals = all_max([mem[k] for k in mkeys] + extra, device if device.type == "cuda" else "cpu")
+    vals = all_max([mem[k] for k in mkeys] + extra, dev)
     mem.update(zip(mkeys, vals))
     if extra:
         res.comm_ms = vals[-1]

@@ -10,7 +10,6 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-SWEEP_KEYS = ("sweep.", "+sweep", "hydra.", "logger", "+logger")
 
 
 def _fmt_s(s: float) -> str:

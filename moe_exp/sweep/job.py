@@ -22,7 +22,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from ..results import config_hash, fill_null_reasons, new_record, write_json_atomic
+from ..results import config_hash, failed_record, write_json_atomic
 from .table import DONE, combine, read_record
 
 
@@ -47,18 +47,12 @@ def run_job(cfg) -> dict:
         rec = _run_job(cfg, job_dir, sweep_dir, overrides, choices, hc.job.num)
     except Exception as e:  # noqa: BLE001 - a job must not raise (Hydra would drop the table)
         (job_dir / "error.log").write_text(traceback.format_exc())
-        rec = _failed(cfg, overrides, "error", f"{type(e).__name__}: {e}"[:300])
+        from ..run import _container
+
+        rec = failed_record(_container(cfg), overrides, "error",
+                            f"{type(e).__name__}: {e}"[:300], "not measured: job error")
     rec["job"] = hc.job.num
     write_json_atomic(job_dir / "metrics.json", rec)
-    return rec
-
-
-def _failed(cfg, overrides, status: str, error: str) -> dict:
-    from ..run import _container
-
-    rec = new_record(_container(cfg), overrides)
-    rec.update(status=status, error=error)
-    fill_null_reasons(rec, f"not measured: job {status}")
     return rec
 
 
@@ -158,10 +152,9 @@ def run_child(cfg_dict: dict, overrides, choices, out_dir: Path, s) -> dict:
     why = (f"was killed after sweep.job_timeout_s={s.job_timeout_s:g} s" if timed_out
            else _why_died(proc.returncode))
     last = f": {lines[-1].strip()[:200]}" if lines and not timed_out else ""
-    rec = new_record(cfg_dict, overrides)
-    rec.update(status="crashed", error=f"job process {why}{last} (see {out_dir}/job.log)")
-    fill_null_reasons(rec, "not measured: the job's process died")
-    return rec
+    return failed_record(cfg_dict, overrides, "crashed",
+                         f"job process {why}{last} (see {out_dir}/job.log)",
+                         "not measured: the job's process died")
 
 
 def _forward(stream, log, tail: deque) -> None:
