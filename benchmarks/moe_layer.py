@@ -13,6 +13,12 @@ Contenders, all with the same router, the same weights and the same routing:
   grouped   moe_exp's `model.dispatch=grouped` (sort by expert, three grouped matmuls)
   padded    moe_exp's `model.dispatch=padded` (groups padded to the largest, three bmm)
   auto      what `model.dispatch=auto` picks on this device and dtype
+  compiled  the same layer under torch.compile (`train.compile=default`), with the dispatch
+            `auto` picks for compiled code; --no-compile leaves it out
+  naive-c   naive under torch.compile (its loop over experts hit breaks the graph)
+  mm-only   not an implementation: the layer's expert matmuls alone (3 forward, 6 backward,
+            bmm over perfectly balanced groups, in the matmul dtype). naive / mm-only is the
+            most any dropless implementation could gain with everything else free.
 
 Timing: every contender runs once per round, rounds interleaved (so machine noise hits all
 alike), after warmup rounds; rounds during which other processes used the CPU are dropped
@@ -32,8 +38,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1" if (os.cpu_count() or 1) <= 4 else "8")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,7 +58,8 @@ SHAPES = {
 }
 
 
-COLS = ("naive", "naive-v4", "loop", "grouped", "padded", "auto")
+COLS = ("naive", "naive-v4", "loop", "grouped", "padded", "auto", "naive-c", "compiled",
+        "mm-only")
 
 
 class Naive(torch.nn.Module):
@@ -108,6 +117,31 @@ class Naive(torch.nn.Module):
         return out.reshape(shape)
 
 
+def mm_only(shape, device, dtype):
+    """The expert matmuls of one layer alone: forward and backward, balanced groups."""
+    t, h, f, e, k = shape
+    n = t * k // e
+    torch.manual_seed(2)
+    leaf = dict(requires_grad=True, device=device, dtype=dtype)
+    xp, hp = torch.randn(e, n, h, **leaf), torch.randn(e, n, f, **leaf)
+    w1, w3, w2 = (torch.randn(e, a, b, **leaf) for a, b in ((h, f), (h, f), (f, h)))
+    g1, g2 = torch.randn(e, n, f, device=device, dtype=dtype), torch.randn(
+        e, n, h, device=device, dtype=dtype)
+
+    def step():
+        for p in (xp, hp, w1, w3, w2):
+            p.grad = None
+        ys = [torch.bmm(xp, w1), torch.bmm(xp, w3), torch.bmm(hp, w2)]
+        torch.autograd.backward(ys, [g1, g1, g2])
+    return step
+
+
+def compiled(model):
+    from moe_exp.optimizations.compile import apply_compile
+
+    return apply_compile(model, "default")
+
+
 def contenders(shape, device, dtype):
     t, h, f, e, k = shape
     torch.manual_seed(0)
@@ -127,6 +161,15 @@ def contenders(shape, device, dtype):
     return out, auto
 
 
+def compiled_contenders(models, shape, device, dtype):
+    """naive and moe_exp's layer (dispatch auto picks under compile) under torch.compile."""
+    t, h, f, e, k = shape
+    d = resolve_dispatch("auto", device, dtype, compiled=True)
+    m = MoE(h, f, e, k, dispatch=d).to(device)
+    m.load_state_dict(models["loop"].state_dict())
+    return {"naive-c": compiled(models["naive"]), "compiled": compiled(m)}, d
+
+
 def step_fn(model, x, g, autocast):
     def step():
         for p in model.parameters():
@@ -144,9 +187,13 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def bench_shape(name, shape, device, dtype, reps, warmup):
+def bench_shape(name, shape, device, dtype, reps, warmup, compile_=True):
     t, h, f, e, k = shape
     models, auto = contenders(shape, device, dtype)
+    auto_c = None
+    if compile_:
+        more, auto_c = compiled_contenders(models, shape, device, dtype)
+        models.update(more)
     torch.manual_seed(1)
     x = torch.randn(t, h, device=device, requires_grad=True)
     g = torch.randn(t, h, device=device)
@@ -155,6 +202,15 @@ def bench_shape(name, shape, device, dtype, reps, warmup):
     else:
         g = g.to(dtype)
         autocast = lambda: torch.autocast(device.type, dtype=dtype)  # noqa: E731
+    steps = {n: step_fn(m, x, g, autocast) for n, m in models.items() if n != "auto"}
+    compile_s = {}
+    for n in ("naive-c", "compiled"):
+        if n in steps:  # the first calls compile (forward, backward): timed apart
+            t0 = time.perf_counter()
+            steps[n]()
+            steps[n]()
+            sync(device)
+            compile_s[n] = round(time.perf_counter() - t0, 1)
     # Same numbers from every contender (bf16: loose).
     ref = None
     for mname, m in models.items():
@@ -169,11 +225,12 @@ def bench_shape(name, shape, device, dtype, reps, warmup):
             tol = 1e-4 if dtype == torch.float32 else 3e-2
             torch.testing.assert_close(y, ref, rtol=tol, atol=tol * ref.abs().max().item(),
                                        msg=lambda s, n=mname: f"{n} differs from naive: {s}")
-    steps = {n: step_fn(m, x, g, autocast) for n, m in models.items() if n != "auto"}
+    steps["mm-only"] = mm_only(shape, device, dtype)
     res = run_rounds(steps, reps, warmup, sync=lambda: sync(device))
     med = dict(res["median_ms"])
     med["auto"] = med[auto]
-    return {"auto": auto, "shape": name, "tokens": t, "hidden": h, "ffn": f, "experts": e, "top_k": k,
+    return {"auto": auto, "auto_compiled": auto_c, "compile_s": compile_s, "shape": name,
+            "tokens": t, "hidden": h, "ffn": f, "experts": e, "top_k": k,
             "dtype": str(dtype).replace("torch.", ""), "device": device.type,
             "rounds": res["rounds"], "dropped_rounds": res["dropped_rounds"],
             "contended": res["contended"],
@@ -189,6 +246,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--no-compile", action="store_true", help="leave out the compiled contenders")
     a = ap.parse_args(argv)
     device = torch.device(a.device)
     if a.threads:
@@ -202,11 +260,11 @@ def main(argv=None):
     print(f"# MoE layer fwd+bwd, {dev_name}, torch {torch.__version__}, "
           f"python {platform.python_version()}, {dt.date.today()}, median of {a.reps}")
     print(f"{'shape':8} {'T x H x F x E x k':>24} {'dtype':>8}  "
-          + "  ".join(f"{n:>16}" for n in COLS) + "  auto is")
+          + "  ".join(f"{n:>16}" for n in COLS) + "  auto is (eager/compiled)")
     rows = []
     for s in shapes:
         for dn in dtypes:
-            r = bench_shape(s, SHAPES[s], device, dmap[dn], a.reps, a.warmup)
+            r = bench_shape(s, SHAPES[s], device, dmap[dn], a.reps, a.warmup, not a.no_compile)
             rows.append(r)
             dims = "x".join(str(v) for v in SHAPES[s])
             cells = []
@@ -214,7 +272,7 @@ def main(argv=None):
                 ms = r["median_ms"].get(n)
                 cells.append(f"{'—':>16}" if ms is None else
                              f"{ms:8.2f} ({r['speedup_vs_naive'][n]:4.1f}x)")
-            cells.append(f"  {r['auto']}")
+            cells.append(f"  {r['auto']}" + (f"/{r['auto_compiled']}" if r["auto_compiled"] else ""))
             cells.append(f"  [{r['rounds']} rounds, {r['dropped_rounds']} dropped"
                          + (", CONTENDED]" if r["contended"] else "]"))
             print(f"{s:8} {dims:>24} {dn:>8}  " + "  ".join(cells), flush=True)

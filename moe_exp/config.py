@@ -73,6 +73,9 @@ class ParallelConfig:
     bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = True
     static_graph: bool = False
+    # ddp / fsdp: with train.grad_accum_steps > 1, reduce gradients on the last micro-step
+    # only (DDP no_sync, FSDP2 set_requires_gradient_sync); false: on every micro-step
+    accum_no_sync: bool = True
     # fsdp / expert_fsdp (FSDP2 fully_shard per block; mixed precision from the precision group)
     reshard_after_forward: bool = True
     cpu_offload: bool = False  # CPUOffloadPolicy: GPUs only

@@ -73,3 +73,35 @@ def fail_on_rank_1(overrides) -> str:
         raise ValueError("boom on purpose")
     dist.barrier()
     return "rank 0 was not stopped"
+
+
+def ddp_reductions_per_step(overrides) -> int:
+    """Gradient buckets DDP reduces over one accumulated step (a comm hook counts them),
+    run through the loop's own per-micro-step contexts (Applied.micro_contexts)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from moe_exp import distributed
+    from moe_exp.bench.loop import micro_step
+    from moe_exp.model import build_model
+    from moe_exp.optimizations import apply
+
+    cfg = _cfg(["parallel=ddp", "hardware.devices=2", *overrides])
+    d = distributed.init(cfg)
+    try:
+        torch.manual_seed(0)
+        applied = apply(build_model(cfg.model), cfg, torch.device("cpu"), d.world)
+        calls = []
+
+        def hook(state, bucket):
+            calls.append(bucket.index())
+            return allreduce_hook(state, bucket)
+
+        applied.model.register_comm_hook(None, hook)
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, 17))
+        for ctx in applied.micro_contexts(cfg.train.grad_accum_steps):
+            with ctx:
+                micro_step(applied.model, tokens[:, :-1], tokens[:, 1:], applied.autocast,
+                           None, cfg.train.grad_accum_steps)
+        return len(calls)
+    finally:
+        distributed.finish()

@@ -59,6 +59,32 @@ def test_losses_after_k_steps_match_one_process(parallel, single, tmp_path):
     assert saved["tokens_per_s"] == pytest.approx(2 * saved["tokens_per_s_per_device"])
 
 
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_grad_accumulation_reduced_once_matches_one_process(parallel, tmp_path):
+    """2 ranks x micro-batch 1 x 2 micro-steps, gradients reduced on the last micro-step
+    only, train as one process with micro-batch 2 x 2 micro-steps."""
+    from moe_exp.run import run
+
+    from conftest import compose
+
+    accum = [*TINY, "train.grad_accum_steps=2"]
+    one = run_inproc(accum, tmp_path / "one")
+    rec = run(compose([*accum, "train.micro_batch_size=1", f"parallel={parallel}",
+                       "hardware.devices=2"]), out_dir=tmp_path / "two", progress=False)
+    assert one["status"] == rec["status"] == "ok", rec["error"]
+    assert len(rec["losses"]) == 4
+    assert rec["losses"] == pytest.approx(one["losses"], rel=2e-5)
+
+
+def test_ddp_accumulation_reduces_on_the_last_micro_step_only():
+    import dist_helpers
+
+    once = launch(dist_helpers.ddp_reductions_per_step, ["train.grad_accum_steps=3"])
+    every = launch(dist_helpers.ddp_reductions_per_step,
+                   ["train.grad_accum_steps=3", "parallel.accum_no_sync=false"])
+    assert once >= 1 and every == 3 * once
+
+
 def test_cli_expert_parallel_record(tmp_path):
     p = run_cli(["parallel=expert", "hardware.devices=2", "logger=none", "train.steps=6",
                  f"hydra.run.dir={tmp_path}"], tmp_path)

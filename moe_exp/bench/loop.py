@@ -91,13 +91,14 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                 t0 = time.perf_counter()
             timer.start()
             step_loss = torch.zeros((), device=device)
-            for _ in range(t.grad_accum_steps):
+            for sync_ctx in applied.micro_contexts(t.grad_accum_steps):
                 tokens, targets = next(it)
                 tokens = tokens.to(device, non_blocking=True)
                 targets = targets.to(device, non_blocking=True)
                 timer.lap("data")
-                out = micro_step(model, tokens, targets, autocast, scaler, t.grad_accum_steps,
-                                 timer)
+                with sync_ctx:
+                    out = micro_step(model, tokens, targets, autocast, scaler,
+                                     t.grad_accum_steps, timer)
                 step_loss += out.ce.detach() / t.grad_accum_steps
                 if measured and out.counts.numel():
                     res.counts = out.counts if res.counts is None else res.counts + out.counts

@@ -1,6 +1,7 @@
 """Every optimization, applied to a plain model in one place (see `apply`)."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional
 
@@ -19,6 +20,13 @@ class Applied:
     scaler: Optional[torch.amp.GradScaler]
     before_step: Optional[Callable[[], None]] = None  # gradient sync the wrapper doesn't do
     clip: Optional[Callable[[Any, float], Any]] = None  # grad-norm clipping across ranks
+    no_sync: Optional[Callable[[], ContextManager]] = None  # micro-steps before the last
+
+    def micro_contexts(self, n: int):
+        """One context per micro-step of an accumulated step: no gradient sync but on the
+        last (where the strategy allows it, see parallel.accum_no_sync)."""
+        for i in range(n):
+            yield self.no_sync() if self.no_sync and i < n - 1 else contextlib.nullcontext()
 
 
 def apply(model: nn.Module, cfg, device: torch.device, world: int = 1) -> Applied:
@@ -37,13 +45,14 @@ def apply(model: nn.Module, cfg, device: torch.device, world: int = 1) -> Applie
 
         mesh, ep_group, dp_group = apply_expert(model, cfg, world)
     model = apply_checkpointing(model, cfg.train.activation_checkpointing)
-    before_step = clip = None
+    before_step = clip = no_sync = None
     if par != "none":
-        from .parallel import apply_data_parallel, clip_grad_norm, grad_sync
+        from .parallel import accum_no_sync, apply_data_parallel, clip_grad_norm, grad_sync
 
         model = apply_data_parallel(model, cfg, device, world, mesh)
         before_step = grad_sync(model, cfg, world, dp_group)
+        no_sync = accum_no_sync(model, cfg)
         clip = lambda params, max_norm: clip_grad_norm(params, max_norm, ep_group)  # noqa: E731
     model = apply_compile(model, cfg.train.compile)
     return Applied(model, autocast_factory(cfg.precision, device),
-                   grad_scaler(cfg.precision, device), before_step, clip)
+                   grad_scaler(cfg.precision, device), before_step, clip, no_sync)

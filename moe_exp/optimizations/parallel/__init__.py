@@ -5,6 +5,7 @@ Gradient semantics: every rank's loss is the mean over its own micro-batch; the 
 equals the single-process one on the concatenated global batch (tests check it)."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -58,6 +59,30 @@ def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh=None):
             fully_shard(block, mesh=world_mesh, **kw)
         fully_shard(model, mesh=world_mesh, **kw)
     return model
+
+
+def accum_no_sync(model: nn.Module, cfg):
+    """The context that skips gradient reduction on a micro-step (None: sync every time).
+
+    ddp: DDP.no_sync; fsdp/expert_fsdp: FSDP2's set_requires_gradient_sync(False) (grads
+    stay unsharded until the last micro-step: less communication, more memory). expert:
+    None, its grad sync runs once per step anyway (before_step).
+    """
+    p = cfg.parallel
+    if cfg.train.grad_accum_steps <= 1 or not p.accum_no_sync:
+        return None
+    if p.name == "ddp":
+        return model.no_sync
+    if p.name in ("fsdp", "expert_fsdp"):
+        @contextlib.contextmanager
+        def no_sync():
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+        return no_sync
+    return None
 
 
 def _blocks(model: nn.Module):
