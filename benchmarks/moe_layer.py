@@ -142,12 +142,15 @@ def compiled(model):
     return apply_compile(model, "default")
 
 
-def contenders(shape, device, dtype):
+def contenders(shape, device, dtype, skew=1.0):
     t, h, f, e, k = shape
     torch.manual_seed(0)
     base = MoE(h, f, e, k, dispatch="loop").to(device)
     for p in base.parameters():
         torch.nn.init.normal_(p, std=0.02)
+    with torch.no_grad():  # skew > 1: the first E/8 experts' logits spread wider, so they
+        # win more tokens (unbalanced routing, as trained routers have it)
+        base.router.gate.weight[: max(1, e // 8)] *= skew
     out = {"naive": Naive(base, "v5").to(device), "naive-v4": Naive(base, "v4").to(device),
            "loop": base}
     auto = resolve_dispatch("auto", device, dtype)
@@ -187,9 +190,9 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def bench_shape(name, shape, device, dtype, reps, warmup, compile_=True):
+def bench_shape(name, shape, device, dtype, reps, warmup, compile_=True, skew=1.0):
     t, h, f, e, k = shape
-    models, auto = contenders(shape, device, dtype)
+    models, auto = contenders(shape, device, dtype, skew)
     auto_c = None
     if compile_:
         more, auto_c = compiled_contenders(models, shape, device, dtype)
@@ -211,6 +214,10 @@ def bench_shape(name, shape, device, dtype, reps, warmup, compile_=True):
             steps[n]()
             sync(device)
             compile_s[n] = round(time.perf_counter() - t0, 1)
+    with torch.no_grad():
+        counts = models["loop"](x)[3].float()
+    load = {"max_over_mean": (counts.max() / counts.mean()).item(),
+            "cv": (counts.std() / counts.mean()).item()}
     # Same numbers from every contender (bf16: loose).
     ref = None
     for mname, m in models.items():
@@ -230,6 +237,7 @@ def bench_shape(name, shape, device, dtype, reps, warmup, compile_=True):
     med = dict(res["median_ms"])
     med["auto"] = med[auto]
     return {"auto": auto, "auto_compiled": auto_c, "compile_s": compile_s, "shape": name,
+            "skew": skew, "load": load,
             "tokens": t, "hidden": h, "ffn": f, "experts": e, "top_k": k,
             "dtype": str(dtype).replace("torch.", ""), "device": device.type,
             "rounds": res["rounds"], "dropped_rounds": res["dropped_rounds"],
@@ -247,6 +255,9 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--no-compile", action="store_true", help="leave out the compiled contenders")
+    ap.add_argument("--skew", type=float, default=1.0,
+                    help="scale of the first E/8 experts' router rows: 1 = as initialised "
+                         "(balanced), 2 = max/mean load ~2 at 16 experts (as small_moe trained)")
     a = ap.parse_args(argv)
     device = torch.device(a.device)
     if a.threads:
@@ -264,7 +275,8 @@ def main(argv=None):
     rows = []
     for s in shapes:
         for dn in dtypes:
-            r = bench_shape(s, SHAPES[s], device, dmap[dn], a.reps, a.warmup, not a.no_compile)
+            r = bench_shape(s, SHAPES[s], device, dmap[dn], a.reps, a.warmup, not a.no_compile,
+                            a.skew)
             rows.append(r)
             dims = "x".join(str(v) for v in SHAPES[s])
             cells = []
@@ -273,12 +285,13 @@ def main(argv=None):
                 cells.append(f"{'—':>16}" if ms is None else
                              f"{ms:8.2f} ({r['speedup_vs_naive'][n]:4.1f}x)")
             cells.append(f"  {r['auto']}" + (f"/{r['auto_compiled']}" if r["auto_compiled"] else ""))
-            cells.append(f"  [{r['rounds']} rounds, {r['dropped_rounds']} dropped"
+            cells.append(f"  [load max/mean {r['load']['max_over_mean']:.2f}, {r['rounds']} rounds, "
+                         f"{r['dropped_rounds']} dropped"
                          + (", CONTENDED]" if r["contended"] else "]"))
             print(f"{s:8} {dims:>24} {dn:>8}  " + "  ".join(cells), flush=True)
     if a.json:
         meta = {"device": dev_name, "torch": torch.__version__, "date": str(dt.date.today()),
-                "command": " ".join(sys.argv), "reps": a.reps}
+                "command": " ".join(sys.argv), "reps": a.reps, "skew": a.skew}
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     return rows

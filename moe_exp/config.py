@@ -94,6 +94,10 @@ class HardwareConfig:
     cudnn_benchmark: bool = True
     deterministic: bool = False
     env: Dict[str, str] = field(default_factory=dict)
+    # glibc malloc keeps freed memory for reuse instead of returning it (big tensors are not
+    # page-faulted in again each step: faster CPU steps; the CPU peak RSS then also counts
+    # memory malloc kept). Off by default.
+    malloc_retain: bool = False
 
 
 @dataclass

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import platform
 from pathlib import Path
 
 import torch
@@ -82,6 +83,9 @@ def check_device(cfg) -> None:
                               "(habana_frameworks), which is not installed here") from None
     if hw.devices < 1:
         raise ConfigError("hardware.devices", f"must be >= 1, got {hw.devices}")
+    if hw.get("malloc_retain") and not glibc():
+        raise Unsupported("hardware.malloc_retain", "needs glibc's malloc (Linux); "
+                          "use hardware.malloc_retain=false")
     if hw.device == "cuda" and hw.devices > torch.cuda.device_count():
         raise Unsupported("hardware.devices", f"{hw.devices} ranks asked for, "
                           f"{torch.cuda.device_count()} CUDA device(s) visible")
@@ -104,7 +108,27 @@ def torch_device(cfg) -> torch.device:
     return torch.device(cfg.hardware.device, int(os.environ.get("LOCAL_RANK", 0)))
 
 
+def glibc() -> bool:
+    return platform.libc_ver()[0] == "glibc"
+
+
+# mallopt parameters (malloc.h) and the value both get: 2 GiB, the most a C int holds
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _RETAIN = -1, -3, 2**31 - 1
+
+
+def malloc_retain() -> bool:
+    """glibc: serve big allocations from the heap and keep freed memory there (no mmap per
+    tensor above 32 MiB, no trimming), so a step's big tensors reuse resident pages instead
+    of faulting fresh ones in. Returns whether glibc took both settings."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    return all(libc.mallopt(p, _RETAIN) == 1 for p in (_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD))
+
+
 def setup_backends(cfg) -> None:
+    if cfg.hardware.get("malloc_retain") and not malloc_retain():
+        raise Unsupported("hardware.malloc_retain", "glibc refused the mallopt settings")
     if cfg.hardware.device == "cuda":
         torch.backends.cudnn.benchmark = cfg.hardware.cudnn_benchmark and not cfg.hardware.deterministic
     if cfg.hardware.deterministic:

@@ -108,8 +108,12 @@ def test_grouped_mm_probe_reports_unsupported_dtype_cleanly():
     assert _grouped_mm is not None
 
 
-def test_padded_dispatch_with_one_hot_expert_matches_loop():
-    """All tokens prefer one expert: padded falls back to the loop (no 8x padding)."""
+def test_padded_dispatch_with_one_hot_expert_matches_loop(monkeypatch):
+    """All tokens prefer two of 8 experts: padded falls back to grouped/loop (no 4x
+    padding: no bmm at all) and gives the loop's numbers."""
+    bmm_calls = []
+    real_bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a: bmm_calls.append(1) or real_bmm(*a))
     torch.manual_seed(2)
     a = MoE(16, 24, num_experts=8, top_k=2, dispatch="padded")
     for p in a.parameters():
@@ -122,6 +126,10 @@ def test_padded_dispatch_with_one_hot_expert_matches_loop():
     ya, _, _, counts = a(x)
     assert counts[2:].sum() == 0
     torch.testing.assert_close(ya, b(x)[0], rtol=1e-5, atol=1e-6)
+    assert not bmm_calls
+    a.router.gate.weight.data.normal_(std=0.01)  # balanced again: padded pads
+    a(torch.randn(512, 16))
+    assert len(bmm_calls) == 3
 
 
 def test_auto_dispatch_choice():

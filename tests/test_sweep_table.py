@@ -98,7 +98,7 @@ def test_seed_tables_render_rows_columns_and_reasons():
             rows.append(rec(job, tps * mult, mem, model=model, params_total=1_000_000,
                             extra={"seed_row": key}))
             job += 1
-        rows.append(rec(job, None, None, status="skipped", model=model, params_total=1_000_000,
+        rows.append(rec(job, None, None, status="skipped", model=model, params_total=None,
                         error="parallel.cpu_offload: FSDP CPU offload needs GPUs",
                         extra={"seed_row": "mem_cpu_offload"}))
         job += 1
@@ -108,4 +108,6 @@ def test_seed_tables_render_rows_columns_and_reasons():
     assert "| + Expert Parallelism | not run | not run | — | 2.7x |" in md
     assert "| + Gradient Checkpointing | 0.004 GiB | 1.400 GiB | 30% | 29% |" in md
     assert "skipped: FSDP CPU offload needs GPUs" in md
+    # a skipped row measured nothing: the model's size comes from its other rows
+    assert "| + CPU Offloading | 0.004 GiB | skipped" in md and "nan" not in md
     assert seed_tables(build_table([rec(0, 1.0, 1.0)])) == ""

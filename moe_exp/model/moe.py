@@ -57,7 +57,8 @@ def resolve_dispatch(dispatch: str, device: torch.device | str, dtype: torch.dty
     auto, from benchmarks/moe_layer.py and compile_step.py (see benchmarks/README.md):
     GPUs: grouped (grouped_mm; under torch.compile it lowers in bf16 only, else loop).
     CPU: bf16 -> padded (one bmm per weight: oneDNN/AMX batched matmuls beat per-expert
-    matmuls, eager and compiled); fp32 -> grouped eager, loop compiled.
+    matmuls, eager and compiled; eager falls back to grouped on unbalanced routing, see
+    PAD_LIMIT); fp32 -> grouped eager, loop compiled.
     An explicit grouped falls back to loop where grouped_mm cannot run.
     """
     grouped_ok = (not compiled or dtype == torch.bfloat16) and grouped_mm_supported(device, dtype)
@@ -128,6 +129,10 @@ class Router(nn.Module):
 
 
 DISPATCHES = ("grouped", "padded", "loop")
+# padded falls back (eager) when padding would exceed this multiple of the real rows: on
+# CPU in bf16 it is 1.24x faster than grouped at max/mean load 1.0, even at 1.55 and
+# slower at 1.87 (benchmarks/moe_layer.py --skew; see benchmarks/README.md)
+PAD_LIMIT = 1.5
 
 
 class Experts(nn.Module):
@@ -182,10 +187,11 @@ class Experts(nn.Module):
         cap = max(int(counts.max()), 2)
         torch._check(cap >= 2)
         if not torch.compiler.is_compiling() and (
-                n == 0 or num_experts * cap > 2 * n + 64 * num_experts):
-            # no rows (an expert-parallel rank can get none), or badly balanced: padding
-            # would more than double the matmuls
-            return self.forward(x, counts, "loop")
+                n == 0 or num_experts * cap > PAD_LIMIT * n + 16 * num_experts):
+            # no rows (an expert-parallel rank can get none), or unbalanced routing: padding
+            # would add more than half the matmul work; grouped/loop cost only the real rows
+            mode = "grouped" if grouped_mm_supported(x.device, x.dtype) else "loop"
+            return self.forward(x, counts, mode)
         starts = counts.cumsum(0) - counts
         expert = torch.repeat_interleave(torch.arange(num_experts, device=x.device), counts,
                                          output_size=n)

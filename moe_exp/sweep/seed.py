@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+import pandas as pd
+
 # (row key in extra.seed_row, label as the seed prints it, the seed's claim)
 THROUGHPUT_ROWS = (("baseline", "Baseline", "1.0x"),
                    ("mixed_precision", "+ Mixed Precision", "1.5x"),
@@ -49,9 +51,13 @@ def seed_tables(df) -> str:
     models = list(dict.fromkeys(d["model"]))
     at = {(r.seed_row, r.model): r._asdict() for r in d.itertuples(index=False)}
 
+    def params(m):  # the model's size from any row that measured it (NaN where skipped)
+        return next((v["params_total"] for (k, mm), v in at.items()
+                     if mm == m and pd.notna(v["params_total"]) and v["params_total"]), None)
+
     def size(m):
-        r = next((v for (k, mm), v in at.items() if mm == m and v["params_total"]), None)
-        return f"{m} ({r['params_total'] / 1e6:.1f}M)" if r else m
+        n = params(m)
+        return f"{m} ({n / 1e6:.1f}M)" if n else m
 
     rows = []
     for key, label, claim in THROUGHPUT_ROWS:
@@ -79,8 +85,7 @@ def seed_tables(df) -> str:
             saved = "-"
             if ok and key != "baseline" and base is not None and base["status"] == "ok":
                 saved = f"{100 * (1 - r['peak_mem_gib'] / base['peak_mem_gib']):.0f}%"
-            weights = f"{r['params_total'] * 4 / 2**30:.3f} GiB" if r and r["params_total"] \
-                else "—"
+            weights = f"{params(m) * 4 / 2**30:.3f} GiB" if params(m) else "—"
             rows.append([label, weights, _cell(r, f"{r['peak_mem_gib']:.3f} GiB" if ok else ""),
                          saved if ok else "—", claim])
         out += [f"**{size(m)}**", "",
