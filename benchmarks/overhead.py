@@ -149,7 +149,7 @@ def main(argv=None):
     for n, r in res.items():
         w = statistics.median(r["wall_s"])
         s = statistics.median(r["startup_s"]) if r["startup_s"] else None
-        summary[n] = {"wall_s": w, "startup_s": s, **r}
+        summary[n] = {"wall_s": w, "startup_s": s, "samples": r}  # medians, then every run
         loads = [x for x in r["other_load"] if x is not None]
         print(f"{n:10} {w:8.2f} {('—' if s is None else f'{s:.2f}'):>10}  "
               f"{max(loads) if loads else float('nan'):.0%}")

@@ -1,0 +1,57 @@
+"""The scripts under benchmarks/ run end to end (tiny settings) and write what they promise."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench(script, *args, timeout=600):
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout
+
+
+def test_moe_layer_benchmark_rows(tmp_path):
+    """Every contender timed on the same routing (the script checks they agree), the bound
+    column present, the skew making the routing unbalanced."""
+    out = tmp_path / "layer.json"
+    bench("moe_layer.py", "--shapes", "tiny", "--dtypes", "fp32,bf16", "--reps", "1",
+          "--warmup", "0", "--no-compile", "--skew", "2", "--json", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["dtype"] for r in rows] == ["float32", "bfloat16"]
+    for r in rows:
+        ms = r["median_ms"]
+        assert {"naive", "naive-v4", "loop", "padded", "auto", "mm-only"} <= set(ms)
+        assert all(v > 0 for v in ms.values())
+        assert r["speedup_vs_naive"]["naive"] == 1.0
+        assert r["load"]["max_over_mean"] > 1.25  # balanced routing here is ~1.1
+    assert rows[1]["auto"] == "padded"
+
+
+@pytest.mark.slow
+def test_compile_step_benchmark_row(tmp_path):
+    out = tmp_path / "compile.json"
+    bench("compile_step.py", "--models", "tiny_moe", "--precisions", "fp32", "--reps", "1",
+          "--warm-cache", "--json", str(out), "train.seq_len=32", "train.micro_batch_size=2")
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["dispatch"] == {"eager": "grouped", "compiled": "loop"}
+    assert row["median_ms"]["eager"] > 0 and row["median_ms"]["compiled"] > 0
+    assert row["first_compiled_step_s"] > 0
+
+
+@pytest.mark.slow
+def test_overhead_benchmark_phases(tmp_path):
+    out = tmp_path / "overhead.json"
+    bench("overhead.py", "--runs", "1", "--json", str(out), "train.steps=3",
+          "train.warmup_steps=1")
+    res = json.loads(out.read_text())
+    for n in ("default", "none"):
+        assert 0 < res["runs"][n]["startup_s"] < res["runs"][n]["wall_s"]
+    names = [name for name, _ in res["phases"]]
+    assert names and all(t > 0 for _, t in res["phases"])
+    assert any(name.startswith("torch") for _, name in res["imports"])
