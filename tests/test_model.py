@@ -103,6 +103,20 @@ def test_model_file_knows_nothing_of_optimizations():
         assert word not in src
 
 
+def test_grouped_mm_probe_answers_the_same_under_no_grad_and_inference_mode():
+    """The probe can run inside a forward (padded's fallback): the caller's grad mode must
+    not turn "supported" into a cached "unsupported"."""
+    from moe_exp.model import moe
+
+    answers = []
+    for mode in (torch.enable_grad, torch.no_grad, torch.inference_mode):
+        moe._SUPPORTED.clear()
+        with mode():
+            answers.append(grouped_mm_supported("cpu", torch.float32))
+    moe._SUPPORTED.clear()
+    assert answers == [answers[0]] * 3
+
+
 def test_grouped_mm_probe_reports_unsupported_dtype_cleanly():
     assert isinstance(grouped_mm_supported("cpu", torch.float16), bool)
     assert _grouped_mm is not None

@@ -38,13 +38,17 @@ def grouped_mm_supported(device: torch.device | str, dtype: torch.dtype) -> bool
     key = (torch.device(device).type, dtype)
     if key not in _SUPPORTED:
         try:
-            # no torch.randn: the probe must not move the global RNG (weights' init follows)
-            x = torch.ones(24, 16, device=device, dtype=dtype, requires_grad=True)
-            w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-            offs = torch.tensor([8, 24], device=device, dtype=torch.int32)
-            y = grouped_mm(x, w, offs)
-            y.backward(torch.ones_like(y))
-            _SUPPORTED[key] = bool(torch.isfinite(x.grad).all())
+            # May run inside a model's forward (padded's fallback): with grad on whatever the
+            # caller's mode, its saved tensors kept as they are (not by an activation
+            # checkpoint's hooks). No torch.randn: the global RNG must not move.
+            with torch.inference_mode(False), torch.enable_grad(), \
+                    torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                x = torch.ones(24, 16, device=device, dtype=dtype, requires_grad=True)
+                w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+                offs = torch.tensor([8, 24], device=device, dtype=torch.int32)
+                y = grouped_mm(x, w, offs)
+                (gx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+            _SUPPORTED[key] = bool(torch.isfinite(gx).all())
         except Exception:  # noqa: BLE001 - any failure means "not supported here"
             _SUPPORTED[key] = False
     return _SUPPORTED[key]
@@ -93,7 +97,7 @@ class _Gather(torch.autograd.Function):
             pad = torch.cat([g, g.new_zeros(1, g.shape[1])])
             return pad.index_select(0, torch.where(back < 0, g.shape[0], back)), None, None
         gx = g.index_select(0, back.reshape(-1))
-        return sum_middle(gx.view(ctx.n, back.shape[1], -1)), None, None
+        return sum_middle(gx.view(ctx.n, back.shape[1], g.shape[1])), None, None
 
 
 def sum_middle(t: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
