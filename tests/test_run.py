@@ -70,7 +70,7 @@ def test_checkpointed_run_has_same_losses(mode, tmp_path, default_record):
 
 
 BIG_ACT = ["logger=none", "model.max_seq_len=256", "model.hidden_size=256", "model.num_layers=4",
-           "train.micro_batch_size=16", "train.steps=2", "train.warmup_steps=1"]
+           "train.micro_batch_size=32", "train.steps=2", "train.warmup_steps=1"]
 
 
 @pytest.mark.slow
@@ -81,7 +81,9 @@ def test_full_checkpointing_lowers_peak_memory(tmp_path):
                      f"hydra.run.dir={tmp_path / ac}"], tmp_path)
         assert p.returncode == 0, p.stderr
         peaks[ac] = json.loads((tmp_path / ac / "metrics.json").read_text())["peak_mem_gib"]
-    assert peaks["full"] < 0.7 * peaks["none"], peaks
+    # activations dominate here: full AC saves ~40% (0.56-0.66 of none over 6 runs at micro
+    # batch 16-32); CPU peak RSS varies by ~10% run to run, hence the margin
+    assert peaks["full"] < 0.75 * peaks["none"], peaks
 
 
 def test_wandb_offline_run_holds_config_and_metrics_and_is_finished(tmp_path, monkeypatch):
