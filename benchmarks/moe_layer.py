@@ -33,7 +33,6 @@ import datetime as dt
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path

@@ -112,26 +112,9 @@ def glibc() -> bool:
     return platform.libc_ver()[0] == "glibc"
 
 
-# mallopt parameters (malloc.h); thresholds get 2 GiB, the most a C int holds
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX, _RETAIN = -1, -3, -4, 2**31 - 1
-
-
-def malloc_retain() -> bool:
-    """glibc: serve big allocations from the heap and keep freed memory there (no mmap per
-    tensor above 32 MiB, no trimming), so a step's big tensors reuse resident pages instead
-    of faulting fresh ones in. Process-wide and for good (an in-process sweep,
-    sweep.isolate=false, keeps it for later jobs). Returns whether glibc took it. (Under
-    an LD_PRELOADed jemalloc/tcmalloc glibc's settings change nothing.)"""
-    import ctypes
-
-    libc = ctypes.CDLL("libc.so.6")
-    if libc.mallopt(_M_TRIM_THRESHOLD, _RETAIN) != 1:
-        return False
-    # older glibc caps the mmap threshold at 32 MiB: then no mmap at all (M_MMAP_MAX 0)
-    return libc.mallopt(_M_MMAP_THRESHOLD, _RETAIN) == 1 or libc.mallopt(_M_MMAP_MAX, 0) == 1
-
-
 def setup_backends(cfg) -> None:
+    from .bench.memory import malloc_retain
+
     if cfg.hardware.get("malloc_retain") and not malloc_retain():
         raise Unsupported("hardware.malloc_retain", "glibc refused the mallopt settings")
     if cfg.hardware.device == "cuda":

@@ -134,7 +134,7 @@ def test_default_cli_run_writes_record_under_outputs(tmp_path):
 
 FAULTS = """
 import resource, sys, torch
-from moe_exp.hardware import malloc_retain
+from moe_exp.bench.memory import malloc_retain
 if sys.argv[1] == "1":
     assert malloc_retain()
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt

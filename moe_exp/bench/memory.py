@@ -14,15 +14,36 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def _libc():
+    import ctypes
+
+    return ctypes.CDLL("libc.so.6")
+
+
 def _release_free_heap() -> None:
     """glibc keeps freed heap memory for reuse; hand it back to the OS (malloc_trim), so
     that a run after bigger work in the same process still grows the RSS it measures."""
     try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        _libc().malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
+
+
+# mallopt parameters (malloc.h); thresholds get 2 GiB, the most a C int holds
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX, _RETAIN = -1, -3, -4, 2**31 - 1
+
+
+def malloc_retain() -> bool:
+    """glibc: serve big allocations from the heap and keep freed memory there (no mmap per
+    tensor above 32 MiB, no trimming), so a step's big tensors reuse resident pages instead
+    of faulting fresh ones in. Process-wide and for good (an in-process sweep,
+    sweep.isolate=false, keeps it for later jobs). Returns whether glibc took it. (Under
+    an LD_PRELOADed jemalloc/tcmalloc glibc's settings change nothing.)"""
+    libc = _libc()
+    if libc.mallopt(_M_TRIM_THRESHOLD, _RETAIN) != 1:
+        return False
+    # older glibc caps the mmap threshold at 32 MiB: then no mmap at all (M_MMAP_MAX 0)
+    return libc.mallopt(_M_MMAP_THRESHOLD, _RETAIN) == 1 or libc.mallopt(_M_MMAP_MAX, 0) == 1
 
 
 class MemoryMeter:

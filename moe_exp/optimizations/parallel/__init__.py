@@ -6,7 +6,6 @@ equals the single-process one on the concatenated global batch (tests check it).
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.distributed as dist
