@@ -139,7 +139,7 @@ if sys.argv[1] == "1":
     assert malloc_retain()
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 n = 0
-for _ in range(10):  # a 64 MiB tensor (16384 pages), freed at once
+for _ in range(20):  # a 64 MiB tensor (16384 pages), freed at once
     f0 = faults()
     torch.ones(2**24)
     n += faults() - f0 > 8192
@@ -157,15 +157,16 @@ def _thp_always() -> bool:
 @pytest.mark.skipif(_thp_always(), reason="transparent huge pages 'always': a 64 MiB "
                     "mapping faults in a few huge pages, not 16384 pages")
 def test_malloc_retain_reuses_resident_pages():
-    """hardware.malloc_retain: once the heap has settled (1-3 allocations), a 64 MiB tensor
-    reuses its freed predecessor's pages; glibc otherwise mmaps and unmaps each one, so all
-    10 fault their 16384 pages in."""
+    """hardware.malloc_retain: once the heap has settled (2-8 allocations here: a freed
+    chunk is too small for the next aligned request until neighbours coalesce), a 64 MiB
+    tensor reuses its predecessor's pages; glibc otherwise mmaps and unmaps each one, so
+    all 20 fault their 16384 pages in."""
     import subprocess
     import sys
 
     faults = {m: int(subprocess.run([sys.executable, "-c", FAULTS, m], capture_output=True,
                                     text=True, check=True).stdout) for m in "01"}
-    assert faults["0"] == 10 and faults["1"] <= 5, faults
+    assert faults["0"] == 20 and faults["1"] <= 12, faults
 
 
 def test_malloc_retain_run(tmp_path):
