@@ -68,12 +68,24 @@ def launch(entry, n: int, *args, run_id: str | None = None):
     return elastic_launch(lc, entry)(*args)[0]
 
 
-def failure_message(err) -> str:
-    """One line naming the first failed rank and its error, from a ChildFailedError."""
-    rank, f = err.get_first_failure()
+# Errors a rank raises because another rank died (not the cause).
+_SECONDARY = ("closed by peer", "reset by peer", "remote worker crash", "communicator was aborted",
+              "Broken pipe", "Socket Timeout")
+
+
+def _text(f) -> str:
     m = f.message
-    text = m.get("message", "") if isinstance(m, dict) else str(m or "")
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return m.get("message", "") if isinstance(m, dict) else str(m or "")
+
+
+def failure_message(err) -> str:
+    """One line naming the failed rank and its error, from a ChildFailedError: the earliest
+    failure that is not a peer's lost connection (a rank can record that one first)."""
+    order = sorted(err.failures, key=lambda r: err.failures[r].timestamp)
+    causes = [r for r in order if not any(s in _text(err.failures[r]) for s in _SECONDARY)]
+    rank = (causes or order)[0]
+    f = err.failures[rank]
+    lines = [ln for ln in _text(f).strip().splitlines() if ln.strip()]
     return f"rank {rank} failed: {(lines[-1] if lines else f'exit code {f.exitcode}')[:300]}"
 
 

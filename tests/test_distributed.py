@@ -110,6 +110,22 @@ def test_rank_failure_ends_job_naming_the_rank():
     assert failure_message(err.value) == "rank 1 failed: ValueError: boom on purpose"
 
 
+def test_failure_message_names_the_cause_not_the_peer_that_lost_it():
+    # Rank 0 can record its lost gloo connection before rank 1 records the error itself.
+    from types import SimpleNamespace as NS
+
+    from moe_exp.distributed import failure_message
+
+    lost = {"message": "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:1"}
+    err = NS(failures={0: NS(timestamp=1, message=lost, exitcode=1),
+                       1: NS(timestamp=2, message={"message": "ValueError: boom"}, exitcode=1)})
+    assert failure_message(err) == "rank 1 failed: ValueError: boom"
+    err.failures.pop(1)  # only the lost connection is known: name it
+    assert failure_message(err).startswith("rank 0 failed: RuntimeError: [pair.cc:553]")
+    err = NS(failures={3: NS(timestamp=5, message="", exitcode=-9)})
+    assert failure_message(err) == "rank 3 failed: exit code -9"
+
+
 @pytest.mark.parametrize("override,key", [
     (["parallel=expert", "hardware.devices=2", "model=tiny_dense"], "parallel"),
     (["parallel=expert", "hardware.devices=2", "model.num_experts=3", "model.top_k=1"],
