@@ -257,7 +257,13 @@ def main(argv=None):
     ap.add_argument("--skew", type=float, default=1.0,
                     help="scale of the first E/8 experts' router rows: 1 = as initialised "
                          "(balanced), 2 = max/mean load ~2 at 16 experts (as small_moe trained)")
+    ap.add_argument("--malloc-retain", action="store_true",
+                    help="glibc keeps freed memory (hardware.malloc_retain=true), for all alike")
     a = ap.parse_args(argv)
+    if a.malloc_retain:
+        from moe_exp.bench.memory import malloc_retain
+        if not malloc_retain():
+            raise SystemExit("--malloc-retain: glibc's mallopt refused it")
     device = torch.device(a.device)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -290,7 +296,8 @@ def main(argv=None):
             print(f"{s:8} {dims:>24} {dn:>8}  " + "  ".join(cells), flush=True)
     if a.json:
         meta = {"device": dev_name, "torch": torch.__version__, "date": str(dt.date.today()),
-                "command": " ".join(sys.argv), "reps": a.reps, "skew": a.skew}
+                "command": " ".join(sys.argv), "reps": a.reps, "skew": a.skew,
+                "malloc_retain": a.malloc_retain}
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     return rows
