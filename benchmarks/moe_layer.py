@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/moe_layer.py [--shapes tiny,small,1b] [--dtypes fp32,bf16]
                                                 [--reps 20] [--json out.json]
+                                                [--skew S] [--no-compile] [--malloc-retain]
 
 Contenders, all with the same router, the same weights and the same routing:
   naive     the per-expert loop popular model libraries use: Hugging Face transformers 5.x

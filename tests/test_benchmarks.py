@@ -21,8 +21,10 @@ def test_moe_layer_benchmark_rows(tmp_path):
     column present, the skew making the routing unbalanced."""
     out = tmp_path / "layer.json"
     bench("moe_layer.py", "--shapes", "tiny", "--dtypes", "fp32,bf16", "--reps", "1",
-          "--warmup", "0", "--no-compile", "--skew", "2", "--json", str(out))
-    rows = json.loads(out.read_text())["rows"]
+          "--warmup", "0", "--no-compile", "--skew", "2", "--malloc-retain", "--json", str(out))
+    data = json.loads(out.read_text())
+    assert data["meta"]["malloc_retain"] is True
+    rows = data["rows"]
     assert [r["dtype"] for r in rows] == ["float32", "bfloat16"]
     for r in rows:
         ms = r["median_ms"]
