@@ -68,14 +68,16 @@ def launch(entry, n: int, *args, run_id: str | None = None):
     return elastic_launch(lc, entry)(*args)[0]
 
 
-# Errors a rank raises because another rank died (not the cause).
+# Errors a rank gets because another rank died, or the agent stopped it after one did.
 _SECONDARY = ("closed by peer", "reset by peer", "remote worker crash", "communicator was aborted",
-              "Broken pipe", "Socket Timeout")
+              "Broken pipe", "Socket Timeout", "(SIGTERM)")
 
 
 def _text(f) -> str:
     m = f.message
-    return m.get("message", "") if isinstance(m, dict) else str(m or "")
+    text = m.get("message", "") if isinstance(m, dict) else str(m or "")
+    # the agent's stand-in where a rank exited without an error file
+    return "" if text.startswith("To enable traceback see") else text
 
 
 def failure_message(err) -> str:

@@ -122,8 +122,14 @@ def test_failure_message_names_the_cause_not_the_peer_that_lost_it():
     assert failure_message(err) == "rank 1 failed: ValueError: boom"
     err.failures.pop(1)  # only the lost connection is known: name it
     assert failure_message(err).startswith("rank 0 failed: RuntimeError: [pair.cc:553]")
-    err = NS(failures={3: NS(timestamp=5, message="", exitcode=-9)})
-    assert failure_message(err) == "rank 3 failed: exit code -9"
+    # killed by a signal vs stopped by the agent after it; an exit without an error file
+    term, kill = "Signal 15 (SIGTERM) received by PID 7", "Signal 9 (SIGKILL) received by PID 8"
+    err = NS(failures={0: NS(timestamp=5, message=term, exitcode=-15),
+                       3: NS(timestamp=5, message=kill, exitcode=-9)})
+    assert failure_message(err) == "rank 3 failed: Signal 9 (SIGKILL) received by PID 8"
+    no_file = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+    err = NS(failures={2: NS(timestamp=5, message=no_file, exitcode=3)})
+    assert failure_message(err) == "rank 2 failed: exit code 3"
 
 
 @pytest.mark.parametrize("override,key", [
