@@ -11,7 +11,6 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 
-
 def _fmt_s(s: float) -> str:
     s = int(round(s))
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"

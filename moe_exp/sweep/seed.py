@@ -78,6 +78,8 @@ def seed_tables(df) -> str:
     out += ["### Memory Usage", ""]
     for m in models:
         base = at.get(("baseline", m))
+        n = params(m)
+        weights = f"{n * 4 / 2**30:.3f} GiB" if n else "—"
         rows = []
         for key, label, claim in MEMORY_ROWS:
             r = at.get((key, m))
@@ -85,7 +87,6 @@ def seed_tables(df) -> str:
             saved = "-"
             if ok and key != "baseline" and base is not None and base["status"] == "ok":
                 saved = f"{100 * (1 - r['peak_mem_gib'] / base['peak_mem_gib']):.0f}%"
-            weights = f"{params(m) * 4 / 2**30:.3f} GiB" if params(m) else "—"
             rows.append([label, weights, _cell(r, f"{r['peak_mem_gib']:.3f} GiB" if ok else ""),
                          saved if ok else "—", claim])
         out += [f"**{size(m)}**", "",
