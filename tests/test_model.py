@@ -146,6 +146,26 @@ def test_padded_dispatch_with_one_hot_expert_matches_loop(monkeypatch):
     assert len(bmm_calls) == 3
 
 
+def test_experts_padded_on_sorted_rows_matches_loop():
+    """The expert-sorted entry (what expert parallelism's local experts get) pads too:
+    same outputs and gradients as the loop, counts including an empty expert."""
+    from moe_exp.model.moe import Experts
+
+    torch.manual_seed(3)
+    ex = Experts(4, 16, 24)
+    for p in ex.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    counts = torch.tensor([5, 0, 7, 6])
+    x = torch.randn(18, 16, requires_grad=True)
+    g = torch.randn(18, 16)
+    outs = {}
+    for mode in ("padded", "loop"):
+        y = ex(x, counts, mode)
+        outs[mode] = (y, *torch.autograd.grad(y, [x, *ex.parameters()], g))
+    for a, b in zip(outs["padded"], outs["loop"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_auto_dispatch_choice():
     from moe_exp.model.moe import resolve_dispatch
 

@@ -139,12 +139,40 @@ DISPATCHES = ("grouped", "padded", "loop")
 PAD_LIMIT = 1.5
 
 
+def pad_capacity(counts: torch.Tensor, rows: int) -> int | None:
+    """Rows per expert once padded to the largest group; None where padded should not run:
+    eager, with no rows (an expert-parallel rank can get none) or unbalanced routing
+    (padding past PAD_LIMIT: grouped/loop cost only the real rows). Compiled code cannot
+    branch on the counts, so it always pads."""
+    num_experts = counts.shape[0]
+    # host sync (compiled: a data-dependent size; >= 2 spares inductor a size-1 case)
+    cap = max(int(counts.max()), 2)
+    torch._check(cap >= 2)
+    if not torch.compiler.is_compiling() and (
+            rows == 0 or num_experts * cap > PAD_LIMIT * rows + 16 * num_experts):
+        return None
+    return cap
+
+
+def pad_slots(expert: torch.Tensor, pos: torch.Tensor, counts: torch.Tensor,
+              cap: int) -> torch.Tensor:
+    """Padded row (expert * cap + rank within its expert) of rows going to `expert`, at
+    place `pos` of the expert-sorted order."""
+    return expert * cap + pos - (counts.cumsum(0) - counts)[expert]
+
+
+def unpadded_mode(x: torch.Tensor) -> str:
+    """padded's fallback: grouped where grouped_mm runs, else loop."""
+    return "grouped" if grouped_mm_supported(x.device, _mm_dtype(x)) else "loop"
+
+
 class Experts(nn.Module):
     """num_experts SwiGLU FFNs held as stacked weights (E, in, out).
 
     forward(x, counts, grouped): x (N, H) rows sorted by expert, counts (E,) rows per expert.
     `grouped` picks the kernel: True or "grouped" (grouped_mm), "padded" (bmm over groups
     padded to the largest count), False or "loop" (a matmul per expert).
+    padded(x, slot, cap, fan): the padded kernel for rows in any order (see there).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int):
@@ -155,6 +183,15 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool | str) -> torch.Tensor:
         mode = "grouped" if grouped is True else "loop" if grouped is False else grouped
+        if mode == "padded":
+            n = x.shape[0]
+            cap = pad_capacity(counts, n)
+            if cap is not None:
+                expert = torch.repeat_interleave(
+                    torch.arange(counts.shape[0], device=x.device), counts, output_size=n)
+                rows = torch.arange(n, device=x.device)
+                return self.padded(x, pad_slots(expert, rows, counts, cap), cap)
+            mode = unpadded_mode(x)
         if mode == "grouped" and x.shape[0] == 0 and not torch.compiler.is_compiling():
             mode = "loop"  # grouped_mm rejects an empty input (an expert-parallel rank may
             # receive no rows)
@@ -165,8 +202,6 @@ class Experts(nn.Module):
             w1, w3, w2 = (w.to(dt) for w in (self.w1, self.w3, self.w2))
             h = F.silu(grouped_mm(x, w1, offs)) * grouped_mm(x, w3, offs)
             return grouped_mm(h, w2, offs)
-        if mode == "padded":
-            return self._padded(x, counts)
         sizes = counts.tolist()
         for n in sizes:  # tells torch.compile these data-dependent sizes are valid
             torch._check(n >= 0)
@@ -180,31 +215,21 @@ class Experts(nn.Module):
             outs.append(h @ w2[e])
         return torch.cat(outs)
 
-    def _padded(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Pad every expert's rows to the largest count, three batched matmuls, unpad.
+    def padded(self, x: torch.Tensor, slot: torch.Tensor, cap: int, fan: int = 1
+               ) -> torch.Tensor:
+        """Every expert's rows padded to `cap`, three batched matmuls, unpadded.
 
-        Padding rows read row 0 (any finite row): their outputs are dropped, so their
-        gradients are zero and they add nothing to the weight gradients.
+        x (R, H); slot (R * fan,): the padded row (pad_slots) of output row i, whose input is
+        x row i // fan. Returns (R * fan, H): one gather in, one out. Padding rows read row
+        0 (any finite row): their outputs are dropped, so their gradients are zero and they
+        add nothing to the weight gradients.
         """
-        num_experts, n = counts.shape[0], x.shape[0]
-        # host sync (compiled: a data-dependent size; >= 2 spares inductor a size-1 case)
-        cap = max(int(counts.max()), 2)
-        torch._check(cap >= 2)
-        if not torch.compiler.is_compiling() and (
-                n == 0 or num_experts * cap > PAD_LIMIT * n + 16 * num_experts):
-            # no rows (an expert-parallel rank can get none), or unbalanced routing: padding
-            # would add more than half the matmul work; grouped/loop cost only the real rows
-            mode = "grouped" if grouped_mm_supported(x.device, x.dtype) else "loop"
-            return self.forward(x, counts, mode)
-        starts = counts.cumsum(0) - counts
-        expert = torch.repeat_interleave(torch.arange(num_experts, device=x.device), counts,
-                                         output_size=n)
-        rows = torch.arange(n, device=x.device)
-        slot = expert * cap + rows - starts[expert]  # (N,) where each row goes
-        src = slot.new_zeros(num_experts * cap).scatter_(0, slot, rows)  # padding: row 0
-        owner = slot.new_full((num_experts * cap,), -1).scatter_(0, slot, rows)
+        num_experts = self.w1.shape[0]
+        out = torch.arange(slot.shape[0], device=x.device)
+        src = slot.new_zeros(num_experts * cap).scatter_(0, slot, out // fan)
+        owner = slot.new_full((num_experts * cap,), -1).scatter_(0, slot, out)
         dt = _mm_dtype(x)
-        xp = gather_rows(x.to(dt), src, slot[:, None]).view(num_experts, cap, x.shape[1])
+        xp = gather_rows(x.to(dt), src, slot.view(-1, fan)).view(num_experts, cap, -1)
         w1, w3, w2 = (w.to(dt) for w in (self.w1, self.w3, self.w2))
         h = F.silu(torch.bmm(xp, w1)) * torch.bmm(xp, w3)
         y = torch.bmm(h, w2).view(num_experts * cap, -1)
@@ -239,14 +264,23 @@ class MoE(nn.Module):
         # inv[i]: where pair i = (token, choice) sits in the sorted order
         inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(),
                                                                       device=x.device))
-        # Gathers whose backward is a gather too (no scatter): token rows sorted by expert
-        # (cast first: the matmuls' dtype, half the bytes to move under bf16 autocast).
-        xs = gather_rows(x.to(_mm_dtype(x)), order // self.top_k, inv.view(-1, self.top_k))
+        y = None
         mode = self.grouped if self.dispatch != "padded" else "padded"
-        y = self.experts(xs, counts, mode)
-        # Back to (token, choice) order, then the routing-weighted sum over the k choices.
-        y = gather_rows(y, inv, order[:, None]).view(x.shape[0], self.top_k, -1)
-        out = sum_middle(y, weights.to(y.dtype))
+        if mode == "padded" and isinstance(self.experts, Experts):  # (expert parallel's
+            # wrapper takes expert-sorted rows)
+            cap = pad_capacity(counts, flat.numel())
+            if cap is not None:  # tokens straight to their padded rows and back
+                y = self.experts.padded(x, pad_slots(flat, inv, counts, cap), cap, self.top_k)
+            else:
+                mode = unpadded_mode(x)
+        if y is None:
+            # Gathers whose backward is a gather too (no scatter): token rows sorted by
+            # expert (cast first: the matmuls' dtype, half the bytes to move under bf16).
+            xs = gather_rows(x.to(_mm_dtype(x)), order // self.top_k, inv.view(-1, self.top_k))
+            y = self.experts(xs, counts, mode)
+            y = gather_rows(y, inv, order[:, None])  # back to (token, choice) order
+        # The routing-weighted sum over the k choices.
+        out = sum_middle(y.view(x.shape[0], self.top_k, -1), weights.to(y.dtype))
         # Switch load-balancing loss: E * sum_e (fraction of assignments to e) * (mean prob of e)
         frac = counts.to(probs.dtype) / flat.numel()
         balance = self.num_experts * (frac * probs.mean(dim=0)).sum()
