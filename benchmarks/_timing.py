@@ -1,6 +1,9 @@
 """Side-by-side timing on a shared machine: interleaved rounds, contended rounds dropped.
 
-Every contender runs once per round, in the same order, so slow drifts hit all alike.
+Every contender runs once per round, so slow drifts hit all alike, in an order shuffled
+each round (seeded): in a fixed order, the same code measured twice in one round differed
+by up to 15% with its place (after which contender it ran), more than most effects
+measured here.
 On Linux each round also reads /proc/stat: when other processes used more than
 `max_other` of the machine's CPU time during the round, the whole round is dropped and
 run again (up to `max_tries` rounds in all); a 2-core box shared with a test suite
@@ -11,6 +14,7 @@ figures were taken under contention.
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import time
 from typing import Callable
@@ -43,7 +47,7 @@ def other_load(t0, t1, wall_s: float) -> float | None:
 
 def run_rounds(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 2,
                sync: Callable[[], None] = lambda: None, max_other: float | None = None,
-               max_tries: int | None = None) -> dict:
+               max_tries: int | None = None, seed: int = 0) -> dict:
     """Median ms per contender over `reps` quiet rounds (see module doc).
 
     max_other: default 0.15, plus the share of cores this process leaves free
@@ -62,11 +66,14 @@ def run_rounds(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 2,
     times: dict[str, list[float]] = {n: [] for n in fns}
     noisy: dict[str, list[float]] = {n: [] for n in fns}
     dropped = tries = 0
+    rng, order = random.Random(seed), list(fns)
     while min(len(v) for v in times.values()) < reps and tries < max_tries:
         tries += 1
         c0, w0 = _cpu_ticks(), time.perf_counter()
         row = {}
-        for n, fn in fns.items():
+        rng.shuffle(order)
+        for n in order:
+            fn = fns[n]
             sync()
             t = time.perf_counter()
             fn()
@@ -85,4 +92,5 @@ def run_rounds(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 2,
         "rounds": min(len(v) for v in use.values()),
         "dropped_rounds": dropped,
         "contended": contended,
+        "order": f"shuffled each round (seed {seed})",
     }

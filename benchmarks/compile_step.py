@@ -104,7 +104,8 @@ def bench(model_name, precision, device, reps, extra):
             "dispatch": {"eager": eager_dispatch, "compiled": comp_dispatch},
             "first_compiled_step_s": first, "median_ms": med,
             "speedup": med["eager"] / med["compiled"], "rounds": res["rounds"],
-            "dropped_rounds": res["dropped_rounds"], "contended": res["contended"]}
+            "dropped_rounds": res["dropped_rounds"], "contended": res["contended"],
+            "order": res["order"]}
 
 
 def main(argv=None):

@@ -21,8 +21,8 @@ Contenders, all with the same router, the same weights and the same routing:
             bmm over perfectly balanced groups, in the matmul dtype). naive / mm-only is the
             most any dropless implementation could gain with everything else free.
 
-Timing: every contender runs once per round, rounds interleaved (so machine noise hits all
-alike), after warmup rounds; rounds during which other processes used the CPU are dropped
+Timing: every contender runs once per round, in an order shuffled each round (so machine
+noise and the previous contender's after-effects hit all alike), after warmup rounds; rounds during which other processes used the CPU are dropped
 and rerun (benchmarks/_timing.py). The table gives median ms per fwd+bwd and
 speedup = naive's median / the contender's. bf16 means autocast to bfloat16 (the model's bf16 precision).
 """
@@ -240,7 +240,7 @@ def bench_shape(name, shape, device, dtype, reps, warmup, compile_=True, skew=1.
             "skew": skew, "load": load,
             "tokens": t, "hidden": h, "ffn": f, "experts": e, "top_k": k,
             "dtype": str(dtype).replace("torch.", ""), "device": device.type,
-            "rounds": res["rounds"], "dropped_rounds": res["dropped_rounds"],
+            "rounds": res["rounds"], "dropped_rounds": res["dropped_rounds"], "order": res["order"],
             "contended": res["contended"],
             "median_ms": med, "speedup_vs_naive": {n: med["naive"] / v for n, v in med.items()}}
 

@@ -2,8 +2,8 @@
 
     PYTHONPATH=. python benchmarks/overhead.py [--runs 5] [--json out.json] [-- overrides...]
 
-Runs, in subprocesses, interleaved (one of each per round, --runs rounds; rounds where
-other processes loaded the CPU are flagged):
+Runs, in subprocesses, interleaved (one of each per round in a shuffled order, --runs
+rounds; rounds where other processes loaded the CPU are flagged):
   default     `python -m moe_exp.run [overrides]`: wall time, and the record's startup_s
               (process start -> first measured step, compile excluded)
   none        the same with logger=none
@@ -20,6 +20,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -121,9 +122,11 @@ def main(argv=None):
     res = {n: {"wall_s": [], "startup_s": [], "other_load": []} for n in cmds}
     with tempfile.TemporaryDirectory() as tmp:
         cwd = Path(tmp)
+        rng, order = random.Random(0), list(cmds)
         for _ in range(a.runs):
-            for n, cmd in cmds.items():
-                _, wall, load = run(cmd, cwd, env)
+            rng.shuffle(order)  # as in _timing.run_rounds: no contender always goes first
+            for n in order:
+                _, wall, load = run(cmds[n], cwd, env)
                 res[n]["wall_s"].append(wall)
                 res[n]["other_load"].append(load)
                 if n != "torch":
