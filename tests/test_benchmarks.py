@@ -16,10 +16,10 @@ def bench(script, *args, timeout=600):
     return p.stdout
 
 
-def test_rounds_run_every_contender_once_in_shuffled_order():
+def test_rounds_run_every_contender_once_in_shuffled_order(monkeypatch):
     """Each round runs every contender once; the order changes between rounds (a fixed
     order biased the same code by up to 15% with its place)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from _timing import run_rounds
 
     calls = []
