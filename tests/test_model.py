@@ -146,11 +146,15 @@ def test_padded_dispatch_with_one_hot_expert_matches_loop(monkeypatch):
     assert len(bmm_calls) == 3
 
 
-def test_experts_padded_on_sorted_rows_matches_loop():
-    """The expert-sorted entry (what expert parallelism's local experts get) pads too:
-    same outputs and gradients as the loop, counts including an empty expert."""
+def test_experts_padded_on_sorted_rows_matches_loop(monkeypatch):
+    """The expert-sorted entry (what expert parallelism's local experts get) pads too (its
+    three bmm run): same outputs and gradients as the loop, counts including an empty
+    expert."""
     from moe_exp.model.moe import Experts
 
+    bmm_calls = []
+    real_bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a: bmm_calls.append(1) or real_bmm(*a))
     torch.manual_seed(3)
     ex = Experts(4, 16, 24)
     for p in ex.parameters():
@@ -162,6 +166,7 @@ def test_experts_padded_on_sorted_rows_matches_loop():
     for mode in ("padded", "loop"):
         y = ex(x, counts, mode)
         outs[mode] = (y, *torch.autograd.grad(y, [x, *ex.parameters()], g))
+    assert len(bmm_calls) == 3
     for a, b in zip(outs["padded"], outs["loop"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
