@@ -1,9 +1,11 @@
 """Side-by-side timing on a shared machine: interleaved rounds, contended rounds dropped.
 
-Every contender runs once per round, so slow drifts hit all alike, in an order shuffled
-each round (seeded): in a fixed order, the same code measured twice in one round differed
-by up to 15% with its place (after which contender it ran), more than most effects
-measured here.
+Every contender runs once per round, so slow drifts hit all alike, and no contender keeps
+its place: in a fixed order, the same code measured twice in one round differed by up to
+15% with its place (after which contender it ran), more than most effects measured here.
+`round_orders` draws a shuffled order (seeded) and rotates it over the next n rounds, so
+over every n rounds each contender runs once in each position, and the contender before
+it changes from one block of n rounds to the next.
 On Linux each round also reads /proc/stat: when other processes used more than
 `max_other` of the machine's CPU time during the round, the whole round is dropped and
 run again (up to `max_tries` rounds in all); a 2-core box shared with a test suite
@@ -17,7 +19,7 @@ import os
 import random
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -45,6 +47,17 @@ def other_load(t0, t1, wall_s: float) -> float | None:
     return max(0.0, others / _TICK) / (wall_s * (os.cpu_count() or 1))
 
 
+def round_orders(names: list[str], seed: int = 0) -> Iterator[list[str]]:
+    """Orders for successive rounds: each block of len(names) rounds rotates one shuffled
+    order (see module doc)."""
+    rng = random.Random(seed)
+    while True:
+        base = list(names)
+        rng.shuffle(base)
+        for r in range(len(base)):
+            yield base[r:] + base[:r]
+
+
 def run_rounds(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 2,
                sync: Callable[[], None] = lambda: None, max_other: float | None = None,
                max_tries: int | None = None, seed: int = 0) -> dict:
@@ -66,13 +79,12 @@ def run_rounds(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 2,
     times: dict[str, list[float]] = {n: [] for n in fns}
     noisy: dict[str, list[float]] = {n: [] for n in fns}
     dropped = tries = 0
-    rng, order = random.Random(seed), list(fns)
+    orders = round_orders(list(fns), seed)
     while min(len(v) for v in times.values()) < reps and tries < max_tries:
         tries += 1
         c0, w0 = _cpu_ticks(), time.perf_counter()
         row = {}
-        rng.shuffle(order)
-        for n in order:
+        for n in next(orders):
             fn = fns[n]
             sync()
             t = time.perf_counter()
@@ -92,5 +104,5 @@ def run_rounds(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 2,
         "rounds": min(len(v) for v in use.values()),
         "dropped_rounds": dropped,
         "contended": contended,
-        "order": f"shuffled each round (seed {seed})",
+        "order": f"shuffled, rotated over each block of {len(fns)} rounds (seed {seed})",
     }

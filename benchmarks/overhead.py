@@ -2,8 +2,9 @@
 
     PYTHONPATH=. python benchmarks/overhead.py [--runs 5] [--json out.json] [-- overrides...]
 
-Runs, in subprocesses, interleaved (one of each per round in a shuffled order, --runs
-rounds; rounds where other processes loaded the CPU are flagged):
+Runs, in subprocesses, interleaved (one of each per round, in the orders of
+_timing.round_orders, --runs rounds; rounds where other processes loaded the CPU are
+flagged):
   default     `python -m moe_exp.run [overrides]`: wall time, and the record's startup_s
               (process start -> first measured step, compile excluded)
   none        the same with logger=none
@@ -20,7 +21,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import _cpu_ticks, other_load  # noqa: E402
+from _timing import _cpu_ticks, other_load, round_orders  # noqa: E402
 
 TORCH_FLOOR = ("import torch; p = torch.nn.Parameter(torch.zeros(4)); "
                "torch.optim.AdamW([p], fused=True).step()")
@@ -122,10 +122,9 @@ def main(argv=None):
     res = {n: {"wall_s": [], "startup_s": [], "other_load": []} for n in cmds}
     with tempfile.TemporaryDirectory() as tmp:
         cwd = Path(tmp)
-        rng, order = random.Random(0), list(cmds)
+        orders = round_orders(list(cmds))  # no contender keeps its place (_timing.py)
         for _ in range(a.runs):
-            rng.shuffle(order)  # as in _timing.run_rounds: no contender always goes first
-            for n in order:
+            for n in next(orders):
                 _, wall, load = run(cmds[n], cwd, env)
                 res[n]["wall_s"].append(wall)
                 res[n]["other_load"].append(load)
