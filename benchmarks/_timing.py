@@ -85,10 +85,9 @@ def run_rounds(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 2,
         c0, w0 = _cpu_ticks(), time.perf_counter()
         row = {}
         for n in next(orders):
-            fn = fns[n]
             sync()
             t = time.perf_counter()
-            fn()
+            fns[n]()
             sync()
             row[n] = (time.perf_counter() - t) * 1e3
         load = other_load(c0, _cpu_ticks(), time.perf_counter() - w0)
