@@ -195,6 +195,9 @@ def bench_shape(name, shape, device, dtype, reps, warmup, compile_=True, skew=1.
     models, auto = contenders(shape, device, dtype, skew)
     auto_c = None
     if compile_:
+        # a fresh dynamo per shape and dtype: a run has one shape; without it, the second
+        # shape would get a graph generalised to any token count (automatic dynamic shapes)
+        torch._dynamo.reset()
         more, auto_c = compiled_contenders(models, shape, device, dtype)
         models.update(more)
     torch.manual_seed(1)

@@ -206,3 +206,43 @@ def test_experts_with_no_rows(dispatch):
     y = ex(torch.zeros(0, 8, requires_grad=True), torch.zeros(4, dtype=torch.long), dispatch)
     y.sum().backward()
     assert y.shape == (0, 8) and ex.w1.grad is not None and ex.w1.grad.abs().sum() == 0
+
+
+def _hints_seen(moe: MoE, x: torch.Tensor, capture: bool, monkeypatch) -> list[int]:
+    """Trace moe under torch.compile (no inductor) and return the size hints its shape
+    environment holds."""
+    import torch._dynamo as dynamo
+    from torch._guards import detect_fake_mode
+
+    monkeypatch.setattr(dynamo.config, "capture_scalar_outputs", capture)
+    seen: list[int] = []
+
+    def backend(gm, example_inputs):
+        seen.extend(detect_fake_mode(example_inputs).shape_env.var_to_hint_override.values())
+        return gm.forward
+
+    dynamo.reset()
+    y = torch.compile(moe, backend=backend)(x)[0]
+    torch.testing.assert_close(y, moe(x)[0])
+    dynamo.reset()
+    return seen
+
+
+@pytest.mark.skipif(not hasattr(torch._dynamo, "override_optimization_hint"),
+                    reason="torch has no override_optimization_hint (older than 2.13)")
+@pytest.mark.parametrize("dispatch", ["padded", "loop"])
+def test_compiled_dispatch_hints_its_data_dependent_sizes(dispatch, monkeypatch):
+    """Without a hint inductor sizes these buffers at 0 bytes and fuses none of their loops
+    (benchmarks/README.md: 1.1-1.3x on the compiled layer)."""
+    from moe_exp.model.moe import SIZE_HINT
+
+    torch.manual_seed(0)
+    moe = MoE(16, 32, 4, 2, dispatch=dispatch)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(24, 16)
+    hints = _hints_seen(moe, x, True, monkeypatch)
+    # padded: its capacity; loop: each expert's row count
+    assert hints == [SIZE_HINT] * (1 if dispatch == "padded" else 4)
+    # .item() not traced (graph breaks there): sizes may be backed, no hint, still runs
+    assert _hints_seen(moe, x, False, monkeypatch) == []

@@ -145,13 +145,32 @@ def pad_capacity(counts: torch.Tensor, rows: int) -> int | None:
     (padding past PAD_LIMIT: grouped/loop cost only the real rows). Compiled code cannot
     branch on the counts, so it always pads."""
     num_experts = counts.shape[0]
-    # host sync (compiled: a data-dependent size; >= 2 spares inductor a size-1 case)
-    cap = max(int(counts.max()), 2)
+    # host sync (compiled: a data-dependent size, one symbol, so it can take a hint; >= 2
+    # spares inductor a size-1 case)
+    cap = int(counts.max().clamp(min=2))
     torch._check(cap >= 2)
-    if not torch.compiler.is_compiling() and (
-            rows == 0 or num_experts * cap > PAD_LIMIT * rows + 16 * num_experts):
+    if torch.compiler.is_compiling():
+        hint_size(cap)
+    elif rows == 0 or num_experts * cap > PAD_LIMIT * rows + 16 * num_experts:
         return None
     return cap
+
+
+# inductor's own guess for a data-dependent size (torch._inductor.config.unbacked_symint_fallback)
+SIZE_HINT = 8192
+
+
+def hint_size(n) -> None:
+    """Under torch.compile, give a data-dependent size an explicit guess (SIZE_HINT). Inductor
+    counts buffers of an unhinted size as 0 bytes, so it fuses none of their loops: on CPU,
+    SwiGLU's backward ran as three passes through an fp32 buffer, 2x its time.
+    Only where .item()/.tolist() are traced (capture_scalar_outputs, as train.compile sets
+    it): there n is always a fresh unbacked symbol; otherwise they break the graph and n may
+    be a plain or backed size, which takes no hint. (override_optimization_hint is newer
+    than torch 2.11: there, nothing changes.)"""
+    override = getattr(torch._dynamo, "override_optimization_hint", None)
+    if override is not None and torch._dynamo.config.capture_scalar_outputs:
+        override(n, SIZE_HINT)
 
 
 def pad_slots(expert: torch.Tensor, pos: torch.Tensor, counts: torch.Tensor,
@@ -205,6 +224,8 @@ class Experts(nn.Module):
         sizes = counts.tolist()
         for n in sizes:  # tells torch.compile these data-dependent sizes are valid
             torch._check(n >= 0)
+            if torch.compiler.is_compiling():
+                hint_size(n)
         torch._check(sum(sizes) == x.shape[0])
         # unbind, not w[e]: each w[e]'s backward would materialise a zero gradient of the
         # whole (E, in, out) stack; unbind's backward is one stack.
