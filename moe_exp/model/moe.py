@@ -163,7 +163,8 @@ SIZE_HINT = 8192
 def hint_size(n) -> None:
     """Under torch.compile, give a data-dependent size an explicit guess (SIZE_HINT). Inductor
     counts buffers of an unhinted size as 0 bytes, so it fuses none of their loops: on CPU,
-    SwiGLU's backward ran as three passes through an fp32 buffer, 2x its time.
+    SwiGLU's backward ran as three passes through an fp32 buffer (2.7x the forward's time;
+    fused, 1.6x).
     Only where .item()/.tolist() are traced (capture_scalar_outputs, as train.compile sets
     it): there n is always a fresh unbacked symbol; otherwise they break the graph and n may
     be a plain or backed size, which takes no hint. (override_optimization_hint is newer
