@@ -165,10 +165,12 @@ def hint_size(n) -> None:
     counts buffers of an unhinted size as 0 bytes, so it fuses none of their loops: on CPU,
     SwiGLU's backward ran as three passes through an fp32 buffer (2.7x the forward's time;
     fused, 1.6x).
-    Only where .item()/.tolist() are traced (capture_scalar_outputs, as train.compile sets
+    Eager: nothing. Only where .item()/.tolist() are traced (capture_scalar_outputs, as train.compile sets
     it): there n is always a fresh unbacked symbol; otherwise they break the graph and n may
     be a plain or backed size, which takes no hint. (override_optimization_hint is newer
     than torch 2.11: there, nothing changes.)"""
+    if not torch.compiler.is_compiling():
+        return
     override = getattr(torch._dynamo, "override_optimization_hint", None)
     if override is not None and torch._dynamo.config.capture_scalar_outputs:
         override(n, SIZE_HINT)
@@ -225,8 +227,7 @@ class Experts(nn.Module):
         sizes = counts.tolist()
         for n in sizes:  # tells torch.compile these data-dependent sizes are valid
             torch._check(n >= 0)
-            if torch.compiler.is_compiling():
-                hint_size(n)
+            hint_size(n)
         torch._check(sum(sizes) == x.shape[0])
         # unbind, not w[e]: each w[e]'s backward would materialise a zero gradient of the
         # whole (E, in, out) stack; unbind's backward is one stack.
