@@ -22,8 +22,9 @@ Contenders, all with the same router, the same weights and the same routing:
             most any dropless implementation could gain with everything else free.
 
 Timing: every contender runs once per round, each in every place equally often (so machine
-noise and the previous contender's after-effects hit all alike), after warmup rounds; rounds during which other processes used the CPU are dropped
-and rerun (benchmarks/_timing.py). The table gives median ms per fwd+bwd and
+noise and the previous contender's after-effects hit all alike), after warmup rounds;
+rounds during which other processes used the CPU are dropped and rerun
+(benchmarks/_timing.py). The table gives median ms per fwd+bwd and
 speedup = naive's median / the contender's. bf16 means autocast to bfloat16 (the model's bf16 precision).
 """
 from __future__ import annotations

@@ -149,9 +149,9 @@ def pad_capacity(counts: torch.Tensor, rows: int) -> int | None:
     # spares inductor a size-1 case)
     cap = int(counts.max().clamp(min=2))
     torch._check(cap >= 2)
-    if torch.compiler.is_compiling():
-        hint_size(cap)
-    elif rows == 0 or num_experts * cap > PAD_LIMIT * rows + 16 * num_experts:
+    hint_size(cap)
+    if not torch.compiler.is_compiling() and (
+            rows == 0 or num_experts * cap > PAD_LIMIT * rows + 16 * num_experts):
         return None
     return cap
 
@@ -165,10 +165,10 @@ def hint_size(n) -> None:
     counts buffers of an unhinted size as 0 bytes, so it fuses none of their loops: on CPU,
     SwiGLU's backward ran as three passes through an fp32 buffer (2.7x the forward's time;
     fused, 1.6x).
-    Eager: nothing. Only where .item()/.tolist() are traced (capture_scalar_outputs, as train.compile sets
-    it): there n is always a fresh unbacked symbol; otherwise they break the graph and n may
-    be a plain or backed size, which takes no hint. (override_optimization_hint is newer
-    than torch 2.11: there, nothing changes.)"""
+    Eager: nothing. Compiled, only where .item()/.tolist() are traced (capture_scalar_outputs,
+    as train.compile sets it): there n is always a fresh unbacked symbol; otherwise they
+    break the graph and n may be a plain or backed size, which takes no hint.
+    (override_optimization_hint is newer than torch 2.11: there, nothing changes.)"""
     if not torch.compiler.is_compiling():
         return
     override = getattr(torch._dynamo, "override_optimization_hint", None)
