@@ -208,6 +208,17 @@ def test_experts_with_no_rows(dispatch):
     assert y.shape == (0, 8) and ex.w1.grad is not None and ex.w1.grad.abs().sum() == 0
 
 
+@pytest.mark.parametrize("dispatch", DISPATCHES)
+def test_moe_on_no_tokens(dispatch):
+    """An empty batch gives an empty output and zero (not nan) aux losses."""
+    moe = MoE(8, 12, 4, 2, dispatch=dispatch)
+    out, balance, z, counts = moe(torch.zeros(0, 3, 8, requires_grad=True))
+    (out.sum() + balance + z).backward()
+    assert out.shape == (0, 3, 8) and counts.tolist() == [0, 0, 0, 0]
+    assert balance.item() == 0 and z.item() == 0
+    assert moe.experts.w1.grad.abs().sum() == 0 and moe.router.gate.weight.grad.abs().sum() == 0
+
+
 def _hints_seen(moe: MoE, xs: list[torch.Tensor], capture: bool, monkeypatch) -> list[int]:
     """Trace moe under torch.compile (no inductor) on each input in turn and return the size
     hints its shape environments hold."""

@@ -303,7 +303,10 @@ class MoE(nn.Module):
             y = self.experts(xs, counts, mode)
             y = gather_rows(y, inv, order[:, None])  # back to (token, choice) order
         # The routing-weighted sum over the k choices.
-        out = sum_middle(y.view(x.shape[0], self.top_k, -1), weights.to(y.dtype))
+        out = sum_middle(y.view(x.shape[0], self.top_k, y.shape[-1]), weights.to(y.dtype))
+        if x.shape[0] == 0:  # no tokens, no aux losses (their means over none would be nan)
+            zero = logits.sum()
+            return out.reshape(shape), zero, zero, counts
         # Switch load-balancing loss: E * sum_e (fraction of assignments to e) * (mean prob of e)
         frac = counts.to(probs.dtype) / flat.numel()
         balance = self.num_experts * (frac * probs.mean(dim=0)).sum()
