@@ -21,6 +21,9 @@ def report(sweep_dir: Path, baseline: dict | None = None, by=("model",), wandb_c
     if not records:
         raise FileNotFoundError(f"no job records (*/metrics.json) under {sweep_dir}")
     df = build_table(records, baseline, by)
+    if baseline and not df["baseline"].any():  # before the tables are rewritten
+        want = " ".join(f"{k}={v}" for k, v in baseline.items())
+        raise KeyError(f"--baseline {want}: no finished (status ok) row matches")
     paths = write_tables(df, sweep_dir, title)
     print_table(df, title)
     pngs = {}

@@ -65,6 +65,7 @@ def write_json_atomic(path: str | Path, obj) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    os.chmod(tmp, 0o644)  # mkstemp's 0600 would outlive the rename
     with os.fdopen(fd, "w") as f:
         json.dump(obj, f, indent=2, default=str)
         f.write("\n")

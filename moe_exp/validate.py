@@ -48,19 +48,38 @@ def check_model(m) -> None:
         raise ConfigError("model.top_k", f"must be in 1..num_experts={m.num_experts}, got {m.top_k}")
     if m.aux_loss_coef < 0 or m.z_loss_coef < 0:
         raise ConfigError("model.aux_loss_coef", "loss coefficients must be >= 0")
+    for key in ("init_std", "norm_eps", "rope_theta"):
+        if not m[key] > 0:
+            raise ConfigError(f"model.{key}", f"must be > 0, got {m[key]}")
 
 
 def check_train(cfg) -> None:
     for key, low in (("train.steps", 1), ("train.warmup_steps", 0), ("train.micro_batch_size", 1),
                      ("train.grad_accum_steps", 1), ("train.seq_len", 1), ("train.log_every", 1)):
         _at_least(cfg, key, low)
+    if cfg.train.compile != "off" and cfg.train.warmup_steps < 1:
+        raise ConfigError("train.warmup_steps", f"must be >= 1 with train.compile="
+                          f"{cfg.train.compile} (the first step compiles: it must not be measured)")
     if cfg.train.seq_len > cfg.model.max_seq_len:
         raise ConfigError("train.seq_len", f"{cfg.train.seq_len} exceeds model.max_seq_len="
                           f"{cfg.model.max_seq_len}")
 
 
+# What each precision option means (conf/precision/*.yaml); overrides may not contradict it.
+PRECISION_SETTINGS = {
+    "fp32": {"autocast_dtype": None, "grad_scaler": False, "tf32": False},
+    "tf32": {"autocast_dtype": None, "grad_scaler": False, "tf32": True},
+    "bf16": {"autocast_dtype": "bfloat16", "grad_scaler": False, "tf32": False},
+    "fp16": {"autocast_dtype": "float16", "grad_scaler": True, "tf32": False},
+    "fp8": {"autocast_dtype": "bfloat16", "grad_scaler": False, "tf32": False},
+}
+
+
 def check_precision(cfg) -> None:
     p, hw = cfg.precision.name, cfg.hardware
+    for key, peak in hw.peak_flops.items():
+        if peak is not None and not peak > 0:
+            raise ConfigError(f"hardware.peak_flops.{key}", f"must be > 0 FLOP/s or null, got {peak}")
     if p not in hw.precisions:
         raise Unsupported("precision", f"precision={p} is not supported on hardware={hw.name} "
                           f"(supported: {', '.join(hw.precisions)})")
@@ -72,6 +91,28 @@ def check_precision(cfg) -> None:
             raise Unsupported("precision", "precision=fp8 needs torchao: pip install torchao")
     if cfg.precision.autocast_dtype not in (None, "bfloat16", "float16"):
         raise ConfigError("precision.autocast_dtype", "must be null, bfloat16 or float16")
+    # the name labels every result: its settings may not say otherwise
+    show = lambda v: "null" if v is None else str(v).lower()  # noqa: E731 - as in YAML
+    for key, value in PRECISION_SETTINGS[p].items():
+        if cfg.precision[key] != value:
+            raise ConfigError(f"precision.{key}", f"must be {show(value)} for precision={p}, got "
+                              f"{show(cfg.precision[key])} (choose the precision option that "
+                              "means it)")
+
+
+def check_dispatch(cfg) -> None:
+    """An explicit model.dispatch=grouped must run here (auto picks what does)."""
+    if cfg.model.dispatch != "grouped" or cfg.model.num_experts == 0:
+        return
+    from .model.moe import resolve_dispatch
+    from .optimizations.precision import DTYPES
+
+    dtype = DTYPES.get(cfg.precision.autocast_dtype, torch.float32)
+    compiled = cfg.train.compile != "off"
+    if resolve_dispatch("grouped", cfg.hardware.device, dtype, compiled) != "grouped":
+        raise Unsupported("model.dispatch", f"grouped_mm does not run {'compiled ' * compiled}"
+                          f"on {cfg.hardware.device} at precision={cfg.precision.name} (compiled: "
+                          "bf16 only); use model.dispatch=auto, loop or padded")
 
 
 def check_parallel(cfg) -> None:
@@ -82,6 +123,10 @@ def check_parallel(cfg) -> None:
     if p.name == "none" and n != 1 and cfg.task == "bench":
         raise ConfigError("hardware.devices", f"parallel=none runs one rank; got "
                           f"hardware.devices={n} (use parallel=ddp, fsdp, expert or expert_fsdp)")
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if p.name == "none" and launched > 1:
+        raise ConfigError("parallel", f"launched as {launched} ranks (torchrun), but "
+                          "parallel=none runs one: set parallel=ddp, fsdp, expert or expert_fsdp")
     if hw.device == "cpu" and n > (os.cpu_count() or 1):
         raise Unsupported("hardware.devices", f"{n} ranks asked for, this machine has "
                           f"{os.cpu_count()} CPU cores (one gloo rank per core at most)")
@@ -122,6 +167,8 @@ def check_data(cfg) -> None:
     if d.num_workers == 0 and (d.prefetch_factor is not None or d.persistent_workers):
         raise ConfigError("data.prefetch_factor", "prefetch_factor and persistent_workers need "
                           "data.num_workers > 0")
+    if d.prefetch_factor is not None and d.prefetch_factor < 1:
+        raise ConfigError("data.prefetch_factor", f"must be >= 1 or null, got {d.prefetch_factor}")
     if d.source == "markov":
         if not 1 <= d.branching <= cfg.model.vocab_size:
             raise ConfigError("data.branching", f"must be in 1..model.vocab_size, got {d.branching}")
@@ -132,12 +179,19 @@ def check_data(cfg) -> None:
         if not Path(d.path).is_file():
             raise ConfigError("data.path", f"no token file at '{d.path}'; make one with "
                               "python -m moe_exp.data prepare <text files> <out.bin>")
-        from .data import read_meta
+        from .data.tokens import meta_path, read_meta
 
-        vocab = read_meta(d.path)["vocab_size"]
+        if not meta_path(d.path).is_file():
+            raise ConfigError("data.path", f"'{d.path}' has no {meta_path(d.path).name} beside "
+                              "it; make token files with python -m moe_exp.data prepare")
+        meta = read_meta(d.path)
+        vocab = meta["vocab_size"]
         if vocab > cfg.model.vocab_size:
             raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the "
                               f"token file's vocabulary ({vocab})")
+        if meta.get("num_tokens", cfg.train.seq_len + 1) < cfg.train.seq_len + 1:
+            raise ConfigError("data.path", f"'{d.path}' holds {meta['num_tokens']} tokens, fewer "
+                              f"than train.seq_len+1={cfg.train.seq_len + 1}")
 
 
 def check_optim(cfg) -> None:
@@ -148,18 +202,39 @@ def check_optim(cfg) -> None:
         raise ConfigError("optim.grad_clip", f"must be >= 0 (0 = off), got {o.grad_clip}")
     if o.lr_warmup_steps < 1:
         raise ConfigError("optim.lr_warmup_steps", f"must be >= 1, got {o.lr_warmup_steps}")
+    for key in ("beta1", "beta2"):
+        if not 0 <= o[key] < 1:
+            raise ConfigError(f"optim.{key}", f"must be in [0, 1), got {o[key]}")
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError("optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
+    if not o.eps > 0:
+        raise ConfigError("optim.eps", f"must be > 0, got {o.eps}")
+    if o.weight_decay < 0:
+        raise ConfigError("optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
 
 
 def check_memory(cfg) -> None:
-    """Weights + grads + AdamW state in fp32 (16 B/param) must fit the device: a lower bound."""
+    """Weights + grads + AdamW state in fp32 (16 B/param) must fit the device: a lower bound.
+    Per device, once sharded: FSDP over all ranks, expert parallel's experts over its group."""
     mem = cfg.hardware.memory_gib
     if mem is None:
         return
-    need = param_counts(cfg.model)["params_total"] * 16 / 2**30
+    m, p, n = cfg.model, cfg.parallel, cfg.hardware.devices
+    total = param_counts(m)["params_total"]
+    experts = m.num_layers * m.num_experts * 3 * m.hidden_size * m.ffn_hidden_size
+    if p.name in ("fsdp", "expert_fsdp"):
+        per_device = total / n
+    elif p.name == "expert":
+        per_device = total - experts + experts / (p.expert_parallel_size or n)
+    else:
+        per_device = total
+    need = per_device * 16 / 2**30
     if need > mem:
-        raise Unsupported("model", f"model={cfg.model.name} needs >= {need:,.0f} GiB for fp32 "
-                          f"weights, gradients and AdamW state; hardware={cfg.hardware.name} has "
-                          f"{mem:,.0f} GiB per device (use a parallel strategy or a smaller model)")
+        raise Unsupported("model", f"model={m.name} needs >= {need:,.0f} GiB per device for fp32 "
+                          f"weights, gradients and AdamW state under parallel={p.name} with "
+                          f"{n} device(s); hardware={cfg.hardware.name} has {mem:,.0f} GiB "
+                          "(shard it: parallel=fsdp or expert_fsdp with more devices, or a "
+                          "smaller model)")
 
 
 def check_comm(cfg) -> None:
@@ -189,6 +264,7 @@ def validate(cfg) -> None:
     check_model(cfg.model)
     check_train(cfg)
     check_precision(cfg)
+    check_dispatch(cfg)
     check_parallel(cfg)
     check_data(cfg)
     check_optim(cfg)

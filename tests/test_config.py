@@ -47,7 +47,7 @@ def test_hydra_rejects_typos_and_types(override, needle):
 
 
 SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3",
-           "model=mixtral_8x7b")
+           "model=mixtral_8x7b", "model.dispatch=grouped train.compile=default")
 
 
 @pytest.mark.parametrize("override,key", [
@@ -68,6 +68,19 @@ SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3"
     ("data=tokens", "data.path"),
     ("data.prefetch_factor=2", "data.prefetch_factor"),
     ("optim.lr=0", "optim.lr"),
+    ("optim.beta1=1.5", "optim.beta1"),
+    ("optim.eps=0", "optim.eps"),
+    ("optim.min_lr_ratio=-1", "optim.min_lr_ratio"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay"),
+    ("model.init_std=0", "model.init_std"),
+    ("data.num_workers=1 data.prefetch_factor=0", "data.prefetch_factor"),
+    ("hardware=cpu ++hardware.peak_flops.fp32=-1", "hardware.peak_flops.fp32"),
+    # settings that contradict the precision option's name (which labels every result)
+    ("precision.autocast_dtype=bfloat16", "precision.autocast_dtype"),
+    ("precision=bf16 precision.tf32=true", "precision.tf32"),
+    # the first step compiles: it cannot be a measured one
+    ("train.compile=default train.warmup_steps=0", "train.warmup_steps"),
+    ("model.dispatch=grouped train.compile=default", "model.dispatch"),  # grouped_mm: bf16 only
 ])
 
 
@@ -80,12 +93,36 @@ def test_validation_rejects_before_any_work(override, key, tmp_path, monkeypatch
     import moe_exp.bench.runner as runner
 
     monkeypatch.setattr(runner, "bench", lambda *a, **k: pytest.fail("work started"))
-    rec = run_inproc([override, "logger=none"], tmp_path)
+    rec = run_inproc([*override.split(), "logger=none"], tmp_path)
     # a valid request this hardware cannot do is `skipped`; a mistake is `invalid`
     want = "skipped" if override in SKIPPED else "invalid"
     assert rec["status"] == want
     assert rec["error"].startswith(f"{key}: ") and "\n" not in rec["error"]
     assert json.loads((tmp_path / "metrics.json").read_text())["status"] == want
+
+
+def test_torchrun_ranks_need_a_parallel_strategy(tmp_path, monkeypatch):
+    """Launched as several ranks with parallel=none, each would run (and record) alone."""
+    import moe_exp.bench.runner as runner
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(runner, "bench", lambda *a, **k: pytest.fail("work started"))
+    rec = run_inproc(["logger=none"], tmp_path)
+    assert rec["status"] == "invalid" and rec["error"].startswith("parallel: launched as 2 ranks")
+
+
+def test_memory_check_counts_what_sharding_saves():
+    from moe_exp.hardware import Unsupported
+    from moe_exp.validate import check_memory
+
+    cfg = compose(["model=mixtral_8x7b", "hardware.memory_gib=400", "hardware.devices=2",
+                   "parallel=fsdp"])
+    check_memory(cfg)  # ~348 GiB per device once sharded over 2
+    for name in ("ddp", "expert"):  # replicated: ~696 GiB; expert: attention etc. replicated
+        cfg.parallel.name = name
+        cfg.hardware.memory_gib = 400 if name == "ddp" else 340
+        with pytest.raises(Unsupported, match="GiB per device"):
+            check_memory(cfg)
 
 
 def test_cli_invalid_exits_nonzero_with_one_line(tmp_path):

@@ -115,8 +115,11 @@ def test_wandb_run_is_finished_when_the_run_fails(tmp_path, monkeypatch):
 
 def test_nan_loss_ends_the_run_as_diverged(tmp_path):
     rec = run_inproc(["logger=none", "optim.lr=1e30", "optim.grad_clip=0",
-                      "optim.lr_warmup_steps=1", "train.steps=20"], tmp_path)
+                      "optim.lr_warmup_steps=1", "train.steps=20", "train.log_every=8"], tmp_path)
     assert rec["status"] == "diverged" and "loss became" in rec["error"]
+    # the curve before the first non-finite step is kept, and the error names that step
+    n = len(rec["losses"])
+    assert n >= 1 and all(map(math.isfinite, rec["losses"])) and rec["error"].endswith(f"step {n}")
     assert json.loads((tmp_path / "metrics.json").read_text())["status"] == "diverged"
 
 

@@ -185,6 +185,12 @@ def test_report_cli_rebuilds_with_chosen_baseline(swept, tmp_path):
                           "colour=red"], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert bad.returncode == 2 and "colour" in bad.stderr
+    before = (d / "results.csv").read_text()
+    none = subprocess.run([sys.executable, "-m", "moe_exp.report", str(d), "--baseline",
+                           "precision=fp16"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert none.returncode == 2 and "no finished" in none.stderr
+    assert (d / "results.csv").read_text() == before  # tables left as they were
 
 
 def test_notebook_executes_against_a_sweep(swept):

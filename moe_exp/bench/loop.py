@@ -16,7 +16,9 @@ from .timer import StepTimer, process_age_s
 
 
 class Diverged(Exception):
-    pass
+    def __init__(self, msg: str, losses: list):
+        super().__init__(msg)
+        self.losses = losses  # every step's loss before the first non-finite one
 
 
 @dataclass
@@ -137,8 +139,10 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                 bar.set_postfix(loss=f"{values[-1]:.3f}")
                 if on_log:
                     on_log(step, values)
-                if not all(math.isfinite(v) for v in values):
-                    raise Diverged(f"loss became {values[-1]} at step {len(res.losses) - 1}")
+                bad = [i for i, v in enumerate(res.losses) if not math.isfinite(v)]
+                if bad:  # the first non-finite step, whatever log_every is
+                    raise Diverged(f"loss became {res.losses[bad[0]]} at step {bad[0]}",
+                                   res.losses[:bad[0]])
             bar.update(1)
         _sync(device)
         res.wall_s = time.perf_counter() - wall0

@@ -56,7 +56,7 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
         _measure(cfg, rec, device, tracker, progress and main, d)
         rec["status"] = "ok"
     except Diverged as e:
-        rec.update(status="diverged", error=str(e))
+        rec.update(status="diverged", error=str(e), losses=e.losses)
     except torch.OutOfMemoryError as e:
         if d is not None:
             raise
@@ -167,7 +167,7 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
         rec["peak_flops"] = peak
     else:
         why["mfu"] = (f"no peak FLOP/s known for hardware={cfg.hardware.name} at precision="
-                      f"{cfg.precision.name}; set hardware.peak_flops.{cfg.precision.name}")
+                      f"{cfg.precision.name}; set ++hardware.peak_flops.{cfg.precision.name}=<FLOP/s>")
     if res.counts is not None:
         rec.update(load_stats(res.counts))
         rec["aux_loss"] = res.balance
