@@ -140,5 +140,36 @@ def main(cfg: DictConfig) -> dict:
     return rec
 
 
+def hydra_error_line(e: Exception) -> str:
+    """One line for Hydra's own config errors: the key (or group), then what went wrong."""
+    from hydra.errors import MissingConfigException
+
+    if isinstance(e, MissingConfigException) and e.options and e.missing_cfg_file:
+        group, _, name = e.missing_cfg_file.rpartition("/")
+        return f"{group}: '{name}' is not one of: {', '.join(e.options)}"
+    cause = e.__cause__
+    key = getattr(cause, "full_key", None) or ""
+    lines = [str(e).strip()] + ([str(cause).strip()] if cause is not None else [])
+    what = "; ".join(x.splitlines()[0].rstrip(".") for x in lines if x)
+    return f"{key}: {what}" if key else what
+
+
+def cli() -> None:
+    """`python -m moe_exp.run`. Hydra's own config errors (unknown key or option, wrong type,
+    bad override syntax) come out as one line and exit code 2, like moe_exp's checks;
+    HYDRA_FULL_ERROR=1 keeps Hydra's own report."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        main()
+        return
+    from hydra.errors import CompactHydraException
+
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting 1
+    try:
+        main()
+    except CompactHydraException as e:
+        print(f"error: {hydra_error_line(e)}", file=sys.stderr)
+        sys.exit(EXIT_INVALID)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

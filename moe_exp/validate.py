@@ -124,7 +124,7 @@ def check_parallel(cfg) -> None:
         raise ConfigError("hardware.devices", f"parallel=none runs one rank; got "
                           f"hardware.devices={n} (use parallel=ddp, fsdp, expert or expert_fsdp)")
     launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if p.name == "none" and launched > 1:
+    if p.name == "none" and launched > 1 and cfg.task == "bench":
         raise ConfigError("parallel", f"launched as {launched} ranks (torchrun), but "
                           "parallel=none runs one: set parallel=ddp, fsdp, expert or expert_fsdp")
     if hw.device == "cpu" and n > (os.cpu_count() or 1):

@@ -132,10 +132,19 @@ def test_cli_invalid_exits_nonzero_with_one_line(tmp_path):
     assert "Traceback" not in p.stderr + p.stdout
 
 
-def test_cli_unknown_key_exits_nonzero(tmp_path):
-    p = run_cli(["model.hiden_size=3"], tmp_path)
-    assert p.returncode != 0
-    assert "hiden_size" in p.stderr and "Traceback" not in p.stderr
+@pytest.mark.parametrize("override,line", [
+    ("model.hiden_size=3", "error: model.hiden_size: Could not override 'model.hiden_size'; "
+                           "Key 'hiden_size' not in 'ModelConfig'"),
+    ("train.steps=abc", "error: train.steps: Error merging override train.steps=abc; Value "
+                        "'abc' of type 'str' could not be converted to Integer"),
+    ("precision=bf61", "error: precision: 'bf61' is not one of: bf16, fp16, fp32, fp8, tf32"),
+])
+def test_cli_hydra_errors_are_one_line_exit_2(override, line, tmp_path):
+    """Hydra's own errors (unknown key or option, wrong type) read like moe_exp's checks."""
+    p = run_cli([override], tmp_path, env={"HYDRA_FULL_ERROR": ""})
+    assert (p.returncode, p.stderr.strip()) == (2, line)
+    full = run_cli([override], tmp_path, env={"HYDRA_FULL_ERROR": "1"})  # Hydra's own report
+    assert full.returncode != 0 and "Traceback" in full.stderr
 
 
 def test_cli_cfg_info_help(tmp_path):
