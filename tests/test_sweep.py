@@ -215,3 +215,16 @@ def test_job_timeout_kills_the_job_as_crashed(tmp_path):
     df = pd.read_csv(d / "results.csv")
     assert list(df["status"]) == ["crashed"]
     assert "sweep.job_timeout_s=8" in df.loc[0, "error"]
+
+
+def test_in_process_sweep_nulls_what_a_later_job_cannot_measure(tmp_path):
+    """sweep.isolate=false: job 1's process did not start for it, and on CPU its peak RSS
+    would count job 0's leftovers; both are null with a reason, job 0 keeps them."""
+    d = tmp_path / "s"
+    r = sweep(d, "+case=fp32,bf16", "logger=none", "sweep.isolate=false")
+    assert r.returncode == 0, r.stderr[-3000:]
+    first, later = (json.loads((d / str(i) / "metrics.json").read_text()) for i in (0, 1))
+    assert first["status"] == later["status"] == "ok"
+    assert first["startup_s"] > 0 and first["peak_mem_gib"] > 0
+    for key in ("startup_s", "peak_mem_gib"):
+        assert later[key] is None and "in-process sweep" in later["null_reasons"][key]
