@@ -1,6 +1,7 @@
 """Hardware profiles: resolve `hardware=auto`, pick the device, apply environment knobs."""
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 from pathlib import Path
@@ -66,8 +67,26 @@ def resolve(cfg) -> None:
     check_device(cfg)
     if hw.memory_gib is None:
         hw.memory_gib = device_memory_gib(hw.device)
-    for key, value in hw.env.items():
-        os.environ.setdefault(key, str(value))
+
+
+def env_for(env) -> dict:
+    """hardware.env's variables that the environment does not set already (it wins)."""
+    return {k: str(v) for k, v in (env or {}).items() if k not in os.environ}
+
+
+@contextlib.contextmanager
+def hardware_env(hw):
+    """hardware.env for the duration of one run (its ranks, started inside, inherit it); an
+    in-process sweep's next job does not. Variables read when a library is imported
+    (OMP_NUM_THREADS by torch) act only in processes started with them: sweep jobs in their
+    own process (sweep.isolate=true) and the ranks."""
+    added = env_for(hw.env)
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def check_device(cfg) -> None:

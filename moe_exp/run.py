@@ -65,6 +65,13 @@ def run(cfg: DictConfig, out_dir: Path | None = None, progress: bool = True,
         print(f"error: {rec['error']}", file=sys.stderr)
         return rec
 
+    from .hardware import hardware_env
+
+    with hardware_env(cfg.hardware):
+        return _run(cfg, out_dir, overrides, choices, progress)
+
+
+def _run(cfg: DictConfig, out_dir: Path, overrides, choices, progress) -> dict | None:
     cfg_dict = _container(cfg)
     if cfg.parallel.name != "none" or cfg.hardware.devices > 1 or cfg.task == "comm":
         from .distributed import is_rank

@@ -157,3 +157,21 @@ def test_cli_cfg_info_help(tmp_path):
     p = run_cli(["--help"], tmp_path)
     assert p.returncode == 0
     assert "precision: bf16, fp16, fp32, fp8, tf32" in p.stdout
+
+
+def test_hardware_env_is_set_for_its_run_only(tmp_path, monkeypatch):
+    """hardware.env holds for the run (its ranks inherit it), not for what runs after it in
+    the same process (an in-process sweep's next job); the environment's own value wins."""
+    import os
+
+    import moe_exp.bench.runner as runner
+
+    seen = []
+    monkeypatch.setattr(runner, "bench", lambda cfg, cfg_dict, rec, *a, **k: seen.append(
+        (os.environ.get("MOE_EXP_T1"), os.environ.get("MOE_EXP_T2"))) or rec)
+    monkeypatch.delenv("MOE_EXP_T1", raising=False)
+    monkeypatch.setenv("MOE_EXP_T2", "mine")
+    run_inproc(["logger=none", "++hardware.env.MOE_EXP_T1=on", "++hardware.env.MOE_EXP_T2=x"],
+               tmp_path)
+    assert seen == [("on", "mine")]
+    assert "MOE_EXP_T1" not in os.environ and os.environ["MOE_EXP_T2"] == "mine"

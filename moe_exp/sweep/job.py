@@ -139,7 +139,9 @@ def run_child(cfg_dict: dict, overrides, choices, out_dir: Path, s) -> dict:
     spec = out_dir / "job.json"
     write_json_atomic(spec, {"config": cfg_dict, "overrides": overrides, "choices": choices,
                              "progress": sys.stderr.isatty()})
-    env = dict(os.environ)
+    from ..hardware import env_for
+
+    env = {**os.environ, **env_for(cfg_dict["hardware"].get("env"))}  # set from its start
     cache = None
     if s.fresh_compile_cache:  # this job's compile time is its own, not a cache hit
         cache = tempfile.mkdtemp(prefix="moe_exp_compile_")
