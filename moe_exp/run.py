@@ -63,12 +63,30 @@ def run(cfg: DictConfig, out_dir: Path | None = None, progress: bool = True,
     if rec is not None:
         write_json_atomic(out_dir / "metrics.json", rec)
         print(f"error: {rec['error']}", file=sys.stderr)
+        log_record(rec)
         return rec
 
     from .hardware import hardware_env
 
     with hardware_env(cfg.hardware):
-        return _run(cfg, out_dir, overrides, choices, progress)
+        rec = _run(cfg, out_dir, overrides, choices, progress)
+    if rec is not None:
+        log_record(rec)
+    return rec
+
+
+def log_record(rec: dict) -> None:
+    """The record's gist into the run's log (Hydra's run.log; the terminal has the table)."""
+    import logging
+
+    log = logging.getLogger("moe_exp")
+    log.info("overrides: %s", " ".join(rec.get("overrides") or []) or "(none)")
+    log.info("status: %s%s", rec["status"], f": {rec['error']}" if rec.get("error") else "")
+    if rec["status"] == "ok":
+        from .summary import summary_rows
+
+        for label, text in summary_rows(rec):
+            log.info("%s: %s", label, text)
 
 
 def _run(cfg: DictConfig, out_dir: Path, overrides, choices, progress) -> dict | None:

@@ -25,6 +25,8 @@ def test_default_record_is_complete_and_sane(default_record):
     rec, out = default_record
     on_disk = json.loads((out / "metrics.json").read_text())
     assert on_disk["status"] == "ok" and on_disk["error"] is None
+    log = (out / "run.log").read_text()  # the record's gist, as the terminal's table has it
+    assert "status: ok" in log and f"tokens/s: {rec['tokens_per_s']:,.0f}" in log
     assert all(k in on_disk for k in FIELDS)
     assert rec["tokens_per_s"] > 0 and rec["tokens_per_s_per_device"] > 0
     assert rec["step_time_ms"] > 0 and rec["step_time_iqr_ms"] >= 0
