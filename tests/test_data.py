@@ -23,6 +23,20 @@ def test_markov_tokens_follow_the_chain():
     assert torch.equal(MarkovTokens(64, 32, 50, 4, 3).data, ds.data)  # seeded
 
 
+def test_runs_of_any_length_see_the_same_data(tmp_path):
+    """Sample i does not depend on how many samples a run draws (steps, warmup), so runs of
+    different lengths start from the same batches; token-file offsets likewise."""
+    short, long = MarkovTokens(64, 32, 50, 4, 3), MarkovTokens(64, 32, 500, 4, 3)
+    assert torch.equal(long.data[:50], short.data) and len(long) == 500
+    assert not torch.equal(MarkovTokens(64, 32, 50, 4, 4).data, short.data)  # the seed counts
+    (tmp_path / "a.txt").write_text("abcdefghij" * 100)
+    prepare([tmp_path / "a.txt"], tmp_path / "t.bin")
+    assert TokenFile(tmp_path / "t.bin", 16, 500, 3).starts[:50] == \
+        TokenFile(tmp_path / "t.bin", 16, 50, 3).starts
+    # exactly seq_len + 1 tokens: one window, at offset 0
+    assert TokenFile(tmp_path / "t.bin", 1000, 4).starts == [0, 0, 0, 0]
+
+
 def test_prepare_cli_and_token_source_run(tmp_path):
     text = tmp_path / "a.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 400)

@@ -10,17 +10,25 @@ import torch
 from torch.utils.data import Dataset
 
 
+CHUNK = 64  # samples drawn from one generator: sample i does not depend on num_samples
+
+
 class MarkovTokens(Dataset):
     def __init__(self, vocab_size: int, seq_len: int, num_samples: int, branching: int = 4,
                  seed: int = 0):
-        g = torch.Generator().manual_seed(seed)
-        succ = torch.randint(0, vocab_size, (vocab_size, branching), generator=g)
-        data = torch.empty(num_samples, seq_len + 1, dtype=torch.long)
-        data[:, 0] = torch.randint(0, vocab_size, (num_samples,), generator=g)
-        choice = torch.randint(0, branching, (num_samples, seq_len), generator=g)
-        for t in range(seq_len):  # vectorised over samples
-            data[:, t + 1] = succ[data[:, t], choice[:, t]]
-        self.data = data
+        succ = torch.randint(0, vocab_size, (vocab_size, branching),
+                             generator=torch.Generator().manual_seed(seed))
+        chunks = []
+        for c in range(-(-num_samples // CHUNK)):  # runs of any length see the same data
+            g = torch.Generator().manual_seed(seed * 1_000_003 + c + 1)
+            data = torch.empty(CHUNK, seq_len + 1, dtype=torch.long)
+            data[:, 0] = torch.randint(0, vocab_size, (CHUNK,), generator=g)
+            choice = torch.randint(0, branching, (CHUNK, seq_len), generator=g)
+            for t in range(seq_len):  # vectorised over samples
+                data[:, t + 1] = succ[data[:, t], choice[:, t]]
+            chunks.append(data)
+        self.data = torch.cat(chunks)[:num_samples] if chunks else torch.empty(
+            0, seq_len + 1, dtype=torch.long)
 
     def __len__(self) -> int:
         return self.data.shape[0]

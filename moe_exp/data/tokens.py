@@ -45,7 +45,7 @@ class TokenFile(Dataset):
         meta = read_meta(path)
         self.tokens = np.memmap(path, dtype=meta["dtype"], mode="r")
         self.seq_len = seq_len
-        high = len(self.tokens) - seq_len - 1
+        high = len(self.tokens) - seq_len  # window starts 0..high-1
         if high <= 0:
             raise ValueError(f"data.path: {path} holds {len(self.tokens)} tokens, "
                              f"fewer than train.seq_len+1={seq_len + 1}")
