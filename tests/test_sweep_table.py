@@ -49,6 +49,11 @@ def test_repeats_combine_to_median_and_significance():
     assert (a["tokens_per_s"], a["tokens_per_s_min"], a["tokens_per_s_max"]) == (100.0, 96.0, 104.0)
     df = build_table([a, b, c])
     assert list(df["speedup_significant"]) == [None, True, False]
+    # an even count: the step time is the one the median tokens/s means
+    two = combine([rec(4, t, 1.0, repeat=i, tokens_per_step=1000, step_time_ms=1e6 / t)
+                   for i, t in enumerate([100.0, 300.0])])
+    assert two["tokens_per_s"] == 200.0 and two["step_time_ms"] == pytest.approx(5000.0)
+    assert (two["step_time_ms_min"], two["step_time_ms_max"]) == pytest.approx((1e4 / 3, 1e4))
     bad = combine([rec(3, 100.0, 1.0, repeat=0), rec(3, None, None, status="crashed",
                                                     repeat=1, error="killed")])
     assert bad["status"] == "crashed" and bad["repeats_ok"] == 1 and "repeat 1" in bad["error"]

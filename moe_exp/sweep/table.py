@@ -64,6 +64,9 @@ def combine(records: list[dict]) -> dict:
         vals = [r.get(k) for r in ok]
         if vals and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
             rec[k] = statistics.median(vals)
+    if rec.get("tokens_per_s") and rec.get("tokens_per_step"):  # the step time the median
+        # tokens/s means (for an even count their two medians are not each other's inverse)
+        rec["step_time_ms"] = 1e3 * rec["tokens_per_step"] / rec["tokens_per_s"]
     for k in ("tokens_per_s", "peak_mem_gib", "step_time_ms"):
         vals = [r[k] for r in ok if isinstance(r.get(k), (int, float))]
         rec[f"{k}_min"], rec[f"{k}_max"] = (min(vals), max(vals)) if vals else (None, None)
