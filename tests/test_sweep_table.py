@@ -116,3 +116,12 @@ def test_seed_tables_render_rows_columns_and_reasons():
     # a skipped row measured nothing: the model's size comes from its other rows
     assert "| + CPU Offloading | 0.004 GiB | skipped" in md and "nan" not in md
     assert seed_tables(build_table([rec(0, 1.0, 1.0)])) == ""
+
+
+def test_labels_name_the_combination_even_for_one_row():
+    from moe_exp.sweep.table import labels
+
+    two = [rec(0, 1.0, 1.0, precision="fp32", seq_len=64),
+           rec(1, 1.0, 1.0, precision="bf16", seq_len=64)]
+    assert labels(two) == ["precision=fp32", "precision=bf16"]  # what varies
+    assert labels(two[:1]) == ["precision=fp32 seq_len=64"]  # an interrupted sweep's one row

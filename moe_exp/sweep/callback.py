@@ -30,7 +30,7 @@ def plan(config: DictConfig) -> tuple[int | None, list[str]]:
     except Exception:  # noqa: BLE001 - progress is a nicety; Hydra reports real errors
         return None, []
     varying = [o.get_key_element() for o in parsed if o.is_sweep_override()]
-    return len(jobs), varying
+    return len(jobs), list(dict.fromkeys(varying))  # a key swept twice (preset + command line)
 
 
 class SweepCallback(Callback):
@@ -59,7 +59,7 @@ class SweepCallback(Callback):
         elapsed = time.time() - self.t0
         left = self.total - self.finished if self.total else None
         eta = (f"~{_fmt_s(sum(self.ran) / len(self.ran) * left)} left" if self.ran and left
-               else "time left: after the first job")
+               else "time left: after the first job that runs")
         of = f"/{self.total}" if self.total else ""
         print(f"[sweep] job {num + 1}{of} (#{num}) · {combo} · elapsed {_fmt_s(elapsed)} · {eta}",
               flush=True)

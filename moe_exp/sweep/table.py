@@ -97,7 +97,8 @@ def labels(records: list[dict]) -> list[str]:
     out = []
     for r, it in zip(records, items):
         text = " ".join(f"{k}={it[k]}" for k in varying if k in it)
-        out.append(text or f"job {r.get('job')}")
+        # nothing varies yet (one finished row of an interrupted sweep): all its overrides
+        out.append(text or " ".join(f"{k}={v}" for k, v in it.items()) or f"job {r.get('job')}")
     return out
 
 
