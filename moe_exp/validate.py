@@ -23,6 +23,24 @@ def check_choices(cfg) -> None:
             raise ConfigError(key, f"'{value}' is not one of: {', '.join(allowed)}")
 
 
+def check_known_keys(cfg) -> None:
+    """Keys a `+` override added inside a typed group (`+train.foo=1`), where nothing reads
+    them: Hydra lets `+` add any key."""
+    import dataclasses
+
+    from omegaconf import DictConfig
+
+    for group, node in cfg.items():
+        typ = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+        if typ is None or not dataclasses.is_dataclass(typ):
+            continue
+        known = {f.name for f in dataclasses.fields(typ)}
+        for key in node:
+            if key not in known:
+                raise ConfigError(f"{group}.{key}", f"no such key in {group} (known: "
+                                  f"{', '.join(sorted(known))})")
+
+
 def _at_least(cfg, key: str, low: int) -> None:
     value = _get(cfg, key)
     if value < low:
@@ -260,6 +278,7 @@ def check_sweep(cfg) -> None:
 
 def validate(cfg) -> None:
     """Raise ConfigError on the first problem. Run after hardware.resolve()."""
+    check_known_keys(cfg)
     check_choices(cfg)
     check_model(cfg.model)
     check_train(cfg)

@@ -68,6 +68,7 @@ SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3"
     ("data=tokens", "data.path"),
     ("data.prefetch_factor=2", "data.prefetch_factor"),
     ("optim.lr=0", "optim.lr"),
+    ("+train.foo=1", "train.foo"),  # `+` adds any key; nothing would read it
     ("optim.beta1=1.5", "optim.beta1"),
     ("optim.eps=0", "optim.eps"),
     ("optim.min_lr_ratio=-1", "optim.min_lr_ratio"),
