@@ -83,13 +83,15 @@ def check_train(cfg) -> None:
                           f"{cfg.model.max_seq_len}")
 
 
-# What each precision option means (conf/precision/*.yaml); overrides may not contradict it.
+# What each precision option's name says (conf/precision/*.yaml): overrides may not
+# contradict it. (TF32 beside autocast only touches the matmuls autocast leaves in fp32, and
+# grad_scaler is a knob of its own: both stay free there.)
 PRECISION_SETTINGS = {
-    "fp32": {"autocast_dtype": None, "grad_scaler": False, "tf32": False},
-    "tf32": {"autocast_dtype": None, "grad_scaler": False, "tf32": True},
-    "bf16": {"autocast_dtype": "bfloat16", "grad_scaler": False, "tf32": False},
-    "fp16": {"autocast_dtype": "float16", "grad_scaler": True, "tf32": False},
-    "fp8": {"autocast_dtype": "bfloat16", "grad_scaler": False, "tf32": False},
+    "fp32": {"autocast_dtype": None, "tf32": False},
+    "tf32": {"autocast_dtype": None, "tf32": True},
+    "bf16": {"autocast_dtype": "bfloat16"},
+    "fp16": {"autocast_dtype": "float16"},
+    "fp8": {"autocast_dtype": "bfloat16"},
 }
 
 
@@ -129,8 +131,9 @@ def check_dispatch(cfg) -> None:
     compiled = cfg.train.compile != "off"
     if resolve_dispatch("grouped", cfg.hardware.device, dtype, compiled) != "grouped":
         raise Unsupported("model.dispatch", f"grouped_mm does not run {'compiled ' * compiled}"
-                          f"on {cfg.hardware.device} at precision={cfg.precision.name} (compiled: "
-                          "bf16 only); use model.dispatch=auto, loop or padded")
+                          f"on {cfg.hardware.device} at precision={cfg.precision.name}"
+                          f"{' (compiled: bf16 only)' * compiled}; use model.dispatch=auto, "
+                          "loop or padded")
 
 
 def check_parallel(cfg) -> None:

@@ -78,7 +78,8 @@ SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3"
     ("hardware=cpu ++hardware.peak_flops.fp32=-1", "hardware.peak_flops.fp32"),
     # settings that contradict the precision option's name (which labels every result)
     ("precision.autocast_dtype=bfloat16", "precision.autocast_dtype"),
-    ("precision=bf16 precision.tf32=true", "precision.tf32"),
+    ("precision=fp32 precision.tf32=true", "precision.tf32"),
+    ("precision=bf16 precision.autocast_dtype=float16", "precision.autocast_dtype"),
     # the first step compiles: it cannot be a measured one
     ("train.compile=default train.warmup_steps=0", "train.warmup_steps"),
     ("model.dispatch=grouped train.compile=default", "model.dispatch"),  # grouped_mm: bf16 only
