@@ -82,7 +82,7 @@ def log_record(rec: dict) -> None:
     log = logging.getLogger("moe_exp")
     log.info("overrides: %s", " ".join(rec.get("overrides") or []) or "(none)")
     log.info("status: %s%s", rec["status"], f": {rec['error']}" if rec.get("error") else "")
-    if rec["status"] == "ok":
+    if rec["status"] == "ok" and rec.get("tokens_per_s") is not None:  # a bench (not comm)
         from .summary import summary_rows
 
         for label, text in summary_rows(rec):
