@@ -166,7 +166,9 @@ class CommConfig:
 class SweepConfig:
     """How a multirun (-m) runs its jobs and builds its table (not part of the config hash)."""
     name: Optional[str] = None  # preset name; the W&B group defaults to it + the sweep dir
-    baseline: Optional[Dict[str, Any]] = None  # e.g. {precision: bf16}; null = fewest opts on
+    # e.g. {precision: bf16}; empty (or null) = the ok row with the fewest optimizations on.
+    # (set it with ++sweep.baseline={...}; {} not null: Hydra cannot add keys to a null)
+    baseline: Optional[Dict[str, Any]] = field(default_factory=dict)
     baseline_by: List[str] = field(default_factory=lambda: ["model"])  # one baseline per value
     repeats: int = 1  # runs per combination: the table reports median and spread
     resume: bool = False  # skip jobs whose records are already in the sweep dir (config hash)

@@ -174,8 +174,12 @@ def hydra_error_line(e: Exception) -> str:
         return f"{group}: '{name}' is not one of: {', '.join(e.options)}"
     cause = e.__cause__
     key = getattr(cause, "full_key", None) or ""
-    lines = [str(e).strip()] + ([str(cause).strip()] if cause is not None else [])
-    what = "; ".join(x.splitlines()[0].rstrip(".") for x in lines if x)
+    # all of Hydra's lines (the second is often the fix: "use +seed_row=all"); of OmegaConf's
+    # cause the first (the rest repeat the key and its type)
+    lines = [x.strip().rstrip(".") for x in str(e).splitlines() if x.strip()]
+    if cause is not None and str(cause).strip():
+        lines.append(str(cause).strip().splitlines()[0].rstrip("."))
+    what = "; ".join(lines)
     return f"{key}: {what}" if key else what
 
 

@@ -30,14 +30,15 @@ def check_known_keys(cfg) -> None:
 
     from omegaconf import DictConfig
 
-    for group, node in cfg.items():
+    for group, node in [("", cfg), *cfg.items()]:
         typ = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
         if typ is None or not dataclasses.is_dataclass(typ):
             continue
         known = {f.name for f in dataclasses.fields(typ)}
         for key in node:
             if key not in known:
-                raise ConfigError(f"{group}.{key}", f"no such key in {group} (known: "
+                where = f"in {group}" if group else "at the top level"
+                raise ConfigError(f"{group}.{key}".lstrip("."), f"no such key {where} (known: "
                                   f"{', '.join(sorted(known))})")
 
 
@@ -121,19 +122,32 @@ def check_precision(cfg) -> None:
 
 
 def check_dispatch(cfg) -> None:
-    """An explicit model.dispatch=grouped must run here (auto picks what does)."""
+    """An explicit model.dispatch=grouped must run here (auto picks what does). Probed on
+    CPU only: a CUDA probe here would open a context on GPU 0 in every rank and launcher."""
     if cfg.model.dispatch != "grouped" or cfg.model.num_experts == 0:
         return
-    from .model.moe import resolve_dispatch
+    from .model.moe import grouped_mm_supported
     from .optimizations.precision import DTYPES
 
     dtype = DTYPES.get(cfg.precision.autocast_dtype, torch.float32)
-    compiled = cfg.train.compile != "off"
-    if resolve_dispatch("grouped", cfg.hardware.device, dtype, compiled) != "grouped":
-        raise Unsupported("model.dispatch", f"grouped_mm does not run {'compiled ' * compiled}"
-                          f"on {cfg.hardware.device} at precision={cfg.precision.name}"
-                          f"{' (compiled: bf16 only)' * compiled}; use model.dispatch=auto, "
-                          "loop or padded")
+    why = None
+    if cfg.train.compile != "off" and dtype != torch.bfloat16:
+        why = "compiled, grouped_mm runs in bf16 only"
+    elif cfg.hardware.device == "cpu" and not grouped_mm_supported("cpu", dtype):
+        why = f"grouped_mm does not run on this CPU in {str(dtype).replace('torch.', '')}"
+    if why:
+        raise Unsupported("model.dispatch", f"grouped at precision={cfg.precision.name}: {why}; "
+                          "use model.dispatch=auto, loop or padded")
+
+
+def _world_size(devices: int) -> int:
+    """Ranks in the whole job: torchrun's WORLD_SIZE (several nodes) or this machine's."""
+    import os
+
+    try:
+        return max(devices, int(os.environ.get("WORLD_SIZE", devices)))
+    except ValueError:
+        return devices
 
 
 def check_parallel(cfg) -> None:
@@ -144,7 +158,7 @@ def check_parallel(cfg) -> None:
     if p.name == "none" and n != 1 and cfg.task == "bench":
         raise ConfigError("hardware.devices", f"parallel=none runs one rank; got "
                           f"hardware.devices={n} (use parallel=ddp, fsdp, expert or expert_fsdp)")
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    launched = _world_size(n)
     if p.name == "none" and launched > 1 and cfg.task == "bench":
         raise ConfigError("parallel", f"launched as {launched} ranks (torchrun), but "
                           "parallel=none runs one: set parallel=ddp, fsdp, expert or expert_fsdp")
@@ -235,27 +249,30 @@ def check_optim(cfg) -> None:
 
 
 def check_memory(cfg) -> None:
-    """Weights + grads + AdamW state in fp32 (16 B/param) must fit the device: a lower bound.
-    Per device, once sharded: FSDP over all ranks, expert parallel's experts over its group."""
+    """Weights + grads + AdamW state in fp32 (16 B/param) must fit: a lower bound, once
+    sharded (FSDP over all ranks, expert parallel's experts over its group). A GPU holds one
+    rank; a CPU's memory (memory_gib is all of it) holds this machine's ranks together."""
     mem = cfg.hardware.memory_gib
     if mem is None:
         return
     m, p, n = cfg.model, cfg.parallel, cfg.hardware.devices
+    world = _world_size(n) if p.name != "none" else 1
     total = param_counts(m)["params_total"]
     experts = m.num_layers * m.num_experts * 3 * m.hidden_size * m.ffn_hidden_size
     if p.name in ("fsdp", "expert_fsdp"):
-        per_device = total / n
+        per_rank = total / world
     elif p.name == "expert":
-        per_device = total - experts + experts / (p.expert_parallel_size or n)
+        per_rank = total - experts + experts / (p.expert_parallel_size or world)
     else:
-        per_device = total
-    need = per_device * 16 / 2**30
+        per_rank = total
+    local = n if cfg.hardware.device == "cpu" else 1
+    need = per_rank * local * 16 / 2**30
     if need > mem:
-        raise Unsupported("model", f"model={m.name} needs >= {need:,.0f} GiB per device for fp32 "
-                          f"weights, gradients and AdamW state under parallel={p.name} with "
-                          f"{n} device(s); hardware={cfg.hardware.name} has {mem:,.0f} GiB "
-                          "(shard it: parallel=fsdp or expert_fsdp with more devices, or a "
-                          "smaller model)")
+        where = f"{n} CPU ranks together" if local > 1 else "one device"
+        raise Unsupported("model", f"model={m.name} needs >= {need:,.0f} GiB on {where} for "
+                          f"fp32 weights, gradients and AdamW state under parallel={p.name}; "
+                          f"hardware={cfg.hardware.name} has {mem:,.0f} GiB (shard it: "
+                          "parallel=fsdp or expert_fsdp over more devices, or a smaller model)")
 
 
 def check_comm(cfg) -> None:

@@ -69,6 +69,7 @@ SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3"
     ("data.prefetch_factor=2", "data.prefetch_factor"),
     ("optim.lr=0", "optim.lr"),
     ("+train.foo=1", "train.foo"),  # `+` adds any key; nothing would read it
+    ("+foo=1", "foo"),
     ("optim.beta1=1.5", "optim.beta1"),
     ("optim.eps=0", "optim.eps"),
     ("optim.min_lr_ratio=-1", "optim.min_lr_ratio"),
@@ -113,18 +114,27 @@ def test_torchrun_ranks_need_a_parallel_strategy(tmp_path, monkeypatch):
     assert rec["status"] == "invalid" and rec["error"].startswith("parallel: launched as 2 ranks")
 
 
-def test_memory_check_counts_what_sharding_saves():
+def test_memory_check_counts_what_sharding_saves(monkeypatch):
     from moe_exp.hardware import Unsupported
     from moe_exp.validate import check_memory
 
-    cfg = compose(["model=mixtral_8x7b", "hardware.memory_gib=400", "hardware.devices=2",
-                   "parallel=fsdp"])
-    check_memory(cfg)  # ~348 GiB per device once sharded over 2
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = compose(["model=mixtral_8x7b", "hardware=h100", "hardware.memory_gib=400",
+                   "hardware.devices=2", "parallel=fsdp"])
+    check_memory(cfg)  # ~348 GiB per GPU once sharded over 2
     for name in ("ddp", "expert"):  # replicated: ~696 GiB; expert: attention etc. replicated
         cfg.parallel.name = name
         cfg.hardware.memory_gib = 400 if name == "ddp" else 340
-        with pytest.raises(Unsupported, match="GiB per device"):
+        with pytest.raises(Unsupported, match="GiB on one device"):
             check_memory(cfg)
+    cfg.parallel.name, cfg.hardware.memory_gib = "fsdp", 200
+    with pytest.raises(Unsupported):
+        check_memory(cfg)
+    monkeypatch.setenv("WORLD_SIZE", "4")  # torchrun over two such machines: ~174 GiB each
+    check_memory(cfg)
+    cfg.hardware.device, cfg.hardware.memory_gib = "cpu", 300  # 2 ranks share it: ~348
+    with pytest.raises(Unsupported, match="2 CPU ranks together"):
+        check_memory(cfg)
 
 
 def test_cli_invalid_exits_nonzero_with_one_line(tmp_path):
@@ -136,7 +146,10 @@ def test_cli_invalid_exits_nonzero_with_one_line(tmp_path):
 
 @pytest.mark.parametrize("override,line", [
     ("model.hiden_size=3", "error: model.hiden_size: Could not override 'model.hiden_size'; "
+                           "To append to your config use +model.hiden_size=3; "
                            "Key 'hiden_size' not in 'ModelConfig'"),
+    ("seed_row=all", "error: Could not override 'seed_row'. No match in the defaults list; "
+                     "To append to your default list use +seed_row=all"),
     ("train.steps=abc", "error: train.steps: Error merging override train.steps=abc; Value "
                         "'abc' of type 'str' could not be converted to Integer"),
     ("precision=bf61", "error: precision: 'bf61' is not one of: bf16, fp16, fp32, fp8, tf32"),

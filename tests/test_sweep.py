@@ -50,6 +50,8 @@ def test_table_has_every_row_status_and_speedup(swept):
         100 * (1 - rec[1]["peak_mem_gib"] / rec[0]["peak_mem_gib"]))
     assert df.loc[2:, "speedup"].isna().all()
     assert not (d / "2" / "job.log").exists()  # invalid: caught before a process started
+    for i, status in enumerate(("ok", "ok", "invalid", "diverged")):  # each job's run.log
+        assert f"status: {status}" in (d / str(i) / "run.log").read_text()
     assert "| +case=diverge" in (d / "results.md").read_text()
     assert "Sweep" in r.stdout and "job 4/4" in r.stdout
     for png in ("throughput", "memory", "pareto"):
@@ -228,3 +230,17 @@ def test_in_process_sweep_nulls_what_a_later_job_cannot_measure(tmp_path):
     assert first["startup_s"] > 0 and first["peak_mem_gib"] > 0
     for key in ("startup_s", "peak_mem_gib"):
         assert later[key] is None and "in-process sweep" in later["null_reasons"][key]
+
+
+def test_chosen_baseline_from_the_command_line_and_one_that_matches_nothing(tmp_path):
+    """The README's ++sweep.baseline={...} picks the row; one that matches no ok row still
+    ends in the table, plots and report (no speedups), with a one-line warning."""
+    d = tmp_path / "s"
+    r = sweep(d, "+case=fp32,bf16", "logger=none", "++sweep.baseline={precision:bf16}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert list(pd.read_parquet(d / "results.parquet")["baseline"]) == [False, True]
+    d2 = tmp_path / "s2"
+    r = sweep(d2, "+case=fp32", "logger=none", "++sweep.baseline={precision:fp16}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "sweep.baseline precision=fp16 matches no finished" in r.stderr
+    assert (d2 / "report.md").is_file() and (d2 / "plots" / "throughput.png").is_file()

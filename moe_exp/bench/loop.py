@@ -16,7 +16,7 @@ from .timer import StepTimer, process_age_s
 
 
 class Diverged(Exception):
-    def __init__(self, msg: str, losses: list):
+    def __init__(self, msg: str, losses: list | None = None):
         super().__init__(msg)
         self.losses = losses  # every step's loss before the first non-finite one
 

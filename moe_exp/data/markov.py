@@ -18,17 +18,16 @@ class MarkovTokens(Dataset):
                  seed: int = 0):
         succ = torch.randint(0, vocab_size, (vocab_size, branching),
                              generator=torch.Generator().manual_seed(seed))
-        chunks = []
-        for c in range(-(-num_samples // CHUNK)):  # runs of any length see the same data
-            g = torch.Generator().manual_seed(seed * 1_000_003 + c + 1)
-            data = torch.empty(CHUNK, seq_len + 1, dtype=torch.long)
-            data[:, 0] = torch.randint(0, vocab_size, (CHUNK,), generator=g)
-            choice = torch.randint(0, branching, (CHUNK, seq_len), generator=g)
-            for t in range(seq_len):  # vectorised over samples
-                data[:, t + 1] = succ[data[:, t], choice[:, t]]
-            chunks.append(data)
-        self.data = torch.cat(chunks)[:num_samples] if chunks else torch.empty(
-            0, seq_len + 1, dtype=torch.long)
+        n = -(-num_samples // CHUNK) * CHUNK
+        data = torch.empty(n, seq_len + 1, dtype=torch.long)
+        choice = torch.empty(n, seq_len, dtype=torch.long)
+        for c in range(0, n, CHUNK):  # runs of any length see the same data
+            g = torch.Generator().manual_seed(seed * 1_000_003 + c // CHUNK + 1)
+            data[c: c + CHUNK, 0] = torch.randint(0, vocab_size, (CHUNK,), generator=g)
+            choice[c: c + CHUNK] = torch.randint(0, branching, (CHUNK, seq_len), generator=g)
+        for t in range(seq_len):  # vectorised over samples
+            data[:, t + 1] = succ[data[:, t], choice[:, t]]
+        self.data = data[:num_samples]
 
     def __len__(self) -> int:
         return self.data.shape[0]

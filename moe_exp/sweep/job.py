@@ -57,12 +57,13 @@ def run_job(cfg) -> dict:
 
 
 def _run_job(cfg, job_dir: Path, sweep_dir: Path, overrides, choices, num: int) -> dict:
-    from ..run import _container, prepare
+    from ..run import _container, log_record, prepare
 
     s = cfg.sweep
     cfg, rec = prepare(cfg, overrides)
     if rec is not None:  # invalid or skipped: no process started
         print(f"[sweep] job #{num}: {rec['status']}: {rec['error']}", file=sys.stderr)
+        log_record(rec)
         return rec
     cfg_dict = _container(cfg)
     pool = finished_records(sweep_dir, config_hash(cfg_dict), job_dir) if s.resume else []
@@ -79,6 +80,7 @@ def _run_job(cfg, job_dir: Path, sweep_dir: Path, overrides, choices, num: int) 
             continue
         if s.isolate:
             rec = run_child(cfg_dict, overrides, choices, rdir, s)
+            log_record(rec)  # into this job's run.log (the child has no log file)
         else:
             from ..run import run
 
@@ -86,7 +88,9 @@ def _run_job(cfg, job_dir: Path, sweep_dir: Path, overrides, choices, num: int) 
             rec = run(cfg, out_dir=rdir, progress=sys.stderr.isatty(), overrides=overrides,
                       choices=choices)
             _RUNS_HERE += 1
-            if _RUNS_HERE > 1:
+            launched = cfg.parallel.name != "none" or cfg.hardware.devices > 1 or \
+                cfg.task == "comm"  # its ranks are fresh processes: their figures are theirs
+            if _RUNS_HERE > 1 and not launched:
                 _not_its_own_process(rec, cfg.hardware.device)
         rec.update(repeat=i, repeats=s.repeats)
         write_json_atomic(rdir / "metrics.json", rec)
