@@ -107,3 +107,35 @@ def ddp_reductions_per_step(overrides) -> int:
         return len(calls)
     finally:
         distributed.finish()
+
+
+def grad_norm_matches(overrides, batch: int) -> dict:
+    """The global gradient norm the strategy's clipping computes vs one process's on the
+    global batch (rank 0 compares)."""
+    from moe_exp import distributed
+    from moe_exp.model import build_model
+    from moe_exp.optimizations import apply
+
+    cfg = _cfg(overrides)
+    d = distributed.init(cfg)
+    try:
+        torch.manual_seed(0)
+        ref = build_model(cfg.model)
+        model = build_model(cfg.model)
+        model.load_state_dict(ref.state_dict())
+        g = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, cfg.model.vocab_size, (batch * d.world, 17), generator=g)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        applied = apply(model, cfg, torch.device("cpu"), d.world)
+        mine = slice(d.rank * batch, (d.rank + 1) * batch)
+        applied.model(x[mine], y[mine]).loss.backward()
+        if applied.before_step:
+            applied.before_step()
+        norm = applied.clip(list(applied.model.parameters()), 1e9).item()
+        if not d.main:
+            return None
+        ref(x, y).loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9).item()
+        return {"norm": norm, "ref_norm": ref_norm}
+    finally:
+        distributed.finish()

@@ -61,6 +61,16 @@ def test_prepare_cli_rejects_missing_input(tmp_path):
     assert p.returncode == 2 and "no such file: nope.txt" in p.stderr
 
 
+def test_prepare_cli_never_overwrites_an_input(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("keep me")
+    for out in (text, tmp_path):  # the output is an input; a directory
+        p = subprocess.run([sys.executable, "-m", "moe_exp.data", "prepare", str(text), str(out)],
+                           capture_output=True, text=True, cwd=ROOT)
+        assert p.returncode == 2 and p.stderr.startswith("error: the output")
+        assert "Traceback" not in p.stderr and text.read_text() == "keep me"
+
+
 def test_data_loader_workers(tmp_path):
     rec = run_inproc(["logger=none", "data.num_workers=1", "data.prefetch_factor=2",
                       "train.steps=3"], tmp_path)

@@ -8,7 +8,8 @@ import torch
 from conftest import run_cli, run_inproc
 
 pytestmark = pytest.mark.distributed
-TINY = ["hardware=cpu", "logger=none", "model.aux_loss_coef=0", "train.micro_batch_size=2",
+TINY = ["hardware=cpu", "logger=none", "model.aux_loss_coef=0", "optim.grad_clip=0.05",
+        "train.micro_batch_size=2",
         "train.seq_len=32", "train.steps=4", "train.warmup_steps=0", "parallel.profile_steps=0"]
 
 
@@ -32,6 +33,17 @@ def test_expert_parallel_loss_grads_and_counts_match_one_process(ranks, ep):
     assert any(".experts.w1" in n for n in res["grad_diffs"])
     worst = max(res["grad_diffs"].items(), key=lambda kv: kv[1])
     assert worst[1] < 1e-5, worst
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "expert", "expert_fsdp"])
+def test_clipping_uses_the_global_gradient_norm(parallel):
+    """Every strategy clips by the norm one process would see on the global batch (expert
+    shards' squares summed over the EP group, FSDP shards' over their mesh)."""
+    import dist_helpers
+
+    res = launch(dist_helpers.grad_norm_matches, [f"parallel={parallel}", "hardware.devices=2",
+                                                  "model.aux_loss_coef=0"], 3)
+    assert res["norm"] == pytest.approx(res["ref_norm"], rel=1e-5)
 
 
 @pytest.fixture(scope="module")

@@ -178,10 +178,11 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
 
 
 def _across_ranks(res, tm: dict, mem: dict, device) -> None:
-    """Per-step times -> max over ranks; peaks and comm -> max; expert counts -> summed."""
+    """Per-step times -> max over ranks; peaks and comm -> max; expert counts -> summed; the
+    aux losses (each rank's, on its micro-batches) -> mean over ranks."""
     import torch.distributed as dist
 
-    from ..distributed import all_max
+    from ..distributed import all_max, all_mean
 
     dev = device if device.type == "cuda" else "cpu"
     n = len(tm["step_ms"])
@@ -197,3 +198,6 @@ def _across_ranks(res, tm: dict, mem: dict, device) -> None:
         res.comm_ms = vals[-1]
     if res.counts is not None:
         dist.all_reduce(res.counts)
+    if res.balance is not None:
+        res.balance, res.z = all_mean(torch.tensor([res.balance, res.z], dtype=torch.float64,
+                                                   device=dev)).tolist()

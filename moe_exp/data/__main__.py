@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .tokens import prepare
+from .tokens import meta_path, prepare
 
 
 def main(argv=None) -> int:
@@ -18,6 +18,17 @@ def main(argv=None) -> int:
     missing = [f for f in args.inputs if not Path(f).is_file()]
     if missing:
         print(f"error: no such file: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    clash = [f for f in args.inputs
+             if Path(f).resolve() in (out.resolve(), meta_path(out).resolve())]
+    if clash:  # writing it would empty it before it is read
+        print(f"error: the output {args.out} (or its .json) is also an input: {', '.join(clash)}",
+              file=sys.stderr)
+        return 2
+    if out.is_dir():
+        print(f"error: the output {args.out} is a directory; give a file name (e.g. "
+              f"{out / 'corpus.bin'})", file=sys.stderr)
         return 2
     meta = prepare(args.inputs, args.out)
     print(f"wrote {args.out}: {meta['num_tokens']:,} tokens (vocab {meta['vocab_size']}); "
