@@ -4,8 +4,9 @@
 
 BASE and NEW are sweep dirs or results.csv/.parquet files. Exit 1 when a configuration's
 tokens/s fell, or its peak memory grew, by more than the threshold percent plus the noise
-its repeats measured (half the min-max range of each side), or when a run that was ok is
-no longer ok; exit 0 otherwise; exit 2 on bad input.
+its repeats measured (half the min-max range of each side), when a run that was ok is no
+longer ok (or no longer measures one of them), or when an ok configuration is missing from
+NEW; exit 0 otherwise; exit 2 on bad input.
 """
 from __future__ import annotations
 
@@ -52,10 +53,26 @@ def _noise_pct(b, n, key: str) -> float:
     return 100.0 * half / med
 
 
+REQUIRED = ("config_hash", "status", "tokens_per_s", "peak_mem_gib")
+
+
+def _rows(df, side: str) -> dict:
+    missing = [c for c in REQUIRED if c not in df.columns]
+    if missing:
+        raise ValueError(f"{side}: not a moe_exp results table (no column {', '.join(missing)})")
+    rows = {}
+    for r in df.to_dict("records"):
+        if r["config_hash"] in rows:
+            print(f"warning: {side} has {r.get('label') or r['config_hash']} more than once; "
+                  "its last row is compared", file=sys.stderr)
+        rows[r["config_hash"]] = r
+    return rows
+
+
 def compare(base, new, threshold: float = 5.0) -> tuple[list[dict], list[str]]:
-    """(one entry per matched configuration, configurations found on one side only)."""
-    b_rows = {r["config_hash"]: r for r in base.to_dict("records")}
-    n_rows = {r["config_hash"]: r for r in new.to_dict("records")}
+    """(one entry per matched configuration, configurations found on one side only; an ok
+    one that NEW lacks is a regression, marked "REGRESSION" there)."""
+    b_rows, n_rows = _rows(base, "BASE"), _rows(new, "NEW")
     out = []
     for h in [h for h in b_rows if h in n_rows]:
         b, n = b_rows[h], n_rows[h]
@@ -70,10 +87,14 @@ def compare(base, new, threshold: float = 5.0) -> tuple[list[dict], list[str]]:
                 limit = threshold + _noise_pct(b, n, key)
                 if change * worse > limit:
                     e["regressions"].append(f"{name} {change:+.1f}% (limit ±{limit:.1f}%)")
+            elif bv is not None and nv is None and n["status"] == "ok":
+                e["regressions"].append(f"{name} no longer measured")
         if b["status"] == "ok" and n["status"] != "ok":
             e["regressions"].append(f"status ok -> {n['status']}: {n.get('error')}")
         out.append(e)
-    only = [f"only in BASE: {r.get('label') or h}" for h, r in b_rows.items() if h not in n_rows]
+    only = [("REGRESSION: ok in BASE, absent from NEW: " if r["status"] == "ok" else
+             "only in BASE: ") + str(r.get("label") or h)
+            for h, r in b_rows.items() if h not in n_rows]
     only += [f"only in NEW: {r.get('label') or h}" for h, r in n_rows.items() if h not in b_rows]
     return out, only
 
@@ -91,15 +112,15 @@ def main(argv=None) -> int:
     ap.add_argument("--threshold", type=float, default=5.0,
                     help="percent a metric may worsen beyond the measured noise (default 5)")
     a = ap.parse_args(argv)
-    if a.threshold < 0:
-        print("error: --threshold: must be >= 0", file=sys.stderr)
+    if not a.threshold >= 0:  # (nan too)
+        print(f"error: --threshold: must be a number >= 0, got {a.threshold}", file=sys.stderr)
         return 2
     try:
         base, new = load(a.base), load(a.new)
+        entries, only = compare(base, new, a.threshold)
     except (FileNotFoundError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    entries, only = compare(base, new, a.threshold)
     from rich.console import Console
     from rich.table import Table
 
@@ -117,11 +138,13 @@ def main(argv=None) -> int:
     for line in only:
         print(line)
     bad = [e for e in entries if e["regressions"]]
+    gone = [line for line in only if line.startswith("REGRESSION")]
     if not entries:
         print("error: no configuration appears in both tables", file=sys.stderr)
         return 2
-    print(f"{len(bad)} regression(s) in {len(entries)} matched configuration(s)")
-    return 1 if bad else 0
+    print(f"{len(bad)} regression(s) in {len(entries)} matched configuration(s)"
+          + (f", {len(gone)} ok configuration(s) gone" if gone else ""))
+    return 1 if bad or gone else 0
 
 
 if __name__ == "__main__":

@@ -163,6 +163,22 @@ def test_compare_flags_planted_regression_and_passes_unchanged(swept, tmp_path):
     assert "REGRESSION" in r.stdout and "1 regression(s) in 4" in r.stdout
     assert run_compare(d, slow, "--threshold", "25").returncode == 0
     assert run_compare(d, tmp_path / "missing").returncode == 2
+    assert run_compare(d, d, "--threshold", "nan").returncode == 2  # would turn checks off
+    fewer = tmp_path / "fewer.parquet"  # an ok configuration (bf16) gone from NEW
+    df0 = pd.read_parquet(d / "results.parquet")
+    df0.drop(index=1).to_parquet(fewer)
+    r = run_compare(d, fewer)
+    assert r.returncode == 1 and "absent from NEW: +case=bf16" in r.stdout
+    unmeasured = tmp_path / "unmeasured.parquet"  # ok, but no peak memory any more
+    df1 = df0.copy()
+    df1.loc[0, "peak_mem_gib"] = None
+    df1.to_parquet(unmeasured)
+    r = run_compare(d, unmeasured)
+    assert r.returncode == 1 and "peak mem no longer measured" in r.stdout
+    odd = tmp_path / "odd.csv"  # not a results table: one line, exit 2
+    df0.drop(columns=["config_hash"]).to_csv(odd)
+    r = run_compare(d, odd)
+    assert r.returncode == 2 and "no column config_hash" in r.stderr and "Traceback" not in r.stderr
 
 
 def run_compare(*args):
