@@ -91,6 +91,17 @@ def failure_message(err) -> str:
     return f"rank {rank} failed: {(lines[-1] if lines else f'exit code {f.exitcode}')[:300]}"
 
 
+def failure_report(err) -> str:
+    """Every failed rank's error with its traceback (for the run's error.log)."""
+    parts = []
+    for rank in sorted(err.failures):
+        f = err.failures[rank]
+        info = f.message.get("extraInfo", {}) if isinstance(f.message, dict) else {}
+        stack = info.get("py_callstack", "") if isinstance(info, dict) else ""
+        parts.append(f"== rank {rank} (exit code {f.exitcode})\n{stack or _text(f)}".strip())
+    return "\n\n".join(parts) + "\n"
+
+
 @record
 def rank_entry(fn, *args):
     """What each launched rank runs: errors land in the agent's error file (then the

@@ -109,13 +109,14 @@ def launch(cfg_dict: dict, out_dir: Path, overrides, choices, progress) -> dict:
     A rank that fails stops them all; the record names it (status error, or oom)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from .distributed import failure_message, launch as elastic, rank_entry
+    from .distributed import failure_message, failure_report, launch as elastic, rank_entry
 
     try:
         rec = elastic(rank_entry, cfg_dict["hardware"]["devices"], rank_main, cfg_dict,
                       str(out_dir), overrides, choices, progress)
     except ChildFailedError as e:
-        msg = failure_message(e)
+        (out_dir / "error.log").write_text(failure_report(e))
+        msg = f"{failure_message(e)} (see {out_dir}/error.log)"
         status = "oom" if "OutOfMemoryError" in msg else "error"
         rec = failed_record(cfg_dict, overrides, status, msg, f"not measured: run {status}")
         write_json_atomic(out_dir / "metrics.json", rec)

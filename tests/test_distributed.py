@@ -120,6 +120,10 @@ def test_rank_failure_ends_job_naming_the_rank():
         launch(dist_helpers.fail_on_rank_1, ["parallel=ddp", "hardware.devices=2"])
     assert time.time() - t0 < 60  # rank 0 sat in a barrier: the agent stopped it
     assert failure_message(err.value) == "rank 1 failed: ValueError: boom on purpose"
+    from moe_exp.distributed import failure_report
+
+    report = failure_report(err.value)  # a failed run's error.log: the rank's traceback
+    assert "== rank 1" in report and "Traceback" in report and "boom on purpose" in report
 
 
 def test_failure_message_names_the_cause_not_the_peer_that_lost_it():

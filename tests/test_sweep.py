@@ -226,6 +226,24 @@ def test_notebook_executes_against_a_sweep(swept):
     assert "4 jobs" in "".join(o.get("text", "") for o in outs)
 
 
+def test_notebook_finds_the_newest_sweep_from_its_own_folder(swept, tmp_path):
+    """SWEEP_DIR = None as shipped, the kernel started in notebooks/ (as Jupyter does) and
+    the sweeps in multirun/ of the project root."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    d, _ = swept
+    newest = tmp_path / "multirun" / "2026-01-02" / "00-00-00"
+    shutil.copytree(d, newest, ignore=shutil.ignore_patterns("wandb"))
+    (tmp_path / "notebooks").mkdir()
+    nb = nbformat.read(ROOT / "notebooks" / "results.ipynb", as_version=4)
+    nb.cells = nb.cells[:3]  # the set-up and the table
+    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path / "notebooks")}}).execute()
+    outs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outs if o.output_type == "error"], outs
+    assert f"{newest}: 4 jobs" in "".join(o.get("text", "") for o in outs)
+
+
 def test_job_timeout_kills_the_job_as_crashed(tmp_path):
     d = tmp_path / "s"
     r = sweep(d, "+case=long", "logger=none", "sweep.job_timeout_s=8")
