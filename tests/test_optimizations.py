@@ -92,3 +92,22 @@ def test_padded_dispatch_compiles_and_matches_eager():
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     for a, b in zip(g, g_ref):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+def test_cpu_comm_time_is_the_union_of_collective_intervals():
+    """gloo runs collectives on two worker threads at once and the caller's c10d event
+    encloses its worker's: the time with any collective in flight counts once."""
+    from types import SimpleNamespace as NS
+
+    from moe_exp.optimizations.parallel import comm_ms_per_step
+
+    def ev(name, start, end):
+        return NS(name=name, time_range=NS(start=start, end=end), device_type="CPU")
+
+    events = [ev("c10d::allreduce_", 0, 1000), ev("gloo:all_reduce", 100, 900),  # nested
+              ev("gloo:all_reduce", 500, 1500),  # another thread, overlapping
+              ev("aten::mm", 1500, 9000),  # not a collective
+              ev("gloo:all_reduce", 3000, 3500)]
+    prof = NS(events=lambda: events)
+    assert comm_ms_per_step(prof, 2) == (1500 + 500) / 1e3 / 2
+    assert comm_ms_per_step(NS(events=lambda: []), 2) == 0.0

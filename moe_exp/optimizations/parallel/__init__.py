@@ -155,7 +155,9 @@ def clip_grad_norm(params, max_norm: float, ep_group) -> torch.Tensor:
 
 def comm_ms_per_step(prof, steps: int) -> float | None:
     """Time spent in collectives per step from a torch.profiler trace: NCCL kernels on
-    GPU, gloo/c10d operations on CPU (outermost events only)."""
+    GPU; on CPU the wall time during which any gloo/c10d collective is in flight (the union
+    of their intervals: gloo runs them on several threads at once, and the caller's c10d
+    event encloses its worker's, so a sum would count the same time twice)."""
     if steps <= 0:
         return None
     keys = ("nccl", "gloo", "c10d::", "all_to_all", "allreduce", "all_reduce", "all_gather",
@@ -165,13 +167,13 @@ def comm_ms_per_step(prof, steps: int) -> float | None:
                and str(getattr(ev, "device_type", "")).endswith("CUDA")]
     if kernels:  # GPU: the collectives' kernel time
         total_us = sum(ev.device_time_total for ev in kernels)
-    else:  # CPU: outermost collective events (their nested ones are the same time)
-        def nested(ev):
-            parent = ev.cpu_parent
-            while parent is not None:
-                if any(k in parent.name.lower() for k in keys):
-                    return True
-                parent = parent.cpu_parent
-            return False
-        total_us = sum(ev.cpu_time_total for ev in events if not nested(ev))
+    else:
+        total_us, start, end = 0.0, None, None
+        for s, e in sorted((ev.time_range.start, ev.time_range.end) for ev in events):
+            if end is None or s > end:
+                total_us += 0.0 if end is None else end - start
+                start, end = s, e
+            else:
+                end = max(end, e)
+        total_us += 0.0 if end is None else end - start
     return total_us / 1e3 / steps
