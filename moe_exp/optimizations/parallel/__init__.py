@@ -54,12 +54,11 @@ def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh=None):
             if p.name == "expert_fsdp" and hasattr(block.ffn, "experts"):
                 experts = block.ffn.experts.local  # EP shard: FSDP over dp only
                 fully_shard(experts, mesh=mesh["dp"], **kw)
+                for prm in experts.parameters():  # fully_shard made new ones: mark them again
+                    prm._expert_parallel = True
                 experts.set_gradient_divide_factor(float(world))  # sum over ep, mean over all
             fully_shard(block, mesh=world_mesh, **kw)
         fully_shard(model, mesh=world_mesh, **kw)
-        for block in _blocks(model) if p.name == "expert_fsdp" else ():
-            for prm in getattr(block.ffn, "experts", nn.Module()).parameters():
-                prm._expert_parallel = True  # fully_shard made new parameters: mark them again
     return model
 
 
