@@ -89,9 +89,14 @@ def log_record(rec: dict) -> None:
             log.info("%s: %s", label, text)
 
 
+def distributed_run(cfg) -> bool:
+    """Whether the run has ranks (launched here, or started by torchrun / SLURM)."""
+    return cfg.parallel.name != "none" or cfg.hardware.devices > 1 or cfg.task == "comm"
+
+
 def _run(cfg: DictConfig, out_dir: Path, overrides, choices, progress) -> dict | None:
     cfg_dict = _container(cfg)
-    if cfg.parallel.name != "none" or cfg.hardware.devices > 1 or cfg.task == "comm":
+    if distributed_run(cfg):
         from .distributed import is_rank
 
         if is_rank():  # started by torchrun / SLURM: this process is one of the ranks

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from .bench.flops import param_counts
 from .config import CHOICES
-from .hardware import ConfigError, Unsupported
+from .hardware import CONF, ConfigError, Unsupported
 
 
 def _get(cfg, dotted: str):
@@ -84,18 +84,6 @@ def check_train(cfg) -> None:
                           f"{cfg.model.max_seq_len}")
 
 
-# What each precision option's name says (conf/precision/*.yaml): overrides may not
-# contradict it. (TF32 beside autocast only touches the matmuls autocast leaves in fp32, and
-# grad_scaler is a knob of its own: both stay free there.)
-PRECISION_SETTINGS = {
-    "fp32": {"autocast_dtype": None, "tf32": False},
-    "tf32": {"autocast_dtype": None, "tf32": True},
-    "bf16": {"autocast_dtype": "bfloat16"},
-    "fp16": {"autocast_dtype": "float16"},
-    "fp8": {"autocast_dtype": "bfloat16"},
-}
-
-
 def check_precision(cfg) -> None:
     p, hw = cfg.precision.name, cfg.hardware
     for key, peak in hw.peak_flops.items():
@@ -112,9 +100,14 @@ def check_precision(cfg) -> None:
             raise Unsupported("precision", "precision=fp8 needs torchao: pip install torchao")
     if cfg.precision.autocast_dtype not in (None, "bfloat16", "float16"):
         raise ConfigError("precision.autocast_dtype", "must be null, bfloat16 or float16")
-    # the name labels every result: its settings may not say otherwise
+    # The name labels every result: its autocast dtype (and, without autocast, its tf32) may
+    # not say otherwise. TF32 beside autocast only touches the matmuls autocast leaves in
+    # fp32, and grad_scaler is a knob of its own: both stay free there.
+    shipped = OmegaConf.load(CONF / "precision" / f"{p}.yaml")
+    keys = ("autocast_dtype",) + (("tf32",) if shipped.autocast_dtype is None else ())
     show = lambda v: "null" if v is None else str(v).lower()  # noqa: E731 - as in YAML
-    for key, value in PRECISION_SETTINGS[p].items():
+    for key in keys:
+        value = shipped[key]
         if cfg.precision[key] != value:
             raise ConfigError(f"precision.{key}", f"must be {show(value)} for precision={p}, got "
                               f"{show(cfg.precision[key])} (choose the precision option that "
@@ -126,12 +119,12 @@ def check_dispatch(cfg) -> None:
     CPU only: a CUDA probe here would open a context on GPU 0 in every rank and launcher."""
     if cfg.model.dispatch != "grouped" or cfg.model.num_experts == 0:
         return
-    from .model.moe import grouped_mm_supported
+    from .model.moe import grouped_compiles, grouped_mm_supported
     from .optimizations.precision import DTYPES
 
     dtype = DTYPES.get(cfg.precision.autocast_dtype, torch.float32)
     why = None
-    if cfg.train.compile != "off" and dtype != torch.bfloat16:
+    if cfg.train.compile != "off" and not grouped_compiles(dtype):
         why = "compiled, grouped_mm runs in bf16 only"
     elif cfg.hardware.device == "cpu" and not grouped_mm_supported("cpu", dtype):
         why = f"grouped_mm does not run on this CPU in {str(dtype).replace('torch.', '')}"

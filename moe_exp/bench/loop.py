@@ -139,10 +139,11 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                 bar.set_postfix(loss=f"{values[-1]:.3f}")
                 if on_log:
                     on_log(step, values)
-                bad = [i for i, v in enumerate(res.losses) if not math.isfinite(v)]
-                if bad:  # the first non-finite step, whatever log_every is
-                    raise Diverged(f"loss became {res.losses[bad[0]]} at step {bad[0]}",
-                                   res.losses[:bad[0]])
+                first = len(res.losses) - len(values)  # step of values[0]
+                bad = next((first + i for i, v in enumerate(values) if not math.isfinite(v)), None)
+                if bad is not None:  # the first non-finite step, whatever log_every is
+                    raise Diverged(f"loss became {res.losses[bad]} at step {bad}",
+                                   res.losses[:bad])
             bar.update(1)
         _sync(device)
         res.wall_s = time.perf_counter() - wall0

@@ -54,6 +54,11 @@ def grouped_mm_supported(device: torch.device | str, dtype: torch.dtype) -> bool
     return _SUPPORTED[key]
 
 
+def grouped_compiles(dtype: torch.dtype) -> bool:
+    """grouped_mm lowers under torch.compile in bf16 only."""
+    return dtype == torch.bfloat16
+
+
 def resolve_dispatch(dispatch: str, device: torch.device | str, dtype: torch.dtype,
                      compiled: bool = False) -> str:
     """The expert kernel to use for `dispatch` on this device, matmul dtype and mode.
@@ -65,7 +70,7 @@ def resolve_dispatch(dispatch: str, device: torch.device | str, dtype: torch.dty
     PAD_LIMIT); fp32 -> grouped eager, loop compiled.
     An explicit grouped falls back to loop where grouped_mm cannot run.
     """
-    grouped_ok = (not compiled or dtype == torch.bfloat16) and grouped_mm_supported(device, dtype)
+    grouped_ok = (not compiled or grouped_compiles(dtype)) and grouped_mm_supported(device, dtype)
     if dispatch == "auto":
         if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
             return "padded"

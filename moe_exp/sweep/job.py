@@ -82,15 +82,14 @@ def _run_job(cfg, job_dir: Path, sweep_dir: Path, overrides, choices, num: int) 
             rec = run_child(cfg_dict, overrides, choices, rdir, s)
             log_record(rec)  # into this job's run.log (the child has no log file)
         else:
-            from ..run import run
+            from ..run import distributed_run, run
 
             global _RUNS_HERE
             rec = run(cfg, out_dir=rdir, progress=sys.stderr.isatty(), overrides=overrides,
                       choices=choices)
             _RUNS_HERE += 1
-            launched = cfg.parallel.name != "none" or cfg.hardware.devices > 1 or \
-                cfg.task == "comm"  # its ranks are fresh processes: their figures are theirs
-            if _RUNS_HERE > 1 and not launched:
+            # (a run with ranks: those are fresh processes, their figures are theirs)
+            if _RUNS_HERE > 1 and not distributed_run(cfg):
                 _not_its_own_process(rec, cfg.hardware.device)
         rec.update(repeat=i, repeats=s.repeats)
         write_json_atomic(rdir / "metrics.json", rec)
