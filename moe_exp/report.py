@@ -21,7 +21,8 @@ def report(sweep_dir: Path, baseline: dict | None = None, by=("model",), wandb_c
     records = collect(sweep_dir)
     if not records:
         raise FileNotFoundError(f"no job records (*/metrics.json) under {sweep_dir}")
-    df = build_table(records, baseline, by)
+    names = ("--baseline", "--by") if strict else ("sweep.baseline", "sweep.baseline_by")
+    df = build_table(records, baseline, by, names)
     if baseline and not df["baseline"].any():  # before the tables are rewritten
         want = " ".join(f"{k}={v}" for k, v in baseline.items())
         if strict:  # `report --baseline`: the user asked for it, now

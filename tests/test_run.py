@@ -180,3 +180,23 @@ def test_malloc_retain_run(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     rec = json.loads((tmp_path / "metrics.json").read_text())
     assert rec["status"] == "ok" and rec["tokens_per_s"] > 0
+
+
+def test_kineto_marks_are_caught_other_stderr_passes(capfd):
+    """Distributed ranks start and stop torch.profiler: kineto's USDT/STAGE marks written to
+    fd 2 are dropped, anything else written there meanwhile still reaches stderr."""
+    import os
+
+    from moe_exp.bench.loop import _kineto_quiet
+
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    with _kineto_quiet():
+        prof.__enter__()
+        os.write(2, b"a real warning\n")
+    torch.ones(4).sum()
+    with _kineto_quiet():
+        prof.__exit__(None, None, None)
+    err = capfd.readouterr().err
+    assert "a real warning" in err
+    assert "USDT:" not in err and "profiler_start" not in err and "STAGE:" not in err
+    assert prof.key_averages()  # the profile itself still recorded

@@ -202,7 +202,11 @@ def test_report_cli_rebuilds_with_chosen_baseline(swept, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "moe_exp.report", str(d), "--baseline",
                           "colour=red"], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert bad.returncode == 2 and "colour" in bad.stderr
+    assert bad.returncode == 2 and "--baseline: 'colour'" in bad.stderr
+    bad_by = subprocess.run([sys.executable, "-m", "moe_exp.report", str(d), "--by",
+                             "modle"], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert bad_by.returncode == 2 and "--by: 'modle'" in bad_by.stderr
     before = (d / "results.csv").read_text()
     none = subprocess.run([sys.executable, "-m", "moe_exp.report", str(d), "--baseline",
                            "precision=fp16"], capture_output=True, text=True,

@@ -36,8 +36,22 @@ def test_chosen_baseline_and_unknown_key():
     rows = [rec(0, 100.0, 1.0), rec(1, 200.0, 1.0, precision="bf16")]
     df = build_table(rows, baseline={"precision": "bf16"})
     assert list(df["speedup"]) == pytest.approx([0.5, 1.0])
-    with pytest.raises(KeyError, match="colour"):
+    with pytest.raises(KeyError, match="sweep.baseline: 'colour'"):
         build_table(rows, baseline={"colour": "red"})
+    with pytest.raises(KeyError, match="sweep.baseline_by: 'modle'"):
+        build_table(rows, by=["modle"])
+
+
+def test_baseline_on_a_dotted_key_into_a_dict_column():
+    """extra.* keys (e.g. the seed table's extra.seed_row), also as read back from a table
+    file where the dict is a JSON string."""
+    rows = [rec(0, 100.0, 1.0, extra={"seed_row": "baseline"}),
+            rec(1, 200.0, 1.0, precision="bf16", extra='{"seed_row": "mixed_precision"}')]
+    df = build_table(rows, baseline={"extra.seed_row": "mixed_precision"})
+    assert list(df["baseline"]) == [False, True]
+    assert list(df["speedup"]) == pytest.approx([0.5, 1.0])
+    df = build_table(rows, baseline={"extra.seed_row": "baseline"}, by=["extra.none"])
+    assert list(df["speedup"]) == pytest.approx([1.0, 2.0])  # one group: both None
 
 
 def test_repeats_combine_to_median_and_significance():
@@ -125,3 +139,28 @@ def test_labels_name_the_combination_even_for_one_row():
            rec(1, 1.0, 1.0, precision="bf16", seq_len=64)]
     assert labels(two) == ["precision=fp32", "precision=bf16"]  # what varies
     assert labels(two[:1]) == ["precision=fp32 seq_len=64"]  # an interrupted sweep's one row
+
+
+def test_plot_labels_stay_inside_the_figure():
+    """Long combination labels at the right edge of the Pareto plot and the value texts past
+    the longest bar are drawn inside the figure as saved (they used to be clipped)."""
+    import matplotlib.pyplot as plt
+
+    from moe_exp.sweep.plots import figure
+
+    long = dict(precision="bf16", compile="max-autotune", activation_checkpointing="selective")
+    rows = [rec(0, 24000.0, 0.20), rec(1, 31000.0, 0.15, precision="bf16"),
+            rec(2, 27000.0, 0.12, activation_checkpointing="full"),
+            rec(3, 39000.0, 0.14, precision="bf16", compile="default"),
+            rec(4, 42000.0, 0.31, **long)]
+    df = build_table(rows)
+    assert list(df["label"])[0] == "defaults"  # the row with no overrides
+    for name in ("pareto", "throughput", "memory"):
+        fig = figure(name, df)
+        fig.canvas.draw()
+        texts = [t for t in fig.axes[0].texts if t.get_text().strip()]
+        assert len(texts) == 5
+        for t in texts:
+            ext = t.get_window_extent()
+            assert fig.bbox.x0 <= ext.x0 and ext.x1 <= fig.bbox.x1, (name, t.get_text())
+        plt.close(fig)

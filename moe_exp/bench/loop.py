@@ -1,8 +1,11 @@
 """The measured training loop: warmup steps, then timed steps with a phase breakdown."""
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -55,6 +58,33 @@ def _profiler(device):
     return torch.profiler.profile(activities=acts)
 
 
+_KINETO_MARKS = ("USDT:", "STAGE:")
+
+
+@contextlib.contextmanager
+def _kineto_quiet():
+    """Kineto writes profiler_start/stop marks straight to fd 2 at every start and stop (no
+    log level silences them; each rank would print them): catch fd 2 meanwhile and pass
+    every other line on."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no fd 2 to catch
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            for line in tmp.read().decode(errors="replace").splitlines(keepends=True):
+                if not line.startswith(_KINETO_MARKS):
+                    sys.stderr.write(line)
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -83,7 +113,8 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
             measured = step >= t.warmup_steps
             if step == prof_from:
                 prof = _profiler(device)
-                prof.__enter__()
+                with _kineto_quiet():
+                    prof.__enter__()
             if step == t.warmup_steps:
                 res.startup_s = process_age_s()
                 memory.reset()
@@ -148,14 +179,16 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
         _sync(device)
         res.wall_s = time.perf_counter() - wall0
         if prof is not None:
-            prof.__exit__(None, None, None)
+            with _kineto_quiet():
+                prof.__exit__(None, None, None)
             from ..optimizations.parallel import comm_ms_per_step
 
             res.comm_ms = comm_ms_per_step(prof, total - prof_from)
             prof = None
     finally:
         if prof is not None:
-            prof.__exit__(None, None, None)
+            with _kineto_quiet():
+                prof.__exit__(None, None, None)
         bar.close()
     res.timings = timer.results()
     if balances:

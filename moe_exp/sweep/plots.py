@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+DPI = 110  # laid out and saved at the same dpi (text does not scale linearly with it)
+
 
 def ok_rows(df):
     out = df[(df["status"] == "ok") & df["tokens_per_s"].notna()].copy()
@@ -34,7 +36,17 @@ def _bars(ax, names, values, colors, xlabel, texts):
     ax.set_xlabel(xlabel)
     for i, (v, text) in enumerate(zip(values, texts)):
         ax.text(v, i, " " + text, va="center", fontsize=7)
+    ax.set_xlim(0, 1.25 * max(values))  # room for the value texts
+    ax.xaxis.set_major_formatter(_si)
     ax.grid(axis="x", alpha=0.3)
+
+
+def _si(v, _pos=None) -> str:
+    """Axis numbers short: 12k, 1.5M."""
+    for div, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(v) >= div:
+            return f"{v / div:g}{unit}"
+    return f"{v:g}"
 
 
 def throughput(ax, df):
@@ -64,8 +76,13 @@ def pareto(ax, df):
     fd = d[front].sort_values("peak_mem_gib")
     ax.step(fd["peak_mem_gib"], fd["tokens_per_s"], where="post", color="tab:red", alpha=0.6,
             label="Pareto frontier")
+    mid = (d["peak_mem_gib"].min() + d["peak_mem_gib"].max()) / 2
     for name, x, y in zip(d["name"], d["peak_mem_gib"], d["tokens_per_s"]):
-        ax.annotate(name, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        right = x > mid  # labels of the right half point left, so none runs off the axes
+        ax.annotate(name, (x, y), fontsize=6, xytext=(-3 if right else 3, 3),
+                    textcoords="offset points", ha="right" if right else "left")
+    ax.yaxis.set_major_formatter(_si)
+    ax.margins(x=0.08, y=0.08)
     ax.set_xlabel("peak memory (GiB)")
     ax.set_ylabel("tokens/s")
     ax.set_title("Throughput vs memory (red: no other combination is faster and smaller)")
@@ -73,11 +90,25 @@ def pareto(ax, df):
     ax.legend(fontsize=8)
 
 
-def write_plots(df, out_dir: Path) -> dict[str, Path]:
-    """throughput.png, memory.png, pareto.png in out_dir (only those with data)."""
+PLOTS = {"throughput": throughput, "memory": memory, "pareto": pareto}
+
+
+def figure(name: str, df):
+    """The named plot of the table as a laid-out matplotlib figure (as write_plots saves it)."""
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    size = (9, 6) if name == "pareto" else (9, 1.2 + 0.35 * len(ok_rows(df)))
+    fig, ax = plt.subplots(figsize=size, dpi=DPI)
+    PLOTS[name](ax, df)
+    fig.tight_layout()
+    return fig
+
+
+def write_plots(df, out_dir: Path) -> dict[str, Path]:
+    """throughput.png, memory.png, pareto.png in out_dir (only those with data)."""
     import matplotlib.pyplot as plt
 
     out_dir = Path(out_dir)
@@ -86,15 +117,11 @@ def write_plots(df, out_dir: Path) -> dict[str, Path]:
     paths = {}
     if d.empty:
         return paths
-    height = 1.2 + 0.35 * len(d)
-    for name, fn, size in (("throughput", throughput, (9, height)),
-                           ("memory", memory, (9, height)), ("pareto", pareto, (9, 6))):
+    for name in PLOTS:
         if name != "throughput" and d["peak_mem_gib"].isna().all():
             continue
-        fig, ax = plt.subplots(figsize=size)
-        fn(ax, df)
-        fig.tight_layout()
+        fig = figure(name, df)
         paths[name] = out_dir / f"{name}.png"
-        fig.savefig(paths[name], dpi=110)
+        fig.savefig(paths[name], dpi=DPI)
         plt.close(fig)
     return paths

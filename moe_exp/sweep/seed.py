@@ -74,7 +74,11 @@ def seed_tables(df) -> str:
            "### Training Throughput (tokens/second)", "",
            _md(["Configuration", *map(size, models), "Speedup (geo-mean)", "Seed claims"], rows),
            "", "Rows are cumulative as in the seed; speedup is the geometric mean over the "
-           "columns of each model's tokens/s over its baseline.", ""]
+           "columns of each model's tokens/s over its baseline. The expert-parallel rows run "
+           "on 2 devices (ranks) at the same micro batch per rank, so their global batch is "
+           "twice the baseline's and their tokens/s is the sum over both devices (weak "
+           "scaling, as the seed's claim assumes); their loss is not comparable step for "
+           "step.", ""]
     out += ["### Memory Usage", ""]
     for m in models:
         base = at.get(("baseline", m))

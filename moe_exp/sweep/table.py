@@ -98,7 +98,7 @@ def labels(records: list[dict]) -> list[str]:
     for r, it in zip(records, items):
         text = " ".join(f"{k}={it[k]}" for k in varying if k in it)
         # nothing varies yet (one finished row of an interrupted sweep): all its overrides
-        out.append(text or " ".join(f"{k}={v}" for k, v in it.items()) or f"job {r.get('job')}")
+        out.append(text or " ".join(f"{k}={v}" for k, v in it.items()) or "defaults")
     return out
 
 
@@ -107,33 +107,48 @@ def _opts_on(row) -> int:
     return on + int((row.get("grad_accum_steps") or 1) > 1)
 
 
-def _matches(row, baseline: dict) -> bool:
-    for key, want in baseline.items():
-        k = _norm_key(key)
-        if k not in row:
-            raise KeyError(f"sweep.baseline: '{key}' is not a column of the table "
-                           f"(e.g. precision, activation_checkpointing, compile, model)")
-        if str(row[k]) != str(want):
-            return False
-    return True
+_MISSING = object()
 
 
-def build_table(records: list[dict], baseline: dict | None = None, by=("model",)):
-    """DataFrame: the record fields, then job/label/speedup/mem_saved_pct, then the rest."""
+def _value(row: dict, key: str, what: str):
+    """row's value of a table column or a dotted key into a dict column (extra.seed_row)."""
+    k = _norm_key(key)
+    if k in row:
+        return row[k]
+    head, _, rest = k.partition(".")
+    sub = row.get(head, _MISSING) if rest else _MISSING
+    if isinstance(sub, str):  # a dict column read back from a table file
+        try:
+            sub = json.loads(sub)
+        except ValueError:
+            sub = _MISSING
+    if isinstance(sub, dict):
+        return sub.get(rest)
+    raise KeyError(f"{what}: '{key}' is not a column of the table (e.g. precision, "
+                   f"activation_checkpointing, compile, model, extra.seed_row)")
+
+
+def _matches(row, baseline: dict, what: str = "sweep.baseline") -> bool:
+    return all(str(_value(row, key, what)) == str(want) for key, want in baseline.items())
+
+
+def build_table(records: list[dict], baseline: dict | None = None, by=("model",),
+                names=("sweep.baseline", "sweep.baseline_by")):
+    """DataFrame: the record fields, then job/label/speedup/mem_saved_pct, then the rest.
+    `names`: where baseline and by came from, for the error on an unknown key."""
     import pandas as pd
 
     records = [dict(r) for r in records]
     for r, label in zip(records, labels(records)):
         r["label"] = label
         r.setdefault("repeats", 1)
-    by = [_norm_key(b) for b in by]
     groups: dict = {}
     for r in records:
-        groups.setdefault(tuple(str(r.get(b)) for b in by), []).append(r)
+        groups.setdefault(tuple(str(_value(r, b, names[1])) for b in by), []).append(r)
     for rows in groups.values():
         ok = [r for r in rows if r["status"] == "ok" and _num(r.get("tokens_per_s"))]
         if baseline:
-            cands = [r for r in ok if _matches(r, baseline)]
+            cands = [r for r in ok if _matches(r, baseline, names[0])]
         else:
             cands = sorted(ok, key=_opts_on)[:1]
         base = cands[0] if cands else None
