@@ -174,11 +174,6 @@ def check_parallel(cfg) -> None:
         if m.num_experts % ep:
             raise ConfigError("parallel.expert_parallel_size", f"model.num_experts="
                               f"{m.num_experts} is not divisible by the expert-parallel size {ep}")
-        if p.name == "expert_fsdp" and ep > 1 and \
-                cfg.train.activation_checkpointing == "selective":
-            raise Unsupported("train.activation_checkpointing", "selective checkpointing with "
-                              "parallel=expert_fsdp (expert-parallel size > 1) fails in FSDP2's "
-                              "recompute here; use full, or parallel=expert / fsdp")
     elif p.expert_parallel_size is not None:
         raise ConfigError("parallel.expert_parallel_size", f"only for parallel=expert or "
                           f"expert_fsdp, not parallel={p.name}")

@@ -47,8 +47,7 @@ def test_hydra_rejects_typos_and_types(override, needle):
 
 
 SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3",
-           "model=mixtral_8x7b", "model.dispatch=grouped train.compile=default",
-           "parallel=expert_fsdp hardware.devices=2 train.activation_checkpointing=selective")
+           "model=mixtral_8x7b", "model.dispatch=grouped train.compile=default")
 
 
 @pytest.mark.parametrize("override,key", [
@@ -85,8 +84,6 @@ SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3"
     # the first step compiles: it cannot be a measured one
     ("train.compile=default train.warmup_steps=0", "train.warmup_steps"),
     ("model.dispatch=grouped train.compile=default", "model.dispatch"),  # grouped_mm: bf16 only
-    ("parallel=expert_fsdp hardware.devices=2 train.activation_checkpointing=selective",
-     "train.activation_checkpointing"),  # FSDP2's recompute fails with nested EP shards
 ])
 
 

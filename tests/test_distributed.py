@@ -52,14 +52,19 @@ def single(tmp_path_factory):
     return run_inproc([*TINY, "train.micro_batch_size=4"], tmp_path_factory.mktemp("one"))
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "expert", "expert_fsdp"])
-def test_losses_after_k_steps_match_one_process(parallel, single, tmp_path):
+@pytest.mark.parametrize("parallel,extra", [
+    ("ddp", []), ("fsdp", []), ("expert", []), ("expert_fsdp", []),
+    # FSDP2-sharded experts inside a selectively checkpointed block (used to fail in the
+    # recompute: see optimizations/checkpointing.py)
+    ("expert_fsdp", ["train.activation_checkpointing=selective"])],
+    ids=["ddp", "fsdp", "expert", "expert_fsdp", "expert_fsdp-selective"])
+def test_losses_after_k_steps_match_one_process(parallel, extra, single, tmp_path):
     from moe_exp.run import run
 
     from conftest import compose
 
-    rec = run(compose([*TINY, f"parallel={parallel}", "hardware.devices=2"]), out_dir=tmp_path,
-              progress=False)
+    rec = run(compose([*TINY, f"parallel={parallel}", "hardware.devices=2", *extra]),
+              out_dir=tmp_path, progress=False)
     assert rec["status"] == "ok", rec["error"]
     assert rec["world_size"] == 2 and rec["parallel"] == parallel
     assert single["status"] == "ok"

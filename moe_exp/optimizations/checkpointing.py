@@ -23,6 +23,21 @@ if hasattr(_aten, "_grouped_mm"):
     SAVE_OPS.add(_aten._grouped_mm.default)
 
 
+def _ignore_profiler_ops() -> None:
+    """Selective AC replays the forward's ops by their count per op; record_function marks
+    are not values, and FSDP2's hooks add more of them in a recompute than in the forward
+    when a fully_shard module (expert_fsdp's experts) sits inside the checkpointed block
+    ("record_function_enter_new invocation index 2 ... not found in storage"). Leave them
+    out of the count, as pytorch/pytorch#185178 does (torchtitan#3427)."""
+    from torch.utils import checkpoint
+
+    for name in ("_record_function_enter", "_record_function_enter_new",
+                 "_record_function_exit"):
+        packet = getattr(torch.ops.profiler, name, None)
+        for overload in packet.overloads() if packet is not None else ():
+            checkpoint.SAC_IGNORED_OPS.add(getattr(packet, overload))
+
+
 def _policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -32,6 +47,7 @@ def apply_checkpointing(model: nn.Module, mode: str) -> nn.Module:
         return model
     kwargs = {"preserve_rng_state": False}  # checkpoint_wrapper is non-reentrant
     if mode == "selective":
+        _ignore_profiler_ops()
         kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _policy)
     for i, block in enumerate(model.layers):
         model.layers[i] = checkpoint_wrapper(block, **kwargs)
