@@ -96,7 +96,8 @@ def check_device(cfg) -> None:
                           "use hardware=auto or hardware=cpu")
     if hw.device == "hpu":
         try:
-            import habana_frameworks.torch  # noqa: F401
+            with hardware_env(hw):  # the bridge reads PT_HPU_LAZY_MODE when imported
+                import habana_frameworks.torch  # noqa: F401
         except ImportError:
             raise Unsupported("hardware", f"hardware={hw.name} needs Intel Gaudi's PyTorch bridge "
                               "(habana_frameworks), which is not installed here") from None

@@ -190,3 +190,33 @@ def test_hardware_env_is_set_for_its_run_only(tmp_path, monkeypatch):
                tmp_path)
     assert seen == [("on", "mine")]
     assert "MOE_EXP_T1" not in os.environ and os.environ["MOE_EXP_T2"] == "mine"
+
+
+def test_gaudi_bridge_is_imported_under_hardware_env(tmp_path, monkeypatch):
+    """hardware=gaudi3 sets PT_HPU_LAZY_MODE=0, which Gaudi's bridge reads when imported: the
+    import (in the device check, before the run) sees it; afterwards it is unset again.
+    A stand-in bridge records what it saw (there is no Gaudi here)."""
+    import os
+    import sys
+
+    from omegaconf import open_dict
+
+    from moe_exp.hardware import check_device
+
+    pkg = tmp_path / "habana_frameworks"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "torch.py").write_text("import os\nSEEN = os.environ.get('PT_HPU_LAZY_MODE')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
+    for name in ("habana_frameworks", "habana_frameworks.torch"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    cfg = compose(["hardware=gaudi3"])
+    try:
+        with open_dict(cfg):
+            check_device(cfg)
+        assert sys.modules["habana_frameworks.torch"].SEEN == "0"
+        assert "PT_HPU_LAZY_MODE" not in os.environ
+    finally:  # later tests must see no bridge again
+        for name in ("habana_frameworks.torch", "habana_frameworks"):
+            sys.modules.pop(name, None)
