@@ -50,8 +50,10 @@ def prepare(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, dict | N
 
 
 def run(cfg: DictConfig, out_dir: Path | None = None, progress: bool = True,
-        overrides: list[str] | None = None, choices: dict | None = None) -> dict:
-    """Run one benchmark; never raises for a run's failure: the record's status says it."""
+        overrides: list[str] | None = None, choices: dict | None = None,
+        shared_process: bool = False) -> dict:
+    """Run one benchmark; never raises for a run's failure: the record's status says it.
+    shared_process: a later run of an in-process sweep (see bench.runner.shared_process)."""
     if (os.cpu_count() or 1) <= 4:
         os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     hydra_dir, hydra_overrides, hydra_choices, _ = _hydra_info()
@@ -69,7 +71,7 @@ def run(cfg: DictConfig, out_dir: Path | None = None, progress: bool = True,
     from .hardware import hardware_env
 
     with hardware_env(cfg.hardware):
-        rec = _run(cfg, out_dir, overrides, choices, progress)
+        rec = _run(cfg, out_dir, overrides, choices, progress, shared_process)
     if rec is not None:
         log_record(rec)
     return rec
@@ -94,7 +96,8 @@ def distributed_run(cfg) -> bool:
     return cfg.parallel.name != "none" or cfg.hardware.devices > 1 or cfg.task == "comm"
 
 
-def _run(cfg: DictConfig, out_dir: Path, overrides, choices, progress) -> dict | None:
+def _run(cfg: DictConfig, out_dir: Path, overrides, choices, progress,
+         shared_process: bool = False) -> dict | None:
     cfg_dict = _container(cfg)
     if distributed_run(cfg):
         from .distributed import is_rank
@@ -106,7 +109,7 @@ def _run(cfg: DictConfig, out_dir: Path, overrides, choices, progress) -> dict |
     from .bench.runner import bench
 
     rec = new_record(cfg_dict, overrides)
-    return bench(cfg, cfg_dict, rec, out_dir, choices, progress)
+    return bench(cfg, cfg_dict, rec, out_dir, choices, progress, shared=shared_process)
 
 
 def launch(cfg_dict: dict, out_dir: Path, overrides, choices, progress) -> dict:

@@ -33,7 +33,8 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
         ("TFLOP/s/device", f"{r['tflops_per_device']:.3f}  ({r['flops_per_token'] / 1e6:,.1f} "
                            "MFLOP/token)"),
         ("MFU", mfu),
-        ("peak memory", f"{_f(r['peak_mem_gib'], '.3f', ' GiB')}"
+        ("peak memory", (f"{r['peak_mem_gib']:.3f} GiB" if r["peak_mem_gib"] is not None
+                         else f"null: {why.get('peak_mem_gib', 'unknown')}")
                         + (f" (reserved {r['peak_reserved_gib']:.3f} GiB)"
                            if r.get("peak_reserved_gib") is not None else "")),
     ]

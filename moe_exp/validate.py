@@ -289,6 +289,22 @@ def check_sweep(cfg) -> None:
         raise ConfigError("sweep.job_timeout_s", f"must be > 0 seconds or null, got {t}")
 
 
+def check_logger(cfg) -> None:
+    """logger.mode=online needs W&B credentials: found (or asked for, on a terminal) now,
+    not after the measured steps (the run is logged at its end)."""
+    lg = cfg.logger
+    if lg.name != "wandb" or lg.mode != "online":
+        return
+    import wandb
+
+    try:
+        wandb.login(verify=False)
+    except Exception as e:  # noqa: BLE001 - UsageError (no key), AuthenticationError, ...
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError("logger.mode", f"online needs a W&B login ({msg}); run `wandb login` "
+                          "or set WANDB_API_KEY, or use logger.mode=offline") from None
+
+
 def validate(cfg) -> None:
     """Raise ConfigError on the first problem. Run after hardware.resolve()."""
     check_known_keys(cfg)
@@ -303,3 +319,4 @@ def validate(cfg) -> None:
     check_sweep(cfg)
     check_comm(cfg)
     check_memory(cfg)
+    check_logger(cfg)

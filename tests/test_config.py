@@ -220,3 +220,24 @@ def test_gaudi_bridge_is_imported_under_hardware_env(tmp_path, monkeypatch):
     finally:  # later tests must see no bridge again
         for name in ("habana_frameworks.torch", "habana_frameworks"):
             sys.modules.pop(name, None)
+
+
+def test_online_wandb_without_a_login_fails_before_any_work(tmp_path, monkeypatch):
+    """logger.mode=online (WANDB_MODE=online) with no W&B credentials used to crash after the
+    measured steps, when the deferred W&B run started; a key present passes (not verified:
+    no network)."""
+    import moe_exp.bench.runner as runner
+    from moe_exp.validate import check_logger
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setattr("sys.stdin", open("/dev/null"))  # no terminal to ask on
+    monkeypatch.setattr(runner, "bench", lambda *a, **k: pytest.fail("work started"))
+    rec = run_inproc([], tmp_path)
+    assert rec["status"] == "invalid"
+    assert rec["error"].startswith("logger.mode: online needs a W&B login")
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    check_logger(compose([]))  # credentials found: no error

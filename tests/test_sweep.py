@@ -230,6 +230,28 @@ def test_notebook_executes_against_a_sweep(swept):
     assert "4 jobs" in "".join(o.get("text", "") for o in outs)
 
 
+def test_notebook_runs_through_a_sweep_without_finished_rows(tmp_path):
+    """Every job skipped: the plot cells say so instead of raising, and the failed-rows cell
+    (the one that matters then) is reached."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    from moe_exp.results import FIELDS
+
+    for job, prec in enumerate(("fp8", "tf32")):
+        rec = dict.fromkeys(FIELDS)
+        rec.update(status="skipped", error=f"precision: {prec} needs a GPU", model="tiny_moe",
+                   precision=prec, config_hash=f"h{job}", overrides=[f"precision={prec}"])
+        (tmp_path / str(job)).mkdir()
+        (tmp_path / str(job) / "metrics.json").write_text(json.dumps(rec))
+    nb = nbformat.read(ROOT / "notebooks" / "results.ipynb", as_version=4)
+    nb.cells[1].source = f'SWEEP_DIR = "{tmp_path}"\nBASELINE = None'
+    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(ROOT)}}).execute()
+    outs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outs if o.output_type == "error"]
+    assert "needs a GPU" in str(nb.cells[-1].outputs)
+
+
 def test_notebook_finds_the_newest_sweep_from_its_own_folder(swept, tmp_path):
     """SWEEP_DIR = None as shipped, the kernel started in notebooks/ (as Jupyter does) and
     the sweeps in multirun/ of the project root."""
@@ -268,6 +290,10 @@ def test_in_process_sweep_nulls_what_a_later_job_cannot_measure(tmp_path):
     assert first["startup_s"] > 0 and first["peak_mem_gib"] > 0
     for key in ("startup_s", "peak_mem_gib"):
         assert later[key] is None and "in-process sweep" in later["null_reasons"][key]
+    # what the run printed and logged agrees with its record
+    log = (d / "1" / "run.log").read_text()
+    assert "peak memory: null: a later job of an in-process sweep" in log
+    assert "startup:" not in log and "startup:" in (d / "0" / "run.log").read_text()
 
 
 def test_chosen_baseline_from_the_command_line_and_one_that_matches_nothing(tmp_path):

@@ -77,7 +77,44 @@ def test_pareto_frontier():
     import pandas as pd
 
     df = pd.DataFrame({"tokens_per_s": [100, 200, 150, 90], "peak_mem_gib": [1.0, 2.0, 2.5, 0.5]})
-    assert pareto_mask(df) == [True, True, False, True]
+    assert list(pareto_mask(df)) == [True, True, False, True]
+    none = df.iloc[:0]
+    assert none[pareto_mask(none)].empty  # a row mask even when there are no rows
+
+
+def test_frontier_per_model_and_names_without_the_model_twice():
+    """Models of different sizes are not a trade-off: each gets its own frontier. A row's
+    name carries its model once."""
+    from moe_exp.sweep.plots import frontier_mask, ok_rows
+
+    rows = [rec(0, 100.0, 1.0, model="small"), rec(1, 90.0, 2.0, model="small"),
+            rec(2, 10.0, 8.0, model="big"), rec(3, 12.0, 9.0, model="big", precision="bf16")]
+    for r in rows:  # swept over models, as +sweep=seed_table does
+        r["overrides"] = [f"model={r['model']}", *r["overrides"]]
+    d = ok_rows(build_table(rows))
+    assert list(frontier_mask(d)) == [True, False, True, True]  # big's rows: none dominated
+    # across models "small" would dominate both big rows
+    assert list(pareto_mask(d)) == [True, False, False, False]
+    assert list(d["label"])[3] == "model=big precision=bf16"
+    assert list(d["name"]) == ["small", "small", "big", "big · precision=bf16"]
+
+
+def test_plots_of_a_table_without_finished_rows():
+    """All skipped (or a task=comm sweep): the plots say there is nothing to plot (the
+    notebook's plot cells used to raise)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from moe_exp.sweep.plots import PLOTS
+
+    df = build_table([rec(0, None, None, status="skipped"), rec(1, None, None, status="oom")])
+    for name, fn in PLOTS.items():
+        fig, ax = plt.subplots()
+        fn(ax, df)
+        assert "no finished" in " ".join(t.get_text() for t in ax.texts), name
+        plt.close(fig)
 
 
 def test_presets_compose_and_count_jobs():

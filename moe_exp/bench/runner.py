@@ -31,12 +31,26 @@ def _resolve_dispatch(cfg, device: torch.device) -> None:
             if m.num_experts else "loop"
 
 
+def shared_process(rec: dict, device: str) -> None:
+    """A later run of an in-process sweep: the process did not start for it, and on CPU its
+    peak RSS counts memory that earlier runs left resident. Those figures become null."""
+    why = "a later job of an in-process sweep (sweep.isolate=false): "
+    lost = {"startup_s": why + "the process did not start for it"}
+    if device == "cpu":
+        lost["peak_mem_gib"] = why + "CPU peak RSS counts what earlier jobs left resident"
+    for key, reason in lost.items():
+        if rec.get(key) is not None:
+            rec[key] = None
+            rec.setdefault("null_reasons", {})[key] = reason
+
+
 def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress: bool,
-          d=None) -> dict:
+          d=None, shared: bool = False) -> dict:
     """One measured run. Single process: never raises (the status says what went wrong).
     As a rank (d = distributed.Dist): only divergence is a status (every rank sees the same
     global loss); other errors propagate so the launcher stops all ranks and names this one.
-    Rank 0 alone logs to W&B, writes the record and prints the summary."""
+    Rank 0 alone logs to W&B, writes the record and prints the summary.
+    shared: a later run of an in-process sweep (see shared_process)."""
     from ..hardware import torch_device
     from ..tracking import Tracker
 
@@ -54,6 +68,8 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
         if main:
             tracker = Tracker(cfg, cfg_dict, out_dir, _tags(choices, cfg), name, defer=True)
         _measure(cfg, rec, device, tracker, progress and main, d)
+        if shared:  # before the record is printed, logged or written
+            shared_process(rec, device.type)
         rec["status"] = "ok"
     except Diverged as e:
         rec.update(status="diverged", error=str(e), losses=e.losses)

@@ -85,12 +85,12 @@ def _run_job(cfg, job_dir: Path, sweep_dir: Path, overrides, choices, num: int) 
             from ..run import distributed_run, run
 
             global _RUNS_HERE
+            # a later run in this process (a run with ranks: those are fresh processes,
+            # their figures are theirs)
+            shared = _RUNS_HERE > 0 and not distributed_run(cfg)
             rec = run(cfg, out_dir=rdir, progress=sys.stderr.isatty(), overrides=overrides,
-                      choices=choices)
+                      choices=choices, shared_process=shared)
             _RUNS_HERE += 1
-            # (a run with ranks: those are fresh processes, their figures are theirs)
-            if _RUNS_HERE > 1 and not distributed_run(cfg):
-                _not_its_own_process(rec, cfg.hardware.device)
         rec.update(repeat=i, repeats=s.repeats)
         write_json_atomic(rdir / "metrics.json", rec)
         reps.append(rec)
@@ -98,19 +98,6 @@ def _run_job(cfg, job_dir: Path, sweep_dir: Path, overrides, choices, num: int) 
 
 
 _RUNS_HERE = 0  # runs of an in-process sweep (sweep.isolate=false) made by this process
-
-
-def _not_its_own_process(rec: dict, device: str) -> None:
-    """A later run of an in-process sweep: the process did not start for it, and on CPU its
-    peak RSS counts memory that earlier runs left resident. Those figures become null."""
-    why = "a later job of an in-process sweep (sweep.isolate=false): "
-    lost = {"startup_s": why + "the process did not start for it"}
-    if device == "cpu":
-        lost["peak_mem_gib"] = why + "CPU peak RSS counts what earlier jobs left resident"
-    for key, reason in lost.items():
-        if rec.get(key) is not None:
-            rec[key] = None
-            rec.setdefault("null_reasons", {})[key] = reason
 
 
 def finished_records(sweep_dir: Path, h: str, job_dir: Path) -> list[tuple[Path, dict]]:

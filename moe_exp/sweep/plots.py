@@ -8,14 +8,24 @@ DPI = 110  # laid out and saved at the same dpi (text does not scale linearly wi
 
 
 def ok_rows(df):
+    """Finished rows with a throughput, each named by its combination (and its model where
+    the sweep has several)."""
     out = df[(df["status"] == "ok") & df["tokens_per_s"].notna()].copy()
     models = out["model"].nunique() > 1
-    out["name"] = [f"{m} · {lb}" if models else lb for m, lb in zip(out["model"], out["label"])]
+
+    def name(m, label):
+        if not models:
+            return label
+        rest = " ".join(w for w in str(label).split() if not w.startswith(("model=", "+model=")))
+        return f"{m} · {rest}" if rest else m
+    out["name"] = [name(m, lb) for m, lb in zip(out["model"], out["label"])]
     return out
 
 
 def pareto_mask(df):
     """Rows no other row beats on both throughput (higher) and peak memory (lower)."""
+    import numpy as np
+
     pts = list(zip(df["tokens_per_s"], df["peak_mem_gib"]))
     keep = []
     for i, (t, m) in enumerate(pts):
@@ -25,10 +35,31 @@ def pareto_mask(df):
         dominated = any(t2 >= t and m2 <= m and (t2 > t or m2 < m)
                         for j, (t2, m2) in enumerate(pts) if j != i and m2 == m2)
         keep.append(not dominated)
+    return np.array(keep, dtype=bool)  # a row mask also when empty (a [] picks columns)
+
+
+def frontier_mask(df):
+    """pareto_mask within each model: trading throughput for memory means something only
+    between combinations of one model."""
+    import numpy as np
+
+    keep = np.zeros(len(df), dtype=bool)
+    for _, idx in df.groupby("model", sort=False).indices.items():
+        keep[idx] = pareto_mask(df.iloc[idx])
     return keep
 
 
+def _empty(ax, title: str) -> bool:
+    ax.set_title(title)
+    ax.text(0.5, 0.5, "no finished (status ok) rows to plot", ha="center", va="center",
+            transform=ax.transAxes)
+    ax.set_axis_off()
+    return True
+
+
 def _bars(ax, names, values, colors, xlabel, texts):
+    if not len(values):
+        return _empty(ax, xlabel)
     y = list(range(len(names)))
     ax.barh(y, values, color=colors)
     ax.set_yticks(y, names, fontsize=8)
@@ -70,12 +101,22 @@ def memory(ax, df):
 def pareto(ax, df):
     d = ok_rows(df)
     d = d[d["peak_mem_gib"].notna()]
-    front = pareto_mask(d)
-    ax.scatter(d["peak_mem_gib"], d["tokens_per_s"], c=["tab:red" if f else "tab:blue"
-                                                        for f in front], zorder=3)
-    fd = d[front].sort_values("peak_mem_gib")
-    ax.step(fd["peak_mem_gib"], fd["tokens_per_s"], where="post", color="tab:red", alpha=0.6,
-            label="Pareto frontier")
+    title = "Throughput vs memory (filled: no other combination is faster and smaller)"
+    if d.empty:
+        return _empty(ax, title)
+    front = frontier_mask(d)
+    models = list(dict.fromkeys(d["model"]))
+    one = len(models) == 1
+    for i, m in enumerate(models):  # one frontier per model
+        sel = (d["model"] == m).to_numpy()
+        color = "tab:red" if one else f"C{i % 10}"
+        dm, fm = d[sel], front[sel]
+        ax.scatter(dm["peak_mem_gib"][fm], dm["tokens_per_s"][fm], color=color, zorder=3)
+        ax.scatter(dm["peak_mem_gib"][~fm], dm["tokens_per_s"][~fm], zorder=3,
+                   facecolors="none", edgecolors="tab:blue" if one else color)
+        fd = dm[fm].sort_values("peak_mem_gib")
+        ax.step(fd["peak_mem_gib"], fd["tokens_per_s"], where="post", color=color, alpha=0.6,
+                label="Pareto frontier" if one else f"{m}: Pareto frontier")
     mid = (d["peak_mem_gib"].min() + d["peak_mem_gib"].max()) / 2
     for name, x, y in zip(d["name"], d["peak_mem_gib"], d["tokens_per_s"]):
         right = x > mid  # labels of the right half point left, so none runs off the axes
@@ -85,7 +126,7 @@ def pareto(ax, df):
     ax.margins(x=0.08, y=0.08)
     ax.set_xlabel("peak memory (GiB)")
     ax.set_ylabel("tokens/s")
-    ax.set_title("Throughput vs memory (red: no other combination is faster and smaller)")
+    ax.set_title(title if one else title.replace("combination", "combination of its model"))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
 
