@@ -63,7 +63,8 @@ class Tracker:
 
 def read_offline_run(run_file: str | Path) -> dict:
     """Parse an offline `run-*.wandb` file (a 7-byte W&B header, then a LevelDB-log stream of
-    protobuf Records) into {config, summary, history, exit_code}. For tests and reports."""
+    protobuf Records) into {config, summary, history, exit_code, group}. For tests and
+    reports."""
     import json
 
     from wandb.proto import wandb_internal_pb2 as pb
@@ -85,11 +86,13 @@ def read_offline_run(run_file: str | Path) -> dict:
         buf = chunk if kind in (1, 2) else buf + chunk  # FULL/FIRST start, MIDDLE/LAST append
         if kind in (1, 4):
             payloads.append(buf)
-    out = {"config": {}, "summary": {}, "history": [], "exit_code": None}
+    out = {"config": {}, "summary": {}, "history": [], "exit_code": None, "group": None}
     for payload in payloads:
         rec = pb.Record()
         rec.ParseFromString(payload)
         kind = rec.WhichOneof("record_type")
+        if kind == "run":
+            out["group"] = rec.run.run_group or out["group"]
         if kind in ("config", "run"):
             items = rec.config.update if kind == "config" else rec.run.config.update
             for item in items:

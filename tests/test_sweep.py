@@ -69,11 +69,13 @@ def test_each_job_own_wandb_run_and_summary_table(swept):
         assert len(files) == 1, i
         run = read_offline_run(files[0])
         groups.add(run["config"]["logger"]["group"])
+        groups.add(run["group"])
         assert run["summary"]["status"] == ("diverged" if i == 3 else "ok")
-    assert len(groups) == 1 and groups.pop().startswith("sweep-")
+    assert len(groups) == 1 and next(iter(groups)).startswith("sweep-")
     summary = list(d.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(summary) == 1
     s = read_offline_run(summary[0])
+    assert {s["group"]} == groups  # the summary run beside its jobs
     assert s["summary"]["jobs"] == 4 and s["summary"]["jobs_ok"] == 2
     assert s["summary"]["results/_type"] == "table-file"
     table = json.loads(next(summary[0].parent.glob("files/media/table/results_*.table.json"))
@@ -308,3 +310,17 @@ def test_chosen_baseline_from_the_command_line_and_one_that_matches_nothing(tmp_
     assert r.returncode == 0, r.stderr[-3000:]
     assert "sweep.baseline precision=fp16 matches no finished" in r.stderr
     assert (d2 / "report.md").is_file() and (d2 / "plots" / "throughput.png").is_file()
+
+
+@pytest.mark.slow
+def test_submitit_launcher_sweep_counts_and_tables(tmp_path):
+    """Under submitit the job callbacks run in the jobs' processes: the final count comes
+    from the records, the tables are kept by the jobs; submitit_local warns that its jobs
+    run at once."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    d = tmp_path / "s"
+    r = sweep(d, "+case=fp32,bf16", "logger=none", "hydra/launcher=submitit_local")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "[sweep] done: 2 jobs" in r.stdout and ": 2 ok" in r.stdout
+    assert "submitit_local starts every job at once" in r.stderr
+    assert list(pd.read_csv(d / "results.csv")["status"]) == ["ok", "ok"]

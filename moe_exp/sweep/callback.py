@@ -3,6 +3,7 @@ the table rebuilt after each job (an interrupted sweep keeps its rows), and at t
 printed table, plots, report.md and the W&B summary run."""
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,6 @@ class SweepCallback(Callback):
         self.total, self.varying = None, []
         self.t0 = self.job_t0 = time.time()
         self.ran: list[float] = []  # durations of jobs that did run (not resumed/skipped)
-        self.counts: dict[str, int] = {}
         self.finished = 0
         self.active = False  # single runs call on_job_start/end too: nothing to do there
 
@@ -48,6 +48,15 @@ class SweepCallback(Callback):
         self.t0 = time.time()
         n = f"{self.total} jobs" if self.total else "jobs"
         print(f"[sweep] {n} -> {config.hydra.sweep.dir}", flush=True)
+        launcher = str(config.hydra.launcher.get("_target_", ""))
+        if "submitit" in launcher:  # jobs run elsewhere: their callbacks too
+            print("[sweep] submitit launcher: each job's progress is in its own log "
+                  "(hydra.launcher.submitit_folder); the table is updated as jobs finish",
+                  flush=True)
+        if launcher.endswith("submitit_launcher.LocalLauncher") and self.total != 1:
+            print("[sweep] warning: submitit_local starts every job at once on this machine: "
+                  "they share its cores and memory, so their timings interfere; the default "
+                  "launcher runs one job at a time", file=sys.stderr, flush=True)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if not self.active:
@@ -65,34 +74,54 @@ class SweepCallback(Callback):
               flush=True)
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        if not self.active:
+        if not self.active:  # a single run; or a job whose launcher runs it in another
+            # process (submitit): there only the table is ours to keep current
+            if _is_sweep_job(config):
+                _update_table(config)
             return
         self.finished += 1
         rec = job_return._return_value if hasattr(job_return, "_return_value") else None
         status = rec.get("status", "?") if isinstance(rec, dict) else "error"
-        self.counts[status] = self.counts.get(status, 0) + 1
         dt = time.time() - self.job_t0
         if dt > 2.0 and status not in ("invalid", "skipped"):
             self.ran.append(dt)
-        try:  # keep results.* current: an interrupted sweep still has its table
-            from .table import build_table, collect, write_tables
-
-            write_tables(build_table(collect(Path(config.hydra.sweep.dir)),
-                                     _baseline(config), config.sweep.baseline_by),
-                         Path(config.hydra.sweep.dir))
-        except Exception as e:  # noqa: BLE001
-            print(f"[sweep] could not update the table yet: {e}", flush=True)
+        _update_table(config)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from ..report import report
+        from .job import sweep_group
+        from .table import collect
 
         sweep_dir = Path(config.hydra.sweep.dir)
-        summary = ", ".join(f"{n} {s}" for s, n in sorted(self.counts.items()))
-        print(f"[sweep] done: {self.finished} jobs in {_fmt_s(time.time() - self.t0)}"
+        counts: dict[str, int] = {}
+        records = collect(sweep_dir)  # the jobs' records (callbacks may have run elsewhere)
+        for r in records:
+            counts[r.get("status", "?")] = counts.get(r.get("status", "?"), 0) + 1
+        summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+        print(f"[sweep] done: {len(records)} jobs in {_fmt_s(time.time() - self.t0)}"
               f"{': ' + summary if summary else ''}", flush=True)
         report(sweep_dir, baseline=_baseline(config), by=list(config.sweep.baseline_by),
                wandb_cfg=config.logger if config.logger.name == "wandb" else None,
+               group=config.logger.get("group") or sweep_group(config, sweep_dir),
                title=f"Sweep {config.sweep.name or sweep_dir}")
+
+
+def _is_sweep_job(config: DictConfig) -> bool:
+    from hydra.types import RunMode
+
+    return config.hydra.get("mode") == RunMode.MULTIRUN
+
+
+def _update_table(config: DictConfig) -> None:
+    """Keep results.* current: an interrupted sweep still has its table."""
+    try:
+        from .table import build_table, collect, write_tables
+
+        write_tables(build_table(collect(Path(config.hydra.sweep.dir)),
+                                 _baseline(config), config.sweep.baseline_by),
+                     Path(config.hydra.sweep.dir))
+    except Exception as e:  # noqa: BLE001
+        print(f"[sweep] could not update the table yet: {e}", flush=True)
 
 
 def _baseline(config: DictConfig) -> dict | None:

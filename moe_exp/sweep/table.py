@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 from pathlib import Path
 
@@ -244,7 +245,8 @@ def write_tables(df, out_dir: Path, title: str = "Sweep results") -> dict:
     out_dir = Path(out_dir)
     paths = {ext: out_dir / f"results.{ext}" for ext in ("csv", "parquet", "md")}
     f = flat(df)
-    tmp = {ext: p.with_suffix(f".{ext}.tmp") for ext, p in paths.items()}
+    # own temporary names: jobs of a launcher that runs them at once may write together
+    tmp = {ext: p.with_name(f".{p.name}.{os.getpid()}.tmp") for ext, p in paths.items()}
     f.to_csv(tmp["csv"], index=False)
     f.to_parquet(tmp["parquet"], index=False)
     tmp["md"].write_text(markdown(df, title))
