@@ -115,6 +115,13 @@ def all_max(values: list[float], device) -> list[float]:
     return t.tolist()
 
 
+def all_gather_stack(t: torch.Tensor) -> torch.Tensor:
+    """(world, *t.shape): every rank's t."""
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return torch.stack(out)
+
+
 def all_mean(t: torch.Tensor) -> torch.Tensor:
     t = t.clone()
     dist.all_reduce(t, op=dist.ReduceOp.AVG if dist.get_backend() == "nccl" else dist.ReduceOp.SUM)

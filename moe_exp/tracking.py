@@ -44,7 +44,9 @@ class Tracker:
             self.run.log(metrics, step=step)
 
     def summary(self, record: dict) -> None:
-        flat = {k: v for k, v in record.items() if isinstance(v, (int, float, str, bool))}
+        """The whole record (nulls, their reasons and the per-expert counts too); the loss
+        curve is the history."""
+        flat = {k: v for k, v in record.items() if k != "losses"}
         if self._pending is not None:
             self._pending.append(("summary", flat, None))
         elif self.run:

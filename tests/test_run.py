@@ -98,6 +98,10 @@ def test_wandb_offline_run_holds_config_and_metrics_and_is_finished(tmp_path, mo
     assert run["config"]["model"]["name"] == "tiny_moe"
     assert run["config"]["train"]["seq_len"] == 128  # resolved, not ${...}
     assert run["summary"]["tokens_per_s"] == pytest.approx(rec["tokens_per_s"])
+    # the whole record: nulls with their reasons, lists and dicts too
+    assert run["summary"]["mfu"] is None and "peak FLOP/s" in run["summary"]["null_reasons"]["mfu"]
+    assert run["summary"]["overrides"] == rec["overrides"]
+    assert run["summary"]["tokens_per_expert"] == rec["tokens_per_expert"]
     assert [h["loss"] for h in run["history"]] == pytest.approx(rec["losses"])
     assert run["exit_code"] == 0  # finished
 
@@ -200,3 +204,18 @@ def test_kineto_marks_are_caught_other_stderr_passes(capfd):
     assert "a real warning" in err
     assert "USDT:" not in err and "profiler_start" not in err and "STAGE:" not in err
     assert prof.key_averages()  # the profile itself still recorded
+
+
+def test_distributed_breakdown_is_the_slowest_ranks_own():
+    """Each step's phases come from the rank whose step was slowest, so they add up to the
+    step time (a max per phase over ranks summed to 107% of it)."""
+    from moe_exp.bench.runner import slowest_rank_steps
+
+    keys = ["step_ms", "forward_ms", "backward_ms"]
+    # rank 0: slow forward; rank 1: slow backward; step 1's slowest is rank 1, step 0's rank 0
+    every = torch.tensor([[[10.0, 9.0], [7.0, 3.0], [3.0, 6.0]],
+                          [[9.0, 12.0], [2.0, 3.0], [7.0, 9.0]]], dtype=torch.float64)
+    got = slowest_rank_steps(every, keys)
+    assert got == {"step_ms": [10.0, 12.0], "forward_ms": [7.0, 3.0], "backward_ms": [3.0, 9.0]}
+    for i in range(2):
+        assert got["forward_ms"][i] + got["backward_ms"][i] == got["step_ms"][i]

@@ -61,6 +61,10 @@ def test_repeats_combine_to_median_and_significance():
     c = combine([rec(2, t, 1.0, repeat=i, compile="default") for i, t in
                  enumerate([103.0, 99.0, 101.0])])
     assert (a["tokens_per_s"], a["tokens_per_s_min"], a["tokens_per_s_max"]) == (100.0, 96.0, 104.0)
+    # figures beyond the contract fields are medians too, not the first repeat's
+    x = combine([rec(0, 100.0, 1.0, repeat=i, startup_s=s, data_share=0.01 * s)
+                 for i, s in enumerate([5.7, 3.7, 3.6])])
+    assert (x["startup_s"], x["data_share"]) == pytest.approx((3.7, 0.037))
     df = build_table([a, b, c])
     assert list(df["speedup_significant"]) == [None, True, False]
     # an even count: the step time is the one the median tokens/s means
@@ -201,3 +205,15 @@ def test_plot_labels_stay_inside_the_figure():
             ext = t.get_window_extent()
             assert fig.bbox.x0 <= ext.x0 and ext.x1 <= fig.bbox.x1, (name, t.get_text())
         plt.close(fig)
+
+
+def test_comm_sweep_table_shows_bus_bandwidth():
+    """A task=comm sweep has no tokens/s: its table shows what it measured."""
+    from moe_exp.sweep.table import markdown
+
+    rows = [rec(i, None, None, task="comm", world_size=2, comm_backend="gloo",
+                busbw_gbps_all_reduce=0.31 * (i + 1), busbw_gbps_all_to_all=0.22)
+            for i in range(2)]
+    md = markdown(build_table(rows))
+    assert "all_reduce GB/s" in md and "all_to_all GB/s" in md and "tokens/s" not in md
+    assert "0.62" in md and "gloo" in md

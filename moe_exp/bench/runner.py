@@ -193,19 +193,27 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
             why[k] = "dense model (model.num_experts=0)"
 
 
+def slowest_rank_steps(every: torch.Tensor, keys: list[str]) -> dict:
+    """every (rank, key, step) per-step times -> {key: per step, from that step's slowest
+    rank (by step_ms)}."""
+    slowest = every[:, keys.index("step_ms")].argmax(0)
+    pick = every[slowest, :, torch.arange(every.shape[2], device=every.device)]  # (step, key)
+    return {k: pick[:, i].tolist() for i, k in enumerate(keys)}
+
+
 def _across_ranks(res, tm: dict, mem: dict, device) -> None:
-    """Per-step times -> max over ranks; peaks and comm -> max; expert counts -> summed; the
-    aux losses (each rank's, on its micro-batches) -> mean over ranks."""
+    """Each step's times -> those of the rank whose step was slowest (its phases with it,
+    so they add up to its step); peaks and comm -> max; expert counts -> summed; the aux
+    losses (each rank's, on its micro-batches) -> mean over ranks."""
     import torch.distributed as dist
 
-    from ..distributed import all_max, all_mean
+    from ..distributed import all_gather_stack, all_max, all_mean
 
     dev = device if device.type == "cuda" else "cpu"
-    n = len(tm["step_ms"])
     keys = list(tm)
-    flat = all_max([v for k in keys for v in tm[k]], dev)
-    for i, k in enumerate(keys):
-        tm[k] = flat[i * n: (i + 1) * n]
+    every = all_gather_stack(torch.tensor([tm[k] for k in keys], dtype=torch.float64,
+                                          device=dev))  # (rank, key, step)
+    tm.update(slowest_rank_steps(every, keys))
     mkeys = [k for k, v in mem.items() if v is not None]
     extra = [res.comm_ms] if res.comm_ms is not None else []
     vals = all_max([mem[k] for k in mkeys] + extra, dev)

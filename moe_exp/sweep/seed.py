@@ -32,7 +32,9 @@ def _cell(r, value: str) -> str:
         return "not run"
     if r["status"] != "ok":
         err = str(r["error"] or "").split(": ", 1)[-1]
-        return f"{r['status']}: {err[:70]}"
+        if len(err) > 70:  # cut at a word, and say so
+            err = err[:70].rsplit(" ", 1)[0] + " …"
+        return f"{r['status']}: {err}"
     return value
 
 

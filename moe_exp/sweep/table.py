@@ -61,9 +61,10 @@ def combine(records: list[dict]) -> dict:
         first = bad[0]
         rec.update(status=first["status"], error=f"repeat {first.get('repeat', '?')}: "
                                                   f"{first.get('error')}")
-    for k in FIELDS[FIELDS.index("tokens_per_s"):]:
+    for k in rec:  # every measured number (extras too: startup_s, data_share, comm_ms, ...)
         vals = [r.get(k) for r in ok]
-        if vals and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+        if k not in ("repeat", "repeats", "repeats_ok", "job") and vals and \
+                all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
             rec[k] = statistics.median(vals)
     if rec.get("tokens_per_s") and rec.get("tokens_per_step"):  # the step time the median
         # tokens/s means (for an even count their two medians are not each other's inverse)
@@ -200,6 +201,8 @@ def compact(df):
     """The columns a reader compares, formatted (for results.md and the terminal)."""
     import pandas as pd
 
+    if "task" in df and len(df) and (df["task"] == "comm").all():
+        return _compact_comm(df)
     reps = (df["repeats"].fillna(1) > 1).any()
     rows = []
     for _, r in df.iterrows():
@@ -226,6 +229,21 @@ def compact(df):
     return pd.DataFrame(rows)
 
 
+def _compact_comm(df):
+    """A task=comm sweep: the bus bandwidth each collective reached at its largest size."""
+    import pandas as pd
+
+    ops = sorted(c[len("busbw_gbps_"):] for c in df.columns if c.startswith("busbw_gbps_"))
+    rows = []
+    for _, r in df.iterrows():
+        row = {"job": r["job"], "combination": r["label"], "status": r["status"],
+               "ranks": _fmt(r["world_size"], ".0f"), "backend": r.get("comm_backend") or "—"}
+        row.update({f"{op} GB/s": _fmt(r[f"busbw_gbps_{op}"], ".3g") for op in ops})
+        row["error"] = str(r["error"])[:90] if isinstance(r["error"], str) else ""
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def markdown(df, title: str = "Sweep results") -> str:
     lines = [f"# {title}", "", compact(df).to_markdown(index=False), ""]
     base = df[df["baseline"] == True]  # noqa: E712 - pandas mask
@@ -235,6 +253,9 @@ def markdown(df, title: str = "Sweep results") -> str:
     if (df["repeats"].fillna(1) > 1).any():
         lines.append("Median over repeats; spread = half the min–max range; (n.s.) = the "
                      "tokens/s ranges of this row and its baseline overlap.")
+    if "task" in df and len(df) and (df["task"] == "comm").all():
+        lines.append("GB/s: bus bandwidth (nccl-tests convention) at the largest message size; "
+                     "every size: each job's comm.csv.")
     lines.append("All fields: results.csv / results.parquet (nulls are explained in "
                  "null_reasons).")
     return "\n".join(lines) + "\n"
