@@ -25,6 +25,11 @@ class Unsupported(ConfigError):
     """A valid request this hardware (or install) cannot do: a `skipped` row in a sweep."""
 
 
+class NotReady(ConfigError):
+    """A valid request this environment is not set up for yet (e.g. no W&B login): an
+    `error` row, which a resumed sweep runs again."""
+
+
 def detect() -> str:
     """Profile name for this machine: from the CUDA device name, else cpu."""
     if torch.cuda.is_available():

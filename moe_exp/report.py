@@ -22,7 +22,15 @@ def report(sweep_dir: Path, baseline: dict | None = None, by=("model",), wandb_c
     if not records:
         raise FileNotFoundError(f"no job records (*/metrics.json) under {sweep_dir}")
     names = ("--baseline", "--by") if strict else ("sweep.baseline", "sweep.baseline_by")
-    df = build_table(records, baseline, by, names)
+    try:
+        df = build_table(records, baseline, by, names)
+    except KeyError as e:
+        if strict:
+            raise
+        # a sweep's own settings: its table and report still come, with the default
+        print(f"[sweep] {e.args[0]}: the default baseline per model instead", file=sys.stderr)
+        baseline = None
+        df = build_table(records, None, ("model",))
     if baseline and not df["baseline"].any():  # before the tables are rewritten
         want = " ".join(f"{k}={v}" for k, v in baseline.items())
         if strict:  # `report --baseline`: the user asked for it, now

@@ -46,6 +46,7 @@ def new_record(cfg_dict: dict, overrides: list[str]) -> dict:
         config_hash=config_hash(cfg_dict),
         timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     )
+    rec["task"] = cfg_dict.get("task", "bench")
     rec["extra"] = dict(cfg_dict.get("extra") or {})
     rec["null_reasons"] = {}
     return rec

@@ -33,9 +33,9 @@ def _hydra_info() -> tuple[Path | None, list[str], dict, bool]:
 
 def prepare(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, dict | None]:
     """Resolve the hardware and validate, before any work. Returns (cfg, None) when the run
-    can go ahead, else (cfg, record) with status `invalid` (a mistake) or `skipped` (a valid
-    request this hardware cannot do)."""
-    from .hardware import Unsupported, resolve
+    can go ahead, else (cfg, record) with status `invalid` (a mistake), `skipped` (a valid
+    request this hardware cannot do) or `error` (this environment is not ready: NotReady)."""
+    from .hardware import NotReady, Unsupported, resolve
     from .validate import validate
 
     cfg = cfg.copy()
@@ -44,7 +44,8 @@ def prepare(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, dict | N
         resolve(cfg)
         validate(cfg)
     except ConfigError as e:
-        status = "skipped" if isinstance(e, Unsupported) else "invalid"
+        status = "skipped" if isinstance(e, Unsupported) else \
+            "error" if isinstance(e, NotReady) else "invalid"
         return cfg, failed_record(_container(cfg), overrides, status, str(e), f"not run: {status}")
     return cfg, None
 

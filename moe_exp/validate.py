@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import torch
@@ -9,7 +10,7 @@ from omegaconf import OmegaConf
 
 from .bench.flops import param_counts
 from .config import CHOICES
-from .hardware import CONF, ConfigError, Unsupported
+from .hardware import CONF, ConfigError, NotReady, Unsupported
 
 
 def _get(cfg, dotted: str):
@@ -289,20 +290,38 @@ def check_sweep(cfg) -> None:
         raise ConfigError("sweep.job_timeout_s", f"must be > 0 seconds or null, got {t}")
 
 
-def check_logger(cfg) -> None:
-    """logger.mode=online needs W&B credentials: found (or asked for, on a terminal) now,
-    not after the measured steps (the run is logged at its end)."""
-    lg = cfg.logger
-    if lg.name != "wandb" or lg.mode != "online":
-        return
-    import wandb
+def wandb_credentials() -> bool:
+    """Whether W&B finds credentials here (its sources: WANDB_API_KEY or
+    WANDB_IDENTITY_TOKEN_FILE, else a .netrc entry for the server), read without W&B (no
+    import, no service process, no network)."""
+    import configparser
+    import netrc
+    from urllib.parse import urlsplit
 
+    env = os.environ
+    if env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    hosts = {urlsplit(env.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc}
+    settings = configparser.ConfigParser()  # `wandb login --host` records its server here
+    settings.read(Path(env.get("WANDB_CONFIG_DIR") or "~/.config/wandb").expanduser()
+                  / "settings")
+    if settings.get("default", "base_url", fallback=None):
+        hosts.add(urlsplit(settings.get("default", "base_url")).netloc)
+    path = Path(env.get("NETRC") or "~/.netrc").expanduser()
     try:
-        wandb.login(verify=False)
-    except Exception as e:  # noqa: BLE001 - UsageError (no key), AuthenticationError, ...
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError("logger.mode", f"online needs a W&B login ({msg}); run `wandb login` "
-                          "or set WANDB_API_KEY, or use logger.mode=offline") from None
+        found = netrc.netrc(path)
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return any(found.authenticators(h) for h in hosts)
+
+
+def check_logger(cfg) -> None:
+    """logger.mode=online needs W&B credentials: checked now, not when the run is logged
+    at its end. A NotReady (status error): a resumed sweep runs it again once logged in."""
+    lg = cfg.logger
+    if lg.name == "wandb" and lg.mode == "online" and not wandb_credentials():
+        raise NotReady("logger.mode", "online needs W&B credentials and none were found: run "
+                       "`wandb login` or set WANDB_API_KEY, or use logger.mode=offline")
 
 
 def validate(cfg) -> None:

@@ -222,14 +222,31 @@ def test_gaudi_bridge_is_imported_under_hardware_env(tmp_path, monkeypatch):
             sys.modules.pop(name, None)
 
 
-def test_online_wandb_without_a_login_fails_before_any_work(tmp_path):
+def test_online_wandb_without_a_login_fails_before_any_work(tmp_path, monkeypatch):
     """WANDB_MODE=online with no W&B credentials used to crash after the measured steps,
-    when the deferred W&B run started. A fresh process (W&B keeps its mode per process);
-    with a key present it would pass (the key is not verified: no network)."""
-    env = dict(HOME=str(tmp_path), NETRC=str(tmp_path / "no-netrc"), WANDB_MODE="online",
-               WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"), WANDB_API_KEY="")
+    when the deferred W&B run started. Now: one line before any work, status `error` (a
+    resumed sweep runs it again once logged in); found credentials pass. No W&B import."""
+    from moe_exp.validate import wandb_credentials
+
+    env = dict(HOME=str(tmp_path), NETRC=str(tmp_path / "netrc"), WANDB_MODE="online",
+               WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"), WANDB_API_KEY="",
+               WANDB_IDENTITY_TOKEN_FILE="", WANDB_BASE_URL="")
     r = run_cli([f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "logger.mode: online needs a W&B login" in r.stderr
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "logger.mode: online needs W&B credentials" in r.stderr
     rec = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert rec["status"] == "invalid" and rec["step_time_ms"] is None
+    assert rec["status"] == "error" and rec["step_time_ms"] is None
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert not wandb_credentials()
+    (tmp_path / "netrc").write_text("machine api.wandb.ai login user password " + "k" * 40)
+    assert wandb_credentials()
+    (tmp_path / "netrc").write_text("machine wandb.example.com login user password k\n")
+    assert not wandb_credentials()  # another server's key...
+    (tmp_path / "wandb-config").mkdir()
+    (tmp_path / "wandb-config" / "settings").write_text(
+        "[default]\nbase_url = https://wandb.example.com\n")
+    assert wandb_credentials()  # ...is the one `wandb login --host` set up
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    (tmp_path / "netrc").unlink()
+    assert wandb_credentials()

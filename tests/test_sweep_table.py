@@ -45,13 +45,18 @@ def test_chosen_baseline_and_unknown_key():
 def test_baseline_on_a_dotted_key_into_a_dict_column():
     """extra.* keys (e.g. the seed table's extra.seed_row), also as read back from a table
     file where the dict is a JSON string."""
+    import pandas as pd
+
     rows = [rec(0, 100.0, 1.0, extra={"seed_row": "baseline"}),
             rec(1, 200.0, 1.0, precision="bf16", extra='{"seed_row": "mixed_precision"}')]
     df = build_table(rows, baseline={"extra.seed_row": "mixed_precision"})
     assert list(df["baseline"]) == [False, True]
     assert list(df["speedup"]) == pytest.approx([0.5, 1.0])
-    df = build_table(rows, baseline={"extra.seed_row": "baseline"}, by=["extra.none"])
-    assert list(df["speedup"]) == pytest.approx([1.0, 2.0])  # one group: both None
+    with pytest.raises(KeyError, match="no row has 'extra.seed_rwo'"):  # a typo
+        build_table(rows, by=["extra.seed_rwo"])
+    rows[1]["extra"] = {}  # a key some rows lack: those rows group under None
+    df = build_table(rows, baseline={"extra.seed_row": "baseline"}, by=["extra.seed_row"])
+    assert list(df["baseline"]) == [True, False] and pd.isna(df["speedup"][1])
 
 
 def test_repeats_combine_to_median_and_significance():
@@ -65,6 +70,8 @@ def test_repeats_combine_to_median_and_significance():
     x = combine([rec(0, 100.0, 1.0, repeat=i, startup_s=s, data_share=0.01 * s)
                  for i, s in enumerate([5.7, 3.7, 3.6])])
     assert (x["startup_s"], x["data_share"]) == pytest.approx((3.7, 0.037))
+    two = combine([rec(0, t, 1.0, repeat=i, micro_batch_size=8) for i, t in enumerate([1., 3.])])
+    assert two["micro_batch_size"] == 8 and isinstance(two["micro_batch_size"], int)
     df = build_table([a, b, c])
     assert list(df["speedup_significant"]) == [None, True, False]
     # an even count: the step time is the one the median tokens/s means
@@ -185,8 +192,6 @@ def test_labels_name_the_combination_even_for_one_row():
 def test_plot_labels_stay_inside_the_figure():
     """Long combination labels at the right edge of the Pareto plot and the value texts past
     the longest bar are drawn inside the figure as saved (they used to be clipped)."""
-    import matplotlib.pyplot as plt
-
     from moe_exp.sweep.plots import figure
 
     long = dict(precision="bf16", compile="max-autotune", activation_checkpointing="selective")
@@ -204,7 +209,6 @@ def test_plot_labels_stay_inside_the_figure():
         for t in texts:
             ext = t.get_window_extent()
             assert fig.bbox.x0 <= ext.x0 and ext.x1 <= fig.bbox.x1, (name, t.get_text())
-        plt.close(fig)
 
 
 def test_comm_sweep_table_shows_bus_bandwidth():
@@ -217,3 +221,22 @@ def test_comm_sweep_table_shows_bus_bandwidth():
     md = markdown(build_table(rows))
     assert "all_reduce GB/s" in md and "all_to_all GB/s" in md and "tokens/s" not in md
     assert "0.62" in md and "gloo" in md
+
+
+def test_sweep_report_with_an_unknown_baseline_key_falls_back(tmp_path, capsys):
+    """A sweep whose sweep.baseline/baseline_by names no column still ends in its table and
+    report, with the default baseline and a one-line warning (`report --baseline` fails)."""
+    import json
+
+    from moe_exp.report import report
+
+    for r in (rec(0, 100.0, 1.0), rec(1, 200.0, 1.0, precision="bf16")):
+        (tmp_path / str(r["job"])).mkdir()
+        (tmp_path / str(r["job"]) / "metrics.json").write_text(json.dumps(r))
+    paths = report(tmp_path, baseline={"colour": "red"}, plots=False)
+    assert "sweep.baseline: 'colour' is not a column" in capsys.readouterr().err
+    assert paths["csv"].is_file() and "2.00×" in paths["md"].read_text()
+    report(tmp_path, by=["extra.seed_rwo"], plots=False)
+    assert "sweep.baseline_by: " in capsys.readouterr().err
+    with pytest.raises(KeyError, match="--baseline"):
+        report(tmp_path, baseline={"colour": "red"}, plots=False, strict=True)

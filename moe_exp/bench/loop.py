@@ -64,25 +64,28 @@ _KINETO_MARKS = ("USDT:", "STAGE:")
 @contextlib.contextmanager
 def _kineto_quiet():
     """Kineto writes profiler_start/stop marks straight to fd 2 at every start and stop (no
-    log level silences them; each rank would print them): catch fd 2 meanwhile and pass
-    every other line on."""
+    log level silences them; each rank would print them): catch fd 2 for just that call and
+    pass every other line on. Where fd 2 cannot be caught, nothing is."""
     try:
-        sys.stderr.flush()
+        if sys.stderr is not None:
+            sys.stderr.flush()
+        tmp = tempfile.TemporaryFile()
         saved = os.dup(2)
-    except (OSError, ValueError):  # no fd 2 to catch
+    except (OSError, ValueError):
         yield
         return
-    with tempfile.TemporaryFile() as tmp:
+    try:
         os.dup2(tmp.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        with tmp:
             tmp.seek(0)
-            for line in tmp.read().decode(errors="replace").splitlines(keepends=True):
-                if not line.startswith(_KINETO_MARKS):
-                    sys.stderr.write(line)
+            lines = tmp.read().decode(errors="replace").splitlines(keepends=True)
+        out = "".join(x for x in lines if not x.startswith(_KINETO_MARKS))
+        if out:
+            os.write(2, out.encode())
 
 
 def _sync(device):

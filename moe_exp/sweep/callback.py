@@ -90,11 +90,12 @@ class SweepCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from ..report import report
         from .job import sweep_group
-        from .table import collect
+        from .table import job_dirs, read_record
 
         sweep_dir = Path(config.hydra.sweep.dir)
         counts: dict[str, int] = {}
-        records = collect(sweep_dir)  # the jobs' records (callbacks may have run elsewhere)
+        # every job's record (its callbacks may have run in another process)
+        records = [read_record(d / "metrics.json") or {} for d in job_dirs(sweep_dir)]
         for r in records:
             counts[r.get("status", "?")] = counts.get(r.get("status", "?"), 0) + 1
         summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
@@ -113,13 +114,22 @@ def _is_sweep_job(config: DictConfig) -> bool:
 
 
 def _update_table(config: DictConfig) -> None:
-    """Keep results.* current: an interrupted sweep still has its table."""
+    """Keep results.* current: an interrupted sweep still has its table. Under a lock, so
+    jobs that end together (submitit) each write a table read after the other's."""
+    import fcntl
+
+    sweep_dir = Path(config.hydra.sweep.dir)
     try:
         from .table import build_table, collect, write_tables
 
-        write_tables(build_table(collect(Path(config.hydra.sweep.dir)),
-                                 _baseline(config), config.sweep.baseline_by),
-                     Path(config.hydra.sweep.dir))
+        with open(sweep_dir / ".results.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            records = collect(sweep_dir)
+            try:
+                df = build_table(records, _baseline(config), config.sweep.baseline_by)
+            except KeyError:  # a key no row has: the report at the end says so
+                df = build_table(records)
+            write_tables(df, sweep_dir)
     except Exception as e:  # noqa: BLE001
         print(f"[sweep] could not update the table yet: {e}", flush=True)
 

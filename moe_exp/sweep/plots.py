@@ -135,23 +135,22 @@ PLOTS = {"throughput": throughput, "memory": memory, "pareto": pareto}
 
 
 def figure(name: str, df):
-    """The named plot of the table as a laid-out matplotlib figure (as write_plots saves it)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """The named plot of the table as a laid-out matplotlib figure (as write_plots saves it).
+    A Figure of its own (Agg canvas): pyplot and its backend are left alone, so a notebook's
+    inline plots keep working."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     size = (9, 6) if name == "pareto" else (9, 1.2 + 0.35 * len(ok_rows(df)))
-    fig, ax = plt.subplots(figsize=size, dpi=DPI)
-    PLOTS[name](ax, df)
+    fig = Figure(figsize=size, dpi=DPI)
+    FigureCanvasAgg(fig)
+    PLOTS[name](fig.subplots(), df)
     fig.tight_layout()
     return fig
 
 
 def write_plots(df, out_dir: Path) -> dict[str, Path]:
     """throughput.png, memory.png, pareto.png in out_dir (only those with data)."""
-    import matplotlib.pyplot as plt
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     d = ok_rows(df)
@@ -161,8 +160,6 @@ def write_plots(df, out_dir: Path) -> dict[str, Path]:
     for name in PLOTS:
         if name != "throughput" and d["peak_mem_gib"].isna().all():
             continue
-        fig = figure(name, df)
         paths[name] = out_dir / f"{name}.png"
-        fig.savefig(paths[name], dpi=DPI)
-        plt.close(fig)
+        figure(name, df).savefig(paths[name], dpi=DPI)
     return paths

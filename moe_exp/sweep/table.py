@@ -63,9 +63,10 @@ def combine(records: list[dict]) -> dict:
                                                   f"{first.get('error')}")
     for k in rec:  # every measured number (extras too: startup_s, data_share, comm_ms, ...)
         vals = [r.get(k) for r in ok]
-        if k not in ("repeat", "repeats", "repeats_ok", "job") and vals and \
-                all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
-            rec[k] = statistics.median(vals)
+        if k not in ("repeat", "repeats", "repeats_ok", "job") and \
+                all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals) \
+                and len(set(vals)) > 1:
+            rec[k] = statistics.median(vals)  # (equal values stay as they are: 8, not 8.0)
     if rec.get("tokens_per_s") and rec.get("tokens_per_step"):  # the step time the median
         # tokens/s means (for an even count their two medians are not each other's inverse)
         rec["step_time_ms"] = 1e3 * rec["tokens_per_step"] / rec["tokens_per_s"]
@@ -125,13 +126,20 @@ def _value(row: dict, key: str, what: str):
         except ValueError:
             sub = _MISSING
     if isinstance(sub, dict):
-        return sub.get(rest)
+        return sub.get(rest, _MISSING)
     raise KeyError(f"{what}: '{key}' is not a column of the table (e.g. precision, "
                    f"activation_checkpointing, compile, model, extra.seed_row)")
 
 
 def _matches(row, baseline: dict, what: str = "sweep.baseline") -> bool:
     return all(str(_value(row, key, what)) == str(want) for key, want in baseline.items())
+
+
+def _check_keys(records: list[dict], keys, what: str) -> None:
+    """A dotted key that no row has (extra.seed_rwo) is a typo, like an unknown column."""
+    for key in keys:
+        if records and all(_value(r, key, what) is _MISSING for r in records):
+            raise KeyError(f"{what}: no row has '{key}'")
 
 
 def build_table(records: list[dict], baseline: dict | None = None, by=("model",),
@@ -144,9 +152,12 @@ def build_table(records: list[dict], baseline: dict | None = None, by=("model",)
     for r, label in zip(records, labels(records)):
         r["label"] = label
         r.setdefault("repeats", 1)
+    _check_keys(records, baseline or {}, names[0])
+    _check_keys(records, by, names[1])
     groups: dict = {}
     for r in records:
-        groups.setdefault(tuple(str(_value(r, b, names[1])) for b in by), []).append(r)
+        key = tuple(_value(r, b, names[1]) for b in by)
+        groups.setdefault(tuple(str(None if v is _MISSING else v) for v in key), []).append(r)
     for rows in groups.values():
         ok = [r for r in rows if r["status"] == "ok" and _num(r.get("tokens_per_s"))]
         if baseline:
@@ -230,7 +241,7 @@ def compact(df):
 
 
 def _compact_comm(df):
-    """A task=comm sweep: the bus bandwidth each collective reached at its largest size."""
+    """A task=comm sweep: the peak bus bandwidth of each collective over the sizes."""
     import pandas as pd
 
     ops = sorted(c[len("busbw_gbps_"):] for c in df.columns if c.startswith("busbw_gbps_"))
@@ -254,25 +265,36 @@ def markdown(df, title: str = "Sweep results") -> str:
         lines.append("Median over repeats; spread = half the min–max range; (n.s.) = the "
                      "tokens/s ranges of this row and its baseline overlap.")
     if "task" in df and len(df) and (df["task"] == "comm").all():
-        lines.append("GB/s: bus bandwidth (nccl-tests convention) at the largest message size; "
-                     "every size: each job's comm.csv.")
+        lines.append("GB/s: the peak bus bandwidth (nccl-tests convention) over the message "
+                     "sizes; every size: each job's comm.csv.")
     lines.append("All fields: results.csv / results.parquet (nulls are explained in "
                  "null_reasons).")
     return "\n".join(lines) + "\n"
 
 
 def write_tables(df, out_dir: Path, title: str = "Sweep results") -> dict:
-    """results.csv, results.parquet and results.md in out_dir; returns their paths."""
+    """results.csv, results.parquet and results.md in out_dir; returns their paths. Each is
+    written to its own temporary file, then renamed (jobs of a launcher that runs them at
+    once may write together)."""
+    import tempfile
+
     out_dir = Path(out_dir)
     paths = {ext: out_dir / f"results.{ext}" for ext in ("csv", "parquet", "md")}
     f = flat(df)
-    # own temporary names: jobs of a launcher that runs them at once may write together
-    tmp = {ext: p.with_name(f".{p.name}.{os.getpid()}.tmp") for ext, p in paths.items()}
-    f.to_csv(tmp["csv"], index=False)
-    f.to_parquet(tmp["parquet"], index=False)
-    tmp["md"].write_text(markdown(df, title))
-    for ext, p in paths.items():
-        tmp[ext].replace(p)
+    tmp = {}
+    try:
+        for ext, p in paths.items():
+            fd, tmp[ext] = tempfile.mkstemp(dir=out_dir, prefix=f".{p.name}.", suffix=".tmp")
+            os.close(fd)
+            os.chmod(tmp[ext], 0o644)
+        f.to_csv(tmp["csv"], index=False)
+        f.to_parquet(tmp["parquet"], index=False)
+        Path(tmp["md"]).write_text(markdown(df, title))
+        for ext, p in paths.items():
+            os.replace(tmp.pop(ext), p)
+    finally:
+        for t in tmp.values():  # left by a failed write
+            Path(t).unlink(missing_ok=True)
     return paths
 
 
