@@ -10,8 +10,8 @@ On Linux each round also reads /proc/stat: when other processes used more than
 `max_other` of the machine's CPU time during the round, the whole round is dropped and
 run again (up to `max_tries` rounds in all); a 2-core box shared with a test suite
 otherwise turns a 10 ms step into 500 ms (OpenMP threads waiting for a preempted peer).
-The report says how many rounds were dropped and, if no quiet round came, that the
-figures were taken under contention.
+The report says how many rounds were dropped and, if fewer quiet rounds came than asked
+for, that the figures were taken under contention (the quiet ones, or with none, all).
 """
 from __future__ import annotations
 
@@ -96,8 +96,9 @@ def run_rounds(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 2,
             dropped += 1
         for n, ms in row.items():
             target[n].append(ms)
-    contended = min(len(v) for v in times.values()) == 0
-    use = noisy if contended else times
+    # fewer quiet rounds than asked for: the figures are (partly) contended ones
+    contended = min(len(v) for v in times.values()) < reps
+    use = noisy if min(len(v) for v in times.values()) == 0 else times
     return {
         "median_ms": {n: statistics.median(v) for n, v in use.items()},
         "rounds": min(len(v) for v in use.values()),
@@ -105,3 +106,31 @@ def run_rounds(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 2,
         "contended": contended,
         "order": f"shuffled, rotated over each block of {len(fns)} rounds (seed {seed})",
     }
+
+
+def at_least(low: int):
+    """argparse type: an int >= low."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {n}")
+        return n
+    return parse
+
+
+def one_of(allowed):
+    """argparse type: a comma list, each item one of `allowed`."""
+    import argparse
+
+    def parse(text: str) -> str:
+        bad = [x for x in text.split(",") if x not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{', '.join(bad)}: not one of "
+                                             f"{', '.join(allowed)}")
+        return text
+    return parse

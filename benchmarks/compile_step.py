@@ -30,7 +30,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import run_rounds  # noqa: E402
+from _timing import at_least, one_of, run_rounds  # noqa: E402
 
 
 def compose(overrides):
@@ -61,12 +61,21 @@ def build(cfg, device, state=None):
     opt, _, _ = build_optimizer(applied.model, cfg, device)
     params = [p for g in opt.param_groups for p in g["params"]]
 
+    scaler = applied.scaler  # fp16: as the run's loop uses it
+
     def step(tokens):
         with applied.autocast():
             out = applied.model(tokens, tokens)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
-        opt.step()
+        (scaler.scale(out.loss) if scaler else out.loss).backward()
+        if scaler:
+            scaler.unscale_(opt)
+        if cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         opt.zero_grad(set_to_none=True)
         return out.loss
 
@@ -111,18 +120,32 @@ def bench(model_name, precision, device, reps, extra):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--models", default=None)
-    ap.add_argument("--precisions", default=None)
-    ap.add_argument("--reps", type=int, default=10)
+    conf = ROOT / "moe_exp" / "conf"
+    names = lambda group: sorted(p.stem for p in (conf / group).glob("*.yaml"))  # noqa: E731
+    ap.add_argument("--models", default=None, type=one_of(names("model")),
+                    help="comma list of model options")
+    ap.add_argument("--precisions", default=None, type=one_of(names("precision")),
+                    help="comma list of precision options")
+    ap.add_argument("--reps", type=at_least(1), default=10)
     ap.add_argument("--json", default=None)
     ap.add_argument("--warm-cache", action="store_true",
                     help="keep inductor's cache (default: a fresh one: cold compile times)")
     ap.add_argument("overrides", nargs="*", help="extra config overrides for every model")
     a = ap.parse_args(argv)
+    try:  # the extra overrides, checked before any work (one line, like the run's own)
+        compose(a.overrides)
+    except Exception as e:  # noqa: BLE001 - Hydra's composition errors
+        from moe_exp.run import hydra_error_line
+
+        ap.error(f"overrides: {hydra_error_line(e)}")
     if not a.warm_cache:
+        import atexit
+        import shutil
         import tempfile
 
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cold-")
+        cache = tempfile.mkdtemp(prefix="inductor-cold-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        atexit.register(shutil.rmtree, cache, ignore_errors=True)
     device = torch.device(a.device)
     cuda = device.type == "cuda"
     models = (a.models or ("tiny_moe,small_moe,moe_1b" if cuda else "tiny_moe,small_moe")).split(",")

@@ -3,6 +3,8 @@
 # Records land in benchmarks/results/<device>-<date>/; commit them with the device name.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+${PYTHON:-python3} -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else \
+  'error: no CUDA GPU visible (these are the GPU figures)')"
 dev=$(python -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '_'))")
 out=benchmarks/results/${dev}-$(date +%Y-%m-%d)
 mkdir -p "$out"

@@ -46,7 +46,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import run_rounds  # noqa: E402
+from _timing import at_least, one_of, run_rounds  # noqa: E402
 
 from moe_exp.model.moe import MoE, resolve_dispatch  # noqa: E402
 
@@ -252,10 +252,12 @@ def bench_shape(name, shape, device, dtype, reps, warmup, compile_=True, skew=1.
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--shapes", default=None, help="comma list of " + ",".join(SHAPES))
-    ap.add_argument("--dtypes", default=None, help="fp32,bf16 (CPU default) or bf16 (CUDA)")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--shapes", default=None, type=one_of(SHAPES),
+                    help="comma list of " + ",".join(SHAPES))
+    ap.add_argument("--dtypes", default=None, type=one_of(("fp32", "bf16")),
+                    help="fp32,bf16 (CPU default) or bf16 (CUDA)")
+    ap.add_argument("--reps", type=at_least(1), default=20)
+    ap.add_argument("--warmup", type=at_least(0), default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--no-compile", action="store_true", help="leave out the compiled contenders")

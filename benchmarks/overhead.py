@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import _cpu_ticks, other_load, round_orders  # noqa: E402
+from _timing import _cpu_ticks, at_least, other_load, round_orders  # noqa: E402
 
 TORCH_FLOOR = ("import torch; p = torch.nn.Parameter(torch.zeros(4)); "
                "torch.optim.AdamW([p], fused=True).step()")
@@ -108,7 +108,7 @@ def record(cwd: Path) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--runs", type=at_least(1), default=5)
     ap.add_argument("--json", default=None)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args(argv)

@@ -97,8 +97,11 @@ def hardware_env(hw):
 def check_device(cfg) -> None:
     hw = cfg.hardware
     if hw.device == "cuda" and not torch.cuda.is_available():
-        raise Unsupported("hardware", f"hardware={hw.name} needs a CUDA GPU and none is visible; "
-                          "use hardware=auto or hardware=cpu")
+        if hw.name in GPU_PROFILES.values():  # a GPU profile
+            raise Unsupported("hardware", f"hardware={hw.name} needs a CUDA GPU and none is "
+                              "visible; use hardware=auto or hardware=cpu")
+        raise Unsupported("hardware.device", "cuda: no CUDA GPU is visible; use "
+                          "hardware.device=cpu (or auto)")
     if hw.device == "hpu":
         try:
             with hardware_env(hw):  # the bridge reads PT_HPU_LAZY_MODE when imported

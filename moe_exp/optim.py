@@ -26,7 +26,11 @@ def build_optimizer(model: nn.Module, cfg, device: torch.device):
 
 
 def lr_factor(step: int, total: int, o) -> float:
-    if step < o.lr_warmup_steps:
-        return (step + 1) / o.lr_warmup_steps
-    progress = min(1.0, (step - o.lr_warmup_steps) / max(1, total - o.lr_warmup_steps))
+    """Linear warmup to the peak (reached on the last warmup step, or on step 0 without
+    warmup), then cosine down to min_lr_ratio, reached on the last step."""
+    w = o.lr_warmup_steps
+    if step < w:
+        return (step + 1) / w
+    done, span = (step - w + 1, total - w) if w else (step, total - 1)
+    progress = min(1.0, done / max(1, span))
     return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

@@ -208,6 +208,9 @@ def cli() -> None:
     except CompactHydraException as e:
         print(f"error: {hydra_error_line(e)}", file=sys.stderr)
         sys.exit(EXIT_INVALID)
+    except KeyboardInterrupt:  # the run's record (if it got one) says `crashed: interrupted`
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,13 @@ class Tracker:
         elif self.run:
             self.run.summary.update(flat)
 
+    def discard(self) -> None:
+        """A deferred run that never starts (the run was interrupted); a started one ends."""
+        self._pending = None
+        if self.run:
+            self.run.finish(exit_code=1)
+            self.run = None
+
     def finish(self, ok: bool) -> None:
         if self._pending is not None:
             pending, self._pending = self._pending, None

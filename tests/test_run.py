@@ -219,3 +219,33 @@ def test_distributed_breakdown_is_the_slowest_ranks_own():
     assert got == {"step_ms": [10.0, 12.0], "forward_ms": [7.0, 3.0], "backward_ms": [3.0, 9.0]}
     for i in range(2):
         assert got["forward_ms"][i] + got["backward_ms"][i] == got["step_ms"][i]
+
+
+@pytest.mark.slow
+def test_ctrl_c_leaves_a_record_that_says_so(tmp_path):
+    """SIGINT mid-run: the record says `crashed: interrupted` (it said `error` with no
+    reason), W&B is not started for it, exit code 130, no traceback."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    out = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "moe_exp.run", "train.steps=100000",
+                          f"hydra.run.dir={out}"], cwd=tmp_path, stderr=subprocess.PIPE,
+                         text=True, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    for _ in range(120):  # until it is in its measured steps
+        time.sleep(0.5)
+        if (out / ".hydra").is_dir() and p.poll() is None:
+            time.sleep(5)
+            break
+    p.send_signal(signal.SIGINT)
+    err = p.communicate(timeout=120)[1]
+    assert p.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    rec = json.loads((out / "metrics.json").read_text())
+    assert rec["status"] == "crashed" and rec["error"].startswith("interrupted")
+    assert not (out / "wandb").exists()

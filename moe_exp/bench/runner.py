@@ -73,6 +73,14 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
         rec["status"] = "ok"
     except Diverged as e:
         rec.update(status="diverged", error=str(e), losses=e.losses)
+        if e.losses:
+            rec["loss_first"] = e.losses[0]
+    except KeyboardInterrupt:  # Ctrl-C: a record that says so (a resumed sweep reruns it)
+        rec.update(status="crashed", error="interrupted (Ctrl-C / SIGINT) before the run "
+                                           "finished")
+        if tracker:  # no W&B start-up for a run the user stopped
+            tracker.discard()
+        raise
     except torch.OutOfMemoryError as e:
         if d is not None:
             raise
@@ -139,6 +147,7 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
             lr = cfg.optim.lr * lr_factor(first + i, total, cfg.optim)
             tracker.log({"loss": v, "lr": lr}, step=first + i)
 
+    rec["flops_per_token"] = flops_per_token(cfg.model, t.seq_len)  # analytic: known now
     res = train_loop(cfg, applied, optimizer, scheduler, loader, device, memory, on_log, progress)
 
     tokens_per_step = t.micro_batch_size * t.grad_accum_steps * t.seq_len
@@ -157,6 +166,8 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
         loss_first=res.losses[0], loss_last=res.losses[-1], losses=res.losses,
         tokens_per_step=tokens_per_step * world, measured_steps=t.steps,
     )
+    if rec["step_time_iqr_ms"] is None:
+        why["step_time_iqr_ms"] = "one measured step: an IQR needs train.steps >= 2"
     rec["data_share"] = rec["data_ms"] / step_ms
     if t.compile == "off":
         why["compile_s"] = "train.compile=off"
@@ -174,8 +185,7 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
         why["comm_ms"] = ("one rank: no communication" if world == 1 else
                           "parallel.profile_steps=0 or train.steps <= profile_steps")
     rec["world_size"] = world
-    fpt = flops_per_token(cfg.model, t.seq_len)
-    rec["flops_per_token"] = fpt
+    fpt = rec["flops_per_token"]
     rec["tflops_per_device"] = fpt * rec["tokens_per_s_per_device"] / 1e12
     peak = cfg.hardware.peak_flops.get(cfg.precision.name)
     if peak:

@@ -108,7 +108,10 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.cfg = cfg
+        # plain numbers: torch.compile cannot trace attribute reads on a Hydra/OmegaConf
+        # config (it gave up on the rest of forward there)
+        self.init_std, self.num_layers = float(cfg.init_std), int(cfg.num_layers)
+        self.aux_loss_coef, self.z_loss_coef = float(cfg.aux_loss_coef), float(cfg.z_loss_coef)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
@@ -120,8 +123,8 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self):
-        std = self.cfg.init_std
-        out_std = std / math.sqrt(2 * self.cfg.num_layers)  # GPT-2 scaled residual init
+        std = self.init_std
+        out_std = std / math.sqrt(2 * self.num_layers)  # GPT-2 scaled residual init
         for name, p in self.named_parameters():
             if p.dim() == 1:
                 nn.init.ones_(p)
@@ -142,7 +145,7 @@ class Transformer(nn.Module):
         ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         balance = torch.stack(balances).mean()
         z = torch.stack(zs).mean()
-        loss = ce + self.cfg.aux_loss_coef * balance + self.cfg.z_loss_coef * z
+        loss = ce + self.aux_loss_coef * balance + self.z_loss_coef * z
         return Output(loss, ce, balance, z, torch.stack(counts))
 
 
