@@ -303,10 +303,13 @@ def wandb_credentials() -> bool:
         return True
     hosts = {urlsplit(env.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc}
     settings = configparser.ConfigParser()  # `wandb login --host` records its server here
-    settings.read(Path(env.get("WANDB_CONFIG_DIR") or "~/.config/wandb").expanduser()
-                  / "settings")
-    if settings.get("default", "base_url", fallback=None):
-        hosts.add(urlsplit(settings.get("default", "base_url")).netloc)
+    try:
+        settings.read(Path(env.get("WANDB_CONFIG_DIR") or "~/.config/wandb").expanduser()
+                      / "settings")
+        if settings.get("default", "base_url", fallback=None):
+            hosts.add(urlsplit(settings.get("default", "base_url")).netloc)
+    except (OSError, configparser.Error):  # unreadable: the default server only
+        pass
     path = Path(env.get("NETRC") or "~/.netrc").expanduser()
     try:
         found = netrc.netrc(path)

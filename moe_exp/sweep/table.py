@@ -248,7 +248,8 @@ def _compact_comm(df):
     rows = []
     for _, r in df.iterrows():
         row = {"job": r["job"], "combination": r["label"], "status": r["status"],
-               "ranks": _fmt(r["world_size"], ".0f"), "backend": r.get("comm_backend") or "—"}
+               "ranks": _fmt(r["world_size"], ".0f"),
+               "backend": r["comm_backend"] if isinstance(r.get("comm_backend"), str) else "—"}
         row.update({f"{op} GB/s": _fmt(r[f"busbw_gbps_{op}"], ".3g") for op in ops})
         row["error"] = str(r["error"])[:90] if isinstance(r["error"], str) else ""
         rows.append(row)
