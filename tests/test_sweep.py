@@ -324,3 +324,12 @@ def test_submitit_launcher_sweep_counts_and_tables(tmp_path):
     assert "[sweep] done: 2 jobs" in r.stdout and ": 2 ok" in r.stdout
     assert "submitit_local starts every job at once" in r.stderr
     assert list(pd.read_csv(d / "results.csv")["status"]) == ["ok", "ok"]
+
+
+def test_sweep_with_no_finished_job_says_so(tmp_path):
+    d = tmp_path / "s"
+    r = sweep(d, "+case=invalid", "logger=none")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "[sweep] done: 1 jobs" in r.stdout and ": 1 invalid" in r.stdout
+    assert "no job finished ok" in r.stderr
+    assert list(pd.read_csv(d / "results.csv")["status"]) == ["invalid"]

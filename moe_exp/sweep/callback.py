@@ -101,6 +101,9 @@ class SweepCallback(Callback):
         summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
         print(f"[sweep] done: {len(records)} jobs in {_fmt_s(time.time() - self.t0)}"
               f"{': ' + summary if summary else ''}", flush=True)
+        if records and not counts.get("ok"):
+            print("[sweep] warning: no job finished ok: see the table's status and error "
+                  "columns", file=sys.stderr, flush=True)
         report(sweep_dir, baseline=_baseline(config), by=list(config.sweep.baseline_by),
                wandb_cfg=config.logger if config.logger.name == "wandb" else None,
                group=config.logger.get("group") or sweep_group(config, sweep_dir),
