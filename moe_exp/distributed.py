@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import signal
 import uuid
 from dataclasses import dataclass
 
@@ -65,7 +66,14 @@ def launch(entry, n: int, *args, run_id: str | None = None):
                       run_id=run_id or f"moe_exp-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                       rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.2,
                       start_method="spawn")
-    return elastic_launch(lc, entry)(*args)[0]
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        return elastic_launch(lc, entry)(*args)[0]
+    except SignalException as e:  # the agent stopped the ranks on a signal: Ctrl-C is an
+        if e.sigval == signal.SIGINT:  # interrupt (rank 0 recorded it), not a failure
+            raise KeyboardInterrupt from None
+        raise
 
 
 # Errors a rank gets because another rank died, or the agent stopped it after one did.
