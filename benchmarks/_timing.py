@@ -96,7 +96,7 @@ def run_rounds(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 2,
             dropped += 1
         for n, ms in row.items():
             target[n].append(ms)
-    # fewer quiet rounds than asked for: the figures are (partly) contended ones
+    # fewer quiet rounds than asked for: flagged (medians are of the quiet ones, if any)
     contended = min(len(v) for v in times.values()) < reps
     use = noisy if min(len(v) for v in times.values()) == 0 else times
     return {

@@ -7,9 +7,9 @@
 # Same requirements as gpu_mfu.sh (hydra-core/omegaconf wheels in .whl/ where missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-${PYTHON:-python3} -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else \
-  'error: no CUDA GPU visible (these are the GPU figures)')"
 PY=${PYTHON:-python3}
+"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else \
+  'error: no CUDA GPU visible (these are the GPU figures)')"
 if ! "$PY" -c "import hydra, omegaconf" 2>/dev/null && compgen -G ".whl/*" >/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
     --target /tmp/site .whl/*

@@ -258,7 +258,7 @@ def main(argv=None):
                     help="fp32,bf16 (CPU default) or bf16 (CUDA)")
     ap.add_argument("--reps", type=at_least(1), default=20)
     ap.add_argument("--warmup", type=at_least(0), default=3)
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    ap.add_argument("--threads", type=at_least(1), default=None, help="torch.set_num_threads")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--no-compile", action="store_true", help="leave out the compiled contenders")
     ap.add_argument("--skew", type=float, default=1.0,

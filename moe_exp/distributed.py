@@ -68,12 +68,23 @@ def launch(entry, n: int, *args, run_id: str | None = None):
                       start_method="spawn")
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    # the agent installs handlers that raise SignalException (an Exception) and leaves them:
+    # put the process's own back afterwards, so a later Ctrl-C is an interrupt again
+    sigs = [s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)]
+    saved = {s: signal.getsignal(s) for s in sigs}
     try:
         return elastic_launch(lc, entry)(*args)[0]
     except SignalException as e:  # the agent stopped the ranks on a signal: Ctrl-C is an
         if e.sigval == signal.SIGINT:  # interrupt (rank 0 recorded it), not a failure
             raise KeyboardInterrupt from None
         raise
+    finally:
+        for s, handler in saved.items():
+            if handler is not None:
+                try:
+                    signal.signal(s, handler)
+                except ValueError:  # not the main thread: the agent could not set them
+                    pass
 
 
 # Errors a rank gets because another rank died, or the agent stopped it after one did.

@@ -94,10 +94,15 @@ def hardware_env(hw):
             os.environ.pop(k, None)
 
 
+def _profile_device(name: str) -> str | None:
+    path = CONF / "hardware" / f"{name}.yaml"
+    return OmegaConf.load(path).get("device") if path.is_file() else None
+
+
 def check_device(cfg) -> None:
     hw = cfg.hardware
     if hw.device == "cuda" and not torch.cuda.is_available():
-        if hw.name in GPU_PROFILES.values():  # a GPU profile
+        if _profile_device(hw.name) == "cuda":  # a GPU profile (not a device override)
             raise Unsupported("hardware", f"hardware={hw.name} needs a CUDA GPU and none is "
                               "visible; use hardware=auto or hardware=cpu")
         raise Unsupported("hardware.device", "cuda: no CUDA GPU is visible; use "

@@ -197,15 +197,15 @@ def cli() -> None:
     """`python -m moe_exp.run`. Hydra's own config errors (unknown key or option, wrong type,
     bad override syntax) come out as one line and exit code 2, like moe_exp's checks;
     HYDRA_FULL_ERROR=1 keeps Hydra's own report."""
-    if os.environ.get("HYDRA_FULL_ERROR") == "1":
-        main()
-        return
     from hydra.errors import CompactHydraException
 
+    full = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting 1
     try:
         main()
     except CompactHydraException as e:
+        if full:
+            raise
         print(f"error: {hydra_error_line(e)}", file=sys.stderr)
         sys.exit(EXIT_INVALID)
     except KeyboardInterrupt:  # the run's record (if it got one) says `crashed: interrupted`

@@ -229,8 +229,8 @@ def check_optim(cfg) -> None:
         raise ConfigError("optim.lr", f"must be > 0, got {o.lr}")
     if o.grad_clip < 0:
         raise ConfigError("optim.grad_clip", f"must be >= 0 (0 = off), got {o.grad_clip}")
-    if o.lr_warmup_steps < 1:
-        raise ConfigError("optim.lr_warmup_steps", f"must be >= 1, got {o.lr_warmup_steps}")
+    if o.lr_warmup_steps < 0:
+        raise ConfigError("optim.lr_warmup_steps", f"must be >= 0, got {o.lr_warmup_steps}")
     for key in ("beta1", "beta2"):
         if not 0 <= o[key] < 1:
             raise ConfigError(f"optim.{key}", f"must be in [0, 1), got {o[key]}")
@@ -291,31 +291,53 @@ def check_sweep(cfg) -> None:
 
 
 def wandb_credentials() -> bool:
-    """Whether W&B finds credentials here (its sources: WANDB_API_KEY or
-    WANDB_IDENTITY_TOKEN_FILE, else a .netrc entry for the server), read without W&B (no
-    import, no service process, no network)."""
+    """Whether W&B will find credentials here: WANDB_API_KEY or WANDB_IDENTITY_TOKEN_FILE,
+    else a .netrc key for its server (WANDB_BASE_URL, the one `wandb login --host` saved, or
+    W&B's default) or the server's aliases. Read with W&B's own .netrc reader where this
+    W&B has it (no service process, no network), else by hand."""
     import configparser
-    import netrc
     from urllib.parse import urlsplit
 
     env = os.environ
     if env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE"):
         return True
-    hosts = {urlsplit(env.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc}
-    settings = configparser.ConfigParser()  # `wandb login --host` records its server here
+    base = env.get("WANDB_BASE_URL")
+    if not base:
+        settings = configparser.ConfigParser()  # `wandb login --host` records its server
+        try:
+            settings.read(Path(env.get("WANDB_CONFIG_DIR") or "~/.config/wandb").expanduser()
+                          / "settings")
+            base = settings.get("default", "base_url", fallback=None)
+        except (OSError, ValueError, configparser.Error):  # unreadable: the default server
+            pass
     try:
-        settings.read(Path(env.get("WANDB_CONFIG_DIR") or "~/.config/wandb").expanduser()
-                      / "settings")
-        if settings.get("default", "base_url", fallback=None):
-            hosts.add(urlsplit(settings.get("default", "base_url")).netloc)
-    except (OSError, configparser.Error):  # unreadable: the default server only
-        pass
-    path = Path(env.get("NETRC") or "~/.netrc").expanduser()
+        from wandb.sdk.lib import urls
+        from wandb.sdk.lib.wbauth import wbnetrc
+
+        reader = wbnetrc.read_netrc_auth
+        base = base or urls.DEFAULT_BASE_URL
+    except (ImportError, AttributeError):  # another W&B: the same rules by hand
+        hosts = {urlsplit(base).netloc} if base else {"api.wandb.ai", "api.forge.coreweave.com"}
+        return _netrc_has_key(hosts)
     try:
-        found = netrc.netrc(path)
-    except (OSError, netrc.NetrcParseError):
+        return bool(reader(host=base))
+    except Exception:  # noqa: BLE001 - a malformed key: W&B would refuse it too
         return False
-    return any(found.authenticators(h) for h in hosts)
+
+
+def _netrc_has_key(hosts) -> bool:
+    import netrc
+
+    env = os.environ
+    paths = [Path(env["NETRC"]).expanduser()] if env.get("NETRC") else \
+        [Path("~/.netrc").expanduser(), Path("~/_netrc").expanduser()]
+    for path in paths:
+        try:
+            found = netrc.netrc(path)
+        except (OSError, netrc.NetrcParseError):
+            continue
+        return any((found.authenticators(h) or (None, None, ""))[2] for h in hosts)
+    return False
 
 
 def check_logger(cfg) -> None:

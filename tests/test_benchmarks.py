@@ -76,3 +76,18 @@ def test_overhead_benchmark_phases(tmp_path):
     names = [name for name, _ in res["phases"]]
     assert names and all(t > 0 for _, t in res["phases"])
     assert any(name.startswith("torch") for _, name in res["imports"])
+
+
+def test_flag_types_reject_bad_values(monkeypatch):
+    import argparse
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from _timing import at_least, one_of
+
+    assert at_least(1)("3") == 3
+    for bad in ("0", "-2", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            at_least(1)(bad)
+    assert one_of(("tiny", "small"))("tiny,small") == "tiny,small"
+    with pytest.raises(argparse.ArgumentTypeError, match="huge"):
+        one_of(("tiny", "small"))("tiny,huge")

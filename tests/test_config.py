@@ -47,6 +47,7 @@ def test_hydra_rejects_typos_and_types(override, needle):
 
 
 SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3",
+           "hardware.device=cuda",
            "model=mixtral_8x7b", "model.dispatch=grouped train.compile=default")
 
 
@@ -63,6 +64,7 @@ SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3"
     ("train.micro_batch_size=0", "train.micro_batch_size"),
     ("hardware=h100", "hardware"),
     ("hardware=gaudi3", "hardware"),
+    ("hardware.device=cuda", "hardware.device"),  # a device override, not a GPU profile
     ("hardware.devices=2", "hardware.devices"),
     ("model=mixtral_8x7b", "model"),
     ("data=tokens", "data.path"),
@@ -91,7 +93,7 @@ def test_validation_rejects_before_any_work(override, key, tmp_path, monkeypatch
     import torch
 
     if torch.cuda.is_available() and override in ("hardware=h100", "precision=tf32",
-                                                  "precision=fp8"):
+                                                  "precision=fp8", "hardware.device=cuda"):
         pytest.skip("valid on a GPU")
     import moe_exp.bench.runner as runner
 
@@ -241,7 +243,13 @@ def test_online_wandb_without_a_login_fails_before_any_work(tmp_path, monkeypatc
     assert not wandb_credentials()
     (tmp_path / "netrc").write_text("machine api.wandb.ai login user password " + "k" * 40)
     assert wandb_credentials()
-    (tmp_path / "netrc").write_text("machine wandb.example.com login user password k\n")
+    # what a plain `wandb login` writes with W&B 0.31 (its default server is Forge's)
+    (tmp_path / "netrc").write_text("machine api.forge.coreweave.com login user password "
+                                    + "k" * 40)
+    assert wandb_credentials()
+    (tmp_path / "netrc").write_text("machine api.wandb.ai login user password \"\"\n")
+    assert not wandb_credentials()  # an entry without a key: W&B would not use it
+    (tmp_path / "netrc").write_text("machine wandb.example.com login user password " + "k" * 40)
     assert not wandb_credentials()  # another server's key...
     (tmp_path / "wandb-config").mkdir()
     (tmp_path / "wandb-config" / "settings").write_text(
@@ -250,3 +258,16 @@ def test_online_wandb_without_a_login_fails_before_any_work(tmp_path, monkeypatc
     monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
     (tmp_path / "netrc").unlink()
     assert wandb_credentials()
+
+
+def test_netrc_fallback_reader(tmp_path, monkeypatch):
+    """The hand-written .netrc check (for a W&B without the reader moe_exp uses)."""
+    from moe_exp.validate import _netrc_has_key
+
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert not _netrc_has_key({"api.wandb.ai"})  # no file
+    (tmp_path / "netrc").write_text("machine api.wandb.ai login user password " + "k" * 40)
+    assert _netrc_has_key({"api.wandb.ai", "api.forge.coreweave.com"})
+    assert not _netrc_has_key({"wandb.example.com"})
+    (tmp_path / "netrc").write_text('machine api.wandb.ai login user password ""\n')
+    assert not _netrc_has_key({"api.wandb.ai"})  # an entry without a key

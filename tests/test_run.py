@@ -232,20 +232,50 @@ def test_ctrl_c_leaves_a_record_that_says_so(tmp_path):
 
     from conftest import ROOT
 
+    import threading
+
     out = tmp_path / "run"
     p = subprocess.Popen([sys.executable, "-m", "moe_exp.run", "train.steps=100000",
                           f"hydra.run.dir={out}"], cwd=tmp_path, stderr=subprocess.PIPE,
                          text=True, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    for _ in range(120):  # until it is in its measured steps
-        time.sleep(0.5)
-        if (out / ".hydra").is_dir() and p.poll() is None:
-            time.sleep(5)
+    chunks = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: p.stderr.read(64), "")))
+    reader.start()
+    for _ in range(600):  # until its training loop has started (the progress bar shows)
+        if "warmup:" in "".join(chunks) or p.poll() is not None:
             break
+        time.sleep(0.2)
+    time.sleep(1)
     p.send_signal(signal.SIGINT)
-    err = p.communicate(timeout=120)[1]
+    p.wait(timeout=120)
+    reader.join(timeout=30)
+    err = "".join(chunks)
     assert p.returncode == 130, err[-2000:]
     assert "Traceback" not in err
     rec = json.loads((out / "metrics.json").read_text())
     assert rec["status"] == "crashed" and rec["error"].startswith("interrupted")
     assert not (out / "wandb").exists()
+
+
+def test_ctrl_c_on_a_distributed_run_is_an_interrupt(monkeypatch):
+    """The elastic agent turns SIGINT into SignalException (an Exception) and leaves its
+    handlers in place: launch turns it back into KeyboardInterrupt and restores them."""
+    import signal
+
+    import torch.distributed.launcher.api as api
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from moe_exp.distributed import launch
+
+    def agent(config, entry):
+        def run(*args):
+            signal.signal(signal.SIGINT, lambda *a: None)  # as the agent does
+            raise SignalException("got signal: 2", sigval=signal.SIGINT)
+        return run
+
+    before = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(api, "elastic_launch", agent)
+    with pytest.raises(KeyboardInterrupt):
+        launch(print, 2)
+    assert signal.getsignal(signal.SIGINT) is before
