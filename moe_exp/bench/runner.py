@@ -1,6 +1,7 @@
 """task=bench: build the model, apply the optimizations, run the measured loop, record."""
 from __future__ import annotations
 
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -44,6 +45,14 @@ def shared_process(rec: dict, device: str) -> None:
             rec.setdefault("null_reasons", {})[key] = reason
 
 
+def _hold_sigint():
+    """Ignore SIGINT for now; returns the handler to put back (None: not ours to change)."""
+    try:
+        return signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        return None
+
+
 def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress: bool,
           d=None, shared: bool = False) -> dict:
     """One measured run. Single process: never raises (the status says what went wrong).
@@ -63,7 +72,7 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
     if cfg.parallel.name != "none":
         name += f"-{cfg.parallel.name}x{cfg.hardware.devices}"
     main = d is None or d.main
-    tracker = None
+    tracker = held = None
     try:
         if main:
             tracker = Tracker(cfg, cfg_dict, out_dir, _tags(choices, cfg), name, defer=True)
@@ -78,6 +87,8 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
     except KeyboardInterrupt:  # Ctrl-C: a record that says so (a resumed sweep reruns it)
         rec.update(status="crashed", error="interrupted (Ctrl-C / SIGINT) before the run "
                                            "finished")
+        held = _hold_sigint()  # a second SIGINT (ranks get one from the agent too) must
+        # not stop the record's write below
         if tracker:  # no W&B start-up for a run the user stopped
             tracker.discard()
         raise
@@ -100,6 +111,8 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
         if tracker:
             tracker.summary(rec)
             tracker.finish(ok=rec["status"] == "ok")
+        if held is not None:
+            signal.signal(signal.SIGINT, held)
     if not main:
         return rec
     if rec["status"] == "ok":
