@@ -70,8 +70,8 @@ def launch(entry, n: int, *args, run_id: str | None = None):
 
     # the agent installs handlers that raise SignalException (an Exception) and leaves them:
     # put the process's own back afterwards, so a later Ctrl-C is an interrupt again
-    sigs = [s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)]
-    saved = {s: signal.getsignal(s) for s in sigs}
+    saved = {s: signal.getsignal(s)
+             for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
     try:
         return elastic_launch(lc, entry)(*args)[0]
     except SignalException as e:  # the agent stopped the ranks on a signal: Ctrl-C is an

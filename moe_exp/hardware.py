@@ -95,8 +95,9 @@ def hardware_env(hw):
 
 
 def _profile_device(name: str) -> str | None:
-    path = CONF / "hardware" / f"{name}.yaml"
-    return OmegaConf.load(path).get("device") if path.is_file() else None
+    """The device of a shipped hardware profile (None for another name)."""
+    return load_profile(name).get("device") if (CONF / "hardware" / f"{name}.yaml").is_file() \
+        else None
 
 
 def check_device(cfg) -> None:
