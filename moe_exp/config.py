@@ -20,7 +20,7 @@ CHOICES: Dict[str, List[str]] = {
     "parallel.backend": ["auto", "nccl", "gloo"],
     "hardware.device": ["auto", "cpu", "cuda", "hpu"],
     "data.source": ["markov", "tokens"],
-    "optim.name": ["adamw"],
+    "optim.name": ["adamw", "muon"],
     "optim.impl": ["auto", "fused", "foreach", "for-loop"],
     "logger.name": ["wandb", "none"],
     "logger.mode": ["offline", "online", "disabled"],
@@ -123,7 +123,11 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 = no clipping
-    impl: str = "auto"  # auto | fused | foreach | for-loop
+    impl: str = "auto"  # AdamW's: auto | fused | foreach | for-loop
+    # muon only (AdamW keeps the embeddings, head and norms: beta1/beta2/eps/impl above)
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5  # Newton-Schulz iterations
 
 
 @dataclass

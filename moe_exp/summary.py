@@ -19,7 +19,9 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
            else f"null: {why.get('mfu', 'unknown')}")
     rows = [
         ("run", f"model={r['model']} precision={r['precision']} "
-                f"ac={r['activation_checkpointing']} compile={r['compile']} on {r['device_name']}"),
+                f"ac={r['activation_checkpointing']} compile={r['compile']}"
+                + (f" optim={r['optim']}" if r.get("optim", "adamw") != "adamw" else "")
+                + f" on {r['device_name']}"),
         *([("parallel", f"{r['parallel']} on {r['world_size']} ranks; collectives "
                         f"{_f(r.get('comm_ms'), '.1f', ' ms')}/step"
                         + (f" ({100 * r['comm_share']:.0f}%)" if r.get("comm_share") else ""))]

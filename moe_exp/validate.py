@@ -182,6 +182,9 @@ def check_parallel(cfg) -> None:
         if p.cpu_offload and hw.device != "cuda":
             raise Unsupported("parallel.cpu_offload", "FSDP CPU offload needs GPUs (it moves "
                               "parameters between GPU and CPU memory)")
+        if p.cpu_offload and cfg.optim.name == "muon":
+            raise Unsupported("parallel.cpu_offload", "not with optim=muon: its Newton-Schulz "
+                              "step gathers whole matrices on the GPU (allowed: false)")
         if cfg.precision.name in ("fp16", "fp8"):
             raise ConfigError("precision", f"parallel={p.name} supports precision fp32, tf32 "
                               f"and bf16 here, not {cfg.precision.name}")
@@ -240,6 +243,11 @@ def check_optim(cfg) -> None:
         raise ConfigError("optim.eps", f"must be > 0, got {o.eps}")
     if o.weight_decay < 0:
         raise ConfigError("optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
+    if o.name == "muon":
+        if not 0 <= o.momentum < 1:
+            raise ConfigError("optim.momentum", f"must be in [0, 1), got {o.momentum}")
+        if not 1 <= o.ns_steps <= 20:
+            raise ConfigError("optim.ns_steps", f"must be in [1, 20], got {o.ns_steps}")
 
 
 def check_memory(cfg) -> None:

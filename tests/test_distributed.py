@@ -56,24 +56,60 @@ def single(tmp_path_factory):
     ("ddp", []), ("fsdp", []), ("expert", []), ("expert_fsdp", []),
     # FSDP2-sharded experts inside a selectively checkpointed block (used to fail in the
     # recompute: see optimizations/checkpointing.py)
-    ("expert_fsdp", ["train.activation_checkpointing=selective"])],
-    ids=["ddp", "fsdp", "expert", "expert_fsdp", "expert_fsdp-selective"])
-def test_losses_after_k_steps_match_one_process(parallel, extra, single, tmp_path):
+    ("expert_fsdp", ["train.activation_checkpointing=selective"]),
+    # ep=2 x dp=2 (gloo has no PREMUL_SUM: FSDP2 is told to sum, then divide)
+    ("expert_fsdp", ["hardware.devices=4", "parallel.expert_parallel_size=2",
+                     "train.micro_batch_size=1"])],
+    ids=["ddp", "fsdp", "expert", "expert_fsdp", "expert_fsdp-selective", "expert_fsdp-4ranks"])
+def test_losses_after_k_steps_match_one_process(parallel, extra, single, tmp_path, monkeypatch):
+    from moe_exp import validate
     from moe_exp.run import run
 
     from conftest import compose
 
+    monkeypatch.setattr(validate.os, "cpu_count", lambda: 4)  # 4 ranks on a 2-core CI VM
+
     rec = run(compose([*TINY, f"parallel={parallel}", "hardware.devices=2", *extra]),
               out_dir=tmp_path, progress=False)
     assert rec["status"] == "ok", rec["error"]
-    assert rec["world_size"] == 2 and rec["parallel"] == parallel
+    world = 4 if "hardware.devices=4" in extra else 2
+    assert rec["world_size"] == world and rec["parallel"] == parallel
     assert single["status"] == "ok"
     assert len(rec["losses"]) == len(single["losses"]) == 4
     assert rec["losses"] == pytest.approx(single["losses"], rel=2e-5)
     if parallel.startswith("expert"):  # tokens per expert summed over ranks
         assert rec["tokens_per_expert"] == single["tokens_per_expert"]
     saved = json.loads((tmp_path / "metrics.json").read_text())
-    assert saved["tokens_per_s"] == pytest.approx(2 * saved["tokens_per_s_per_device"])
+    assert saved["tokens_per_s"] == pytest.approx(world * saved["tokens_per_s_per_device"])
+
+
+@pytest.fixture(scope="module")
+def single_muon(tmp_path_factory):
+    return run_inproc([*TINY, "optim=muon", "train.micro_batch_size=4"],
+                      tmp_path_factory.mktemp("one_muon"))
+
+
+@pytest.mark.parametrize("parallel,extra", [
+    ("ddp", []), ("fsdp", []), ("expert", []), ("expert_fsdp", []),
+    # ep=2 x dp=2: each expert stack FSDP-sharded over 2 ranks on the expert dim
+    ("expert_fsdp", ["hardware.devices=4", "parallel.expert_parallel_size=2",
+                     "train.micro_batch_size=1"])],
+    ids=["ddp", "fsdp", "expert", "expert_fsdp", "expert_fsdp-4ranks"])
+def test_muon_losses_match_one_process(parallel, extra, single_muon, tmp_path, monkeypatch):
+    """Muon on several ranks: FSDP-sharded matrices are orthogonalized whole (gathered),
+    expert shards per expert; the losses are one process's on the global batch."""
+    from moe_exp import validate
+    from moe_exp.run import run
+
+    from conftest import compose
+
+    monkeypatch.setattr(validate.os, "cpu_count", lambda: 4)  # 4 ranks on a 2-core CI VM
+
+    rec = run(compose([*TINY, "optim=muon", f"parallel={parallel}", "hardware.devices=2",
+                       *extra]), out_dir=tmp_path, progress=False)
+    assert rec["status"] == single_muon["status"] == "ok", rec["error"]
+    assert len(rec["losses"]) == 4
+    assert rec["losses"] == pytest.approx(single_muon["losses"], rel=2e-5)
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])

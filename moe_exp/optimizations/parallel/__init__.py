@@ -57,6 +57,10 @@ def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh=None):
                 for prm in experts.parameters():  # fully_shard made new ones: mark them again
                     prm._expert_parallel = True
                 experts.set_gradient_divide_factor(float(world))  # sum over ep, mean over all
+                if dist.get_backend() == "gloo" and mesh["dp"].size() > 1:
+                    # gloo has no PREMUL_SUM: sum, then divide (not over one rank: there
+                    # FSDP2 skips the reduce-scatter, divides, and forced to sum, divides again)
+                    experts.set_force_sum_reduction_for_comms(True)
             fully_shard(block, mesh=world_mesh, **kw)
         fully_shard(model, mesh=world_mesh, **kw)
     return model

@@ -1,4 +1,5 @@
-"""AdamW with linear warmup + cosine decay (the optim group)."""
+"""The optim group: AdamW, or Muon on the hidden matrices with AdamW on the rest; linear
+warmup then cosine decay."""
 from __future__ import annotations
 
 import math
@@ -6,13 +7,17 @@ import math
 import torch
 from torch import nn
 
-from .config import total_steps
+from ..config import total_steps
+from .muon import Muon, hidden_matrices
 
 
 def build_optimizer(model: nn.Module, cfg, device: torch.device):
+    """(optimizer, lr scheduler, implementation name for the record)."""
     o = cfg.optim
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    params = [p for p in model.parameters() if p.requires_grad]
+    muon = hidden_matrices(model, cfg.model.vocab_size) if o.name == "muon" else set()
+    decay = [p for p in params if p.dim() >= 2 and id(p) not in muon]
+    no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": o.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     impl = o.impl
@@ -20,6 +25,11 @@ def build_optimizer(model: nn.Module, cfg, device: torch.device):
         impl = "fused" if device.type in ("cuda", "cpu") else "foreach"
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **kwargs)
+    if o.name == "muon":
+        opt = Muon([p for p in params if id(p) in muon], opt, lr=o.lr,
+                   weight_decay=o.weight_decay, momentum=o.momentum, nesterov=o.nesterov,
+                   ns_steps=o.ns_steps)
+        impl = f"muon+adamw-{impl}"
     total = total_steps(cfg.train)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total, o))
     return opt, sched, impl

@@ -1,0 +1,103 @@
+"""Muon (momentum + Newton-Schulz orthogonalization) on the hidden matrices, torch's AdamW
+on the rest (embeddings, output head, norms), as one optimizer.
+
+torch.optim.Muon takes 2-D plain tensors only; here the update also runs on
+- stacked expert weights (E, in, out): one orthogonalization per expert, batched;
+- FSDP2 shards (DTensor): a matrix split across ranks is gathered, orthogonalized whole and
+  split again (every rank does the same work: simple, not the cheapest); expert stacks
+  sharded on the expert dim hold whole experts, so they stay local.
+The learning rate is scaled by 0.2 * sqrt(max(rows, cols)) (torch's "match_rms_adamw",
+Moonlight), so the update's RMS matches AdamW's and lr/weight_decay carry over from adamw.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, as torch.optim.Muon
+
+
+def newton_schulz(g: Tensor, steps: int, eps: float = 1e-7) -> Tensor:
+    """Approximate U V^T of each matrix in g (..., m, n), in bf16, as torch.optim.Muon."""
+    a, b, c = NS_COEFFICIENTS
+    x = g.bfloat16().reshape(-1, *g.shape[-2:])
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    if tall:
+        x = x.mT
+    return x.reshape(g.shape)
+
+
+def _orthogonalize(u: Tensor, steps: int, eps: float) -> Tensor:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(u, DTensor):
+        return newton_schulz(u, steps, eps)
+    if u.ndim == 3 and all(p.is_shard(0) for p in u.placements):  # whole experts per rank
+        local = newton_schulz(u.to_local(), steps, eps)
+        return DTensor.from_local(local, u.device_mesh, u.placements, shape=u.shape,
+                                  stride=u.stride())
+    full = newton_schulz(u.full_tensor(), steps, eps)
+    return distribute_tensor(full, u.device_mesh, u.placements, src_data_rank=None)
+
+
+def hidden_matrices(model: nn.Module, vocab_size: int) -> set:
+    """Muon's parameters: every >=2-D weight but the embeddings and the output head (a
+    Linear onto the vocabulary)."""
+    skip = set()
+    for m in model.modules():
+        if isinstance(m, nn.Embedding) or (isinstance(m, nn.Linear)
+                                           and m.out_features == vocab_size):
+            skip.update(id(p) for p in m.parameters(recurse=False))
+    return {id(p) for p in model.parameters() if p.requires_grad and p.dim() >= 2
+            and id(p) not in skip}
+
+
+class Muon(torch.optim.Optimizer):
+    """One optimizer over both kinds of group, so GradScaler, clipping and the lr schedule
+    see every parameter: groups flagged "muon" get Muon's update, the others are the groups
+    of a torch AdamW (shared dicts: a schedule's lr reaches it)."""
+
+    def __init__(self, matrices, adamw: torch.optim.AdamW, lr: float, weight_decay: float,
+                 momentum: float, nesterov: bool, ns_steps: int, eps: float = 1e-7):
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
+                        nesterov=nesterov, ns_steps=ns_steps, eps=eps, muon=True)
+        super().__init__([{"params": list(matrices)}], defaults)
+        self.adamw = adamw
+        for group in adamw.param_groups:
+            group["muon"] = False
+            self.add_param_group(group)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["muon"]:
+                self._muon_group(group)
+        self.adamw.step()
+        return loss
+
+    def _muon_group(self, group) -> None:
+        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - mu)  # as torch.optim.Muon (an EMA of the gradients)
+            u = p.grad.lerp(buf, mu) if group["nesterov"] else buf
+            o = _orthogonalize(u, group["ns_steps"], group["eps"])
+            p.mul_(1 - lr * wd)
+            p.add_(o.to(p.dtype), alpha=-lr * 0.2 * math.sqrt(max(p.shape[-2:])))
