@@ -3,6 +3,7 @@
 # benchmarks/results/<gpu>-<date>/:
 #   moe_layer.json    MoE layer fwd+bwd: grouped_mm vs the naive loop (tiny, small, moe_1b)
 #   compile_step.json whole train step, compiled vs eager (tiny_moe, small_moe, moe_1b)
+#   optimizer_step.json AdamW vs Muon step (small_moe, moe_1b)
 #   mfu/              moe_1b bf16 MFU (benchmarks/gpu_mfu.sh)
 # Same requirements as gpu_mfu.sh (hydra-core/omegaconf wheels in .whl/ where missing).
 set -euo pipefail
@@ -21,4 +22,5 @@ out=benchmarks/results/${dev}-$(date +%Y-%m-%d)
 mkdir -p "$out"
 "$PY" benchmarks/moe_layer.py --json "$out/moe_layer.json"
 "$PY" benchmarks/compile_step.py --json "$out/compile_step.json"
+"$PY" benchmarks/optimizer_step.py --json "$out/optimizer_step.json"
 bash benchmarks/gpu_mfu.sh "$@"

@@ -91,3 +91,16 @@ def test_flag_types_reject_bad_values(monkeypatch):
     assert one_of(("tiny", "small"))("tiny,small") == "tiny,small"
     with pytest.raises(argparse.ArgumentTypeError, match="huge"):
         one_of(("tiny", "small"))("tiny,huge")
+
+
+def test_optimizer_step_benchmark_rows(tmp_path):
+    """AdamW and Muon at each ns_steps timed on one model; Muon keeps less state (one
+    buffer per matrix, not two)."""
+    out = tmp_path / "opt.json"
+    bench("optimizer_step.py", "--models", "tiny_moe", "--ns-steps", "1,7", "--reps", "3",
+          "--json", str(out))
+    (row,) = json.loads(out.read_text())["rows"]
+    ms, state = row["median_ms"], row["state_mib"]
+    assert set(ms) == {"adamw", "muon ns=1", "muon ns=7"} and row["vs_adamw"]["adamw"] == 1.0
+    assert state["muon ns=7"] < 0.6 * state["adamw"]
+    assert all(v > 0 for v in ms.values()) and row["rounds"] >= 1
