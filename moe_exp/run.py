@@ -203,6 +203,9 @@ def cli() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting 1
     try:
         main()
+        callback = sys.modules.get("moe_exp.sweep.callback")
+        if callback is not None and callback.NO_JOB_OK:  # a sweep whose table has no ok row
+            sys.exit(EXIT_FAILED)
     except CompactHydraException as e:
         if full:
             raise

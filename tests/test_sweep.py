@@ -275,7 +275,7 @@ def test_notebook_finds_the_newest_sweep_from_its_own_folder(swept, tmp_path):
 def test_job_timeout_kills_the_job_as_crashed(tmp_path):
     d = tmp_path / "s"
     r = sweep(d, "+case=long", "logger=none", "sweep.job_timeout_s=8")
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 1, r.stderr[-3000:]  # its only job failed
     df = pd.read_csv(d / "results.csv")
     assert list(df["status"]) == ["crashed"]
     assert "sweep.job_timeout_s=8" in df.loc[0, "error"]
@@ -326,10 +326,10 @@ def test_submitit_launcher_sweep_counts_and_tables(tmp_path):
     assert list(pd.read_csv(d / "results.csv")["status"]) == ["ok", "ok"]
 
 
-def test_sweep_with_no_finished_job_says_so(tmp_path):
+def test_sweep_with_no_finished_job_says_so_and_exits_1(tmp_path):
     d = tmp_path / "s"
     r = sweep(d, "+case=invalid", "logger=none")
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 1, r.stderr[-3000:]
     assert "[sweep] done: 1 jobs" in r.stdout and ": 1 invalid" in r.stdout
     assert "no job finished ok" in r.stderr
     assert list(pd.read_csv(d / "results.csv")["status"]) == ["invalid"]

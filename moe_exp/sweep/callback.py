@@ -12,6 +12,10 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 
+# set at the end of a multirun where no job finished ok: `python -m moe_exp.run -m` exits 1
+NO_JOB_OK = False
+
+
 def _fmt_s(s: float) -> str:
     s = int(round(s))
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
@@ -102,8 +106,10 @@ class SweepCallback(Callback):
         print(f"[sweep] done: {len(records)} jobs in {_fmt_s(time.time() - self.t0)}"
               f"{': ' + summary if summary else ''}", flush=True)
         if records and not counts.get("ok"):
-            print("[sweep] warning: no job finished ok: see the table's status and error "
-                  "columns", file=sys.stderr, flush=True)
+            global NO_JOB_OK
+            NO_JOB_OK = True
+            print("[sweep] no job finished ok: see the table's status and error columns "
+                  "(exit status 1)", file=sys.stderr, flush=True)
         report(sweep_dir, baseline=_baseline(config), by=list(config.sweep.baseline_by),
                wandb_cfg=config.logger if config.logger.name == "wandb" else None,
                group=config.logger.get("group") or sweep_group(config, sweep_dir),
