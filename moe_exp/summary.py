@@ -48,7 +48,10 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
     if r.get("expert_load_cv") is not None:
         rows.append(("expert load", f"CV {r['expert_load_cv']:.3f}, max/mean "
                                     f"{r['expert_load_max_over_mean']:.2f}, aux loss "
-                                    f"{r['aux_loss']:.4f}"))
+                                    f"{r['aux_loss']:.4f}"
+                                    + (f"; padded fell back on {100 * r['moe_padded_fallback_share']:.0f}%"
+                                       " of layer calls" if r.get("moe_padded_fallback_share")
+                                       else "")))
     else:
         rows.append(("expert load", f"null: {why.get('expert_load_cv', '')}"))
     rows.append(("loss", f"{r['loss_first']:.4f} → {r['loss_last']:.4f}"))

@@ -141,9 +141,11 @@ def test_padded_dispatch_with_one_hot_expert_matches_loop(monkeypatch):
     assert counts[2:].sum() == 0
     torch.testing.assert_close(ya, b(x)[0], rtol=1e-5, atol=1e-6)
     assert not bmm_calls
+    assert (a.padded_calls, a.padded_fallbacks) == (1, 1)  # counted for the record
     a.router.gate.weight.data.normal_(std=0.01)  # balanced again: padded pads
     a(torch.randn(512, 16))
     assert len(bmm_calls) == 3
+    assert (a.padded_calls, a.padded_fallbacks) == (2, 1)
 
 
 def test_experts_padded_on_sorted_rows_matches_loop(monkeypatch):

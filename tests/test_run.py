@@ -58,6 +58,24 @@ def test_low_precision_runs_on_cpu(precision, tmp_path):
     assert rec["loss_last"] < rec["loss_first"]
 
 
+@pytest.mark.parametrize("limit,share", [(1.5, None), (-100.0, 1.0)])
+def test_record_says_how_often_padded_fell_back(limit, share, tmp_path, monkeypatch):
+    """model.dispatch=padded: the record's moe_padded_fallback_share is the share of MoE
+    calls that ran unpadded (a negative PAD_LIMIT makes every call fall back)."""
+    import moe_exp.model.moe as moe
+    from moe_exp.summary import summary_rows
+
+    monkeypatch.setattr(moe, "PAD_LIMIT", limit)
+    rec = run_inproc(["model.dispatch=padded", "logger=none", "train.steps=4"], tmp_path)
+    assert rec["status"] == "ok" and rec["moe_dispatch"] == "padded"
+    got = rec["moe_padded_fallback_share"]
+    assert 0 <= got <= 1 if share is None else got == share
+    load = dict(summary_rows(rec))["expert load"]
+    assert ("padded fell back on 100% of layer calls" in load) == (got == 1.0)
+    other = run_inproc(["model.dispatch=loop", "logger=none", "train.steps=2"], tmp_path / "l")
+    assert "moe_padded_fallback_share" not in other
+
+
 def test_dense_model_has_null_expert_stats_with_reason(tmp_path):
     rec = run_inproc(["model=tiny_dense", "logger=none", "train.steps=4"], tmp_path)
     assert rec["status"] == "ok"

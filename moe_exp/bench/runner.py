@@ -207,6 +207,8 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
     else:
         why["mfu"] = (f"no peak FLOP/s known for hardware={cfg.hardware.name} at precision="
                       f"{cfg.precision.name}; set ++hardware.peak_flops.{cfg.precision.name}=<FLOP/s>")
+    if cfg.model.dispatch == "padded":
+        _padded_fallbacks(applied.model, cfg, rec, device, world)
     if res.counts is not None:
         rec.update(load_stats(res.counts))
         rec["aux_loss"] = res.balance
@@ -214,6 +216,27 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
     else:
         for k in ("aux_loss", "expert_load_cv", "expert_load_max_over_mean"):
             why[k] = "dense model (model.num_experts=0)"
+
+
+def _padded_fallbacks(model, cfg, rec, device, world: int) -> None:
+    """moe_padded_fallback_share: of the eager padded MoE calls (warmup included, summed
+    over ranks), the share that ran unpadded (grouped/loop: unbalanced routing)."""
+    from ..model.moe import MoE
+
+    key = "moe_padded_fallback_share"
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    n = torch.tensor([sum(m.padded_calls for m in layers),
+                      sum(m.padded_fallbacks for m in layers)], dtype=torch.float64,
+                     device=device if device.type == "cuda" else "cpu")
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(n)
+    calls, falls = n.tolist()
+    rec[key] = falls / calls if calls else None
+    if not calls:
+        rec["null_reasons"][key] = ("train.compile: compiled padded always pads"
+                                    if cfg.train.compile != "off" else "no padded call ran")
 
 
 def slowest_rank_steps(every: torch.Tensor, keys: list[str]) -> dict:

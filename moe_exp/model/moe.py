@@ -277,6 +277,8 @@ class MoE(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.dispatch = dispatch
+        # eager padded calls, and those that fell back (unbalanced routing): for the record
+        self.padded_calls = self.padded_fallbacks = 0
         self.grouped = dispatch == "grouped"
         self.router = Router(hidden_size, num_experts, top_k)
         self.experts = Experts(num_experts, hidden_size, ffn_hidden_size)
@@ -301,6 +303,9 @@ class MoE(nn.Module):
                 y = self.experts.padded(x, pad_slots(flat, inv, counts, cap), cap, self.top_k)
             else:
                 mode = unpadded_mode(x)
+            if not torch.compiler.is_compiling():  # (compiled code always pads)
+                self.padded_calls += 1
+                self.padded_fallbacks += cap is None
         if y is None:
             # Gathers whose backward is a gather too (no scatter): token rows sorted by
             # expert (cast first: the matmuls' dtype, half the bytes to move under bf16).
