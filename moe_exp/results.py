@@ -27,8 +27,16 @@ FIELDS = (
 HASH_EXCLUDE = ("logger", "extra", "sweep")
 
 
+# optim keys only optim=muon reads: left out of other optimizers' hashes (adamw runs keep
+# the hashes they had before muon existed, and a muon knob set on adamw changes nothing)
+MUON_ONLY = ("momentum", "nesterov", "ns_steps")
+
+
 def config_hash(cfg_dict: dict) -> str:
     keep = {k: v for k, v in cfg_dict.items() if k not in HASH_EXCLUDE}
+    optim = keep.get("optim")
+    if isinstance(optim, dict) and optim.get("name") != "muon":
+        keep["optim"] = {k: v for k, v in optim.items() if k not in MUON_ONLY}
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

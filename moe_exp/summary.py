@@ -11,6 +11,13 @@ def _f(v, fmt: str, unit: str = "") -> str:
     return "—" if v is None else f"{v:{fmt}}{unit}"
 
 
+def _fallbacks(share) -> str:
+    if not share:
+        return ""
+    pct = f"{100 * share:.0f}%" if share >= 0.01 else "<1%"
+    return f"; padded fell back on {pct} of layer calls"
+
+
 def summary_rows(r: dict) -> list[tuple[str, str]]:
     why = r.get("null_reasons", {})
     step = r["step_time_ms"] or 0.0
@@ -49,9 +56,7 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
         rows.append(("expert load", f"CV {r['expert_load_cv']:.3f}, max/mean "
                                     f"{r['expert_load_max_over_mean']:.2f}, aux loss "
                                     f"{r['aux_loss']:.4f}"
-                                    + (f"; padded fell back on {100 * r['moe_padded_fallback_share']:.0f}%"
-                                       " of layer calls" if r.get("moe_padded_fallback_share")
-                                       else "")))
+                                    + _fallbacks(r.get("moe_padded_fallback_share"))))
     else:
         rows.append(("expert load", f"null: {why.get('expert_load_cv', '')}"))
     rows.append(("loss", f"{r['loss_first']:.4f} → {r['loss_last']:.4f}"))

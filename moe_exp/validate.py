@@ -183,7 +183,7 @@ def check_parallel(cfg) -> None:
             raise Unsupported("parallel.cpu_offload", "FSDP CPU offload needs GPUs (it moves "
                               "parameters between GPU and CPU memory)")
         if p.cpu_offload and cfg.optim.name == "muon":
-            raise Unsupported("parallel.cpu_offload", "not with optim=muon: its Newton-Schulz "
+            raise ConfigError("parallel.cpu_offload", "not with optim=muon: its Newton-Schulz "
                               "step gathers whole matrices on the GPU (allowed: false)")
         if cfg.precision.name in ("fp16", "fp8"):
             raise ConfigError("precision", f"parallel={p.name} supports precision fp32, tf32 "
@@ -251,7 +251,8 @@ def check_optim(cfg) -> None:
 
 
 def check_memory(cfg) -> None:
-    """Weights + grads + AdamW state in fp32 (16 B/param) must fit: a lower bound, once
+    """Weights + grads + optimizer state in fp32 (16 B/param with AdamW, 12 for Muon's
+    matrices) must fit: a lower bound, once
     sharded (FSDP over all ranks, expert parallel's experts over its group). A GPU holds one
     rank; a CPU's memory (memory_gib is all of it) holds this machine's ranks together."""
     mem = cfg.hardware.memory_gib
@@ -268,11 +269,16 @@ def check_memory(cfg) -> None:
     else:
         per_rank = total
     local = n if cfg.hardware.device == "cpu" else 1
-    need = per_rank * local * 16 / 2**30
+    per_param = 16.0  # AdamW: weight, grad, 2 moments; Muon keeps 1 buffer per matrix
+    if cfg.optim.name == "muon":
+        matrices = total - 2 * m.vocab_size * m.hidden_size  # embeddings, head: AdamW's
+        per_param = (16 * (total - matrices) + 12 * matrices) / total
+    need = per_rank * local * per_param / 2**30
     if need > mem:
         where = f"{n} CPU ranks together" if local > 1 else "one device"
         raise Unsupported("model", f"model={m.name} needs >= {need:,.0f} GiB on {where} for "
-                          f"fp32 weights, gradients and AdamW state under parallel={p.name}; "
+                          f"fp32 weights, gradients and optimizer state (optim="
+                          f"{cfg.optim.name}) under parallel={p.name}; "
                           f"hardware={cfg.hardware.name} has {mem:,.0f} GiB (shard it: "
                           "parallel=fsdp or expert_fsdp over more devices, or a smaller model)")
 

@@ -1,4 +1,6 @@
 """optim=muon: the update is torch.optim.Muon's, per matrix and per expert."""
+import copy
+
 import pytest
 import torch
 
@@ -36,20 +38,27 @@ def test_update_equals_torch_muon_per_matrix_and_per_expert(nesterov):
     assert not torch.equal(ours[1].detach(), stack)  # it moved
 
 
-def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
+@pytest.mark.parametrize("model", ["tiny_moe", "tiny_dense"])
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(model):
+    """The head is found as the model's head, not by its width: tiny_dense's FFN maps onto
+    256 features, as many as the vocabulary, and stays with Muon."""
     from moe_exp.model import build_model
     from moe_exp.optim import build_optimizer
 
-    cfg = compose(["optim=muon", "logger=none"])
+    cfg = compose(["optim=muon", "logger=none", f"model={model}"])
     model = build_model(cfg.model)
     opt, sched, impl = build_optimizer(model, cfg, torch.device("cpu"))
     names = {id(p): n for n, p in model.named_parameters()}
     muon = {names[id(p)] for g in opt.param_groups if g["muon"] for p in g["params"]}
     adamw = {names[id(p)] for g in opt.adamw.param_groups for p in g["params"]}
     assert muon | adamw == set(names.values()) and not muon & adamw
-    assert "embed.weight" in adamw and "head.weight" in adamw and "norm.weight" in adamw
-    assert {"layers.0.attn.wq.weight", "layers.0.ffn.experts.w1",
-            "layers.1.ffn.router.gate.weight"} <= muon
+    assert adamw == {"embed.weight", "head.weight", "norm.weight",
+                     *(n for n in names.values() if n.endswith("norm.weight"))}
+    assert "layers.0.attn.wq.weight" in muon
+    if cfg.model.num_experts:
+        assert {"layers.0.ffn.experts.w1", "layers.1.ffn.router.gate.weight"} <= muon
+    else:
+        assert {"layers.0.ffn.w1.weight", "layers.1.ffn.w3.weight"} <= muon
     assert impl == "muon+adamw-fused"
     opt.step()
     sched.step()  # the schedule's lr reaches the AdamW groups too (shared dicts)
@@ -63,3 +72,66 @@ def test_muon_run_learns_and_records_its_optimizer(tmp_path):
     assert rec["status"] == "ok", rec["error"]
     assert rec["optim"] == "muon" and rec["optim_impl"].startswith("muon+adamw-")
     assert rec["loss_last"] < rec["loss_first"] - 0.5
+
+
+def test_state_dict_round_trip_carries_both_optimizers():
+    """Saved and loaded into a fresh optimizer, the next step is the one the original takes,
+    and the schedule still reaches the AdamW groups."""
+    from moe_exp.model import build_model
+    from moe_exp.optim import build_optimizer
+
+    cfg = compose(["optim=muon", "logger=none"])
+    torch.manual_seed(0)
+    a, b = build_model(cfg.model), build_model(cfg.model)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 16))
+    opt_a, _, _ = build_optimizer(a, cfg, torch.device("cpu"))
+    for _ in range(2):
+        a(tokens, tokens).loss.backward()
+        opt_a.step()
+        opt_a.zero_grad()
+    saved = copy.deepcopy(opt_a.state_dict())  # as torch.save would (no shared tensors)
+    assert saved["adamw"]["state"] and saved["muon"]["state"]
+    b.load_state_dict(a.state_dict())
+    opt_b, sched_b, _ = build_optimizer(b, cfg, torch.device("cpu"))
+    opt_b.load_state_dict(saved)
+    for m, o in ((a, opt_a), (b, opt_b)):
+        m(tokens, tokens).loss.backward()
+        o.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=0, atol=0)
+    sched_b.step()
+    assert opt_b.adamw.param_groups[0]["lr"] == opt_b.param_groups[0]["lr"]
+    assert opt_b.param_groups[-1] is opt_b.adamw.param_groups[-1]
+
+
+def test_muon_knobs_enter_only_muon_config_hashes():
+    """adamw hashes are those from before muon existed (a knob only muon reads changes
+    nothing for adamw); muon's settings are part of muon runs' hashes."""
+    from omegaconf import OmegaConf
+
+    from moe_exp.results import MUON_ONLY, config_hash
+
+    def h(*o):
+        return config_hash(OmegaConf.to_container(compose(["logger=none", *o]), resolve=True))
+
+    assert h() == h("optim.ns_steps=3") == h("optim.momentum=0.5")
+    assert "ns_steps" in MUON_ONLY
+    assert h("optim=muon") != h("optim=muon", "optim.ns_steps=3")
+
+
+def test_memory_check_counts_muons_single_buffer():
+    """The fit check's lower bound: 12 B per hidden-matrix parameter with Muon, 16 with
+    AdamW (mixtral_8x7b in 100 GiB: AdamW needs ~700 GiB, Muon ~3/4 of it)."""
+    import re
+
+    from moe_exp.validate import check_memory
+
+    def need(optim):
+        cfg = compose(["model=mixtral_8x7b", f"optim={optim}", "hardware=cpu",
+                       "hardware.memory_gib=100"])
+        with pytest.raises(Exception) as e:
+            check_memory(cfg)
+        assert f"optim={optim}" in str(e.value)
+        return float(re.search(r">= ([\d,]+) GiB", str(e.value)).group(1).replace(",", ""))
+
+    assert 0.74 < need("muon") / need("adamw") < 0.76

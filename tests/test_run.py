@@ -74,6 +74,9 @@ def test_record_says_how_often_padded_fell_back(limit, share, tmp_path, monkeypa
     assert ("padded fell back on 100% of layer calls" in load) == (got == 1.0)
     other = run_inproc(["model.dispatch=loop", "logger=none", "train.steps=2"], tmp_path / "l")
     assert "moe_padded_fallback_share" not in other
+    from moe_exp.summary import _fallbacks
+
+    assert "<1%" in _fallbacks(0.004) and _fallbacks(0.0) == "" and _fallbacks(None) == ""
 
 
 def test_dense_model_has_null_expert_stats_with_reason(tmp_path):

@@ -235,8 +235,11 @@ def _padded_fallbacks(model, cfg, rec, device, world: int) -> None:
     calls, falls = n.tolist()
     rec[key] = falls / calls if calls else None
     if not calls:
-        rec["null_reasons"][key] = ("train.compile: compiled padded always pads"
-                                    if cfg.train.compile != "off" else "no padded call ran")
+        rec["null_reasons"][key] = (
+            "train.compile: compiled padded always pads" if cfg.train.compile != "off" else
+            f"parallel={cfg.parallel.name}: not counted under expert parallelism"
+            if cfg.parallel.name.startswith("expert")
+            else "no padded call ran")
 
 
 def slowest_rank_steps(every: torch.Tensor, keys: list[str]) -> dict:

@@ -15,7 +15,7 @@ def build_optimizer(model: nn.Module, cfg, device: torch.device):
     """(optimizer, lr scheduler, implementation name for the record)."""
     o = cfg.optim
     params = [p for p in model.parameters() if p.requires_grad]
-    muon = hidden_matrices(model, cfg.model.vocab_size) if o.name == "muon" else set()
+    muon = hidden_matrices(model) if o.name == "muon" else set()
     decay = [p for p in params if p.dim() >= 2 and id(p) not in muon]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": o.weight_decay},

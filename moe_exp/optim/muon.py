@@ -48,14 +48,16 @@ def _orthogonalize(u: Tensor, steps: int, eps: float) -> Tensor:
     return distribute_tensor(full, u.device_mesh, u.placements, src_data_rank=None)
 
 
-def hidden_matrices(model: nn.Module, vocab_size: int) -> set:
-    """Muon's parameters: every >=2-D weight but the embeddings and the output head (a
-    Linear onto the vocabulary)."""
+def hidden_matrices(model: nn.Module) -> set:
+    """Muon's parameters (ids): every >=2-D weight but the embeddings and the output head."""
+    from ..model.transformer import Transformer
+
     skip = set()
     for m in model.modules():
-        if isinstance(m, nn.Embedding) or (isinstance(m, nn.Linear)
-                                           and m.out_features == vocab_size):
-            skip.update(id(p) for p in m.parameters(recurse=False))
+        if isinstance(m, nn.Embedding):
+            skip.update(id(p) for p in m.parameters())
+        if isinstance(m, Transformer):
+            skip.update(id(p) for p in m.head.parameters())
     return {id(p) for p in model.parameters() if p.requires_grad and p.dim() >= 2
             and id(p) not in skip}
 
@@ -71,9 +73,21 @@ class Muon(torch.optim.Optimizer):
                         nesterov=nesterov, ns_steps=ns_steps, eps=eps, muon=True)
         super().__init__([{"params": list(matrices)}], defaults)
         self.adamw = adamw
-        for group in adamw.param_groups:
+        self._link_adamw()
+
+    def _link_adamw(self) -> None:
+        self.param_groups = [g for g in self.param_groups if g["muon"]]
+        for group in self.adamw.param_groups:
             group["muon"] = False
             self.add_param_group(group)
+
+    def state_dict(self) -> dict:
+        return {"muon": super().state_dict(), "adamw": self.adamw.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict["muon"])  # (copies every group: linked again)
+        self.adamw.load_state_dict(state_dict["adamw"])
+        self._link_adamw()
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -47,6 +47,8 @@ class SweepCallback(Callback):
         self.active = False  # single runs call on_job_start/end too: nothing to do there
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        global NO_JOB_OK
+        NO_JOB_OK = False
         self.active = True
         self.total, self.varying = plan(config)
         self.t0 = time.time()
