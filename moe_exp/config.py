@@ -79,6 +79,9 @@ class ParallelConfig:
     # fsdp / expert_fsdp (FSDP2 fully_shard per block; mixed precision from the precision group)
     reshard_after_forward: bool = True
     cpu_offload: bool = False  # CPUOffloadPolicy: GPUs only
+    # blocks whose all-gathers are issued ahead, in forward and in backward: 1 = FSDP2's
+    # default (the next block); N >= 2 = the next N, explicitly (more overlap, more memory)
+    prefetch: int = 1
     profile_steps: int = 2  # extra steps under torch.profiler to measure communication time
 
 

@@ -129,3 +129,20 @@ def test_lr_schedule_peaks_once_and_ends_at_its_minimum(warmup, total):
     assert f[-1] == pytest.approx(0.1)
     assert all(a < b for a, b in zip(f[:f.index(1.0)], f[1:f.index(1.0) + 1]))  # rises
     assert all(a > b for a, b in zip(f[f.index(1.0):], f[f.index(1.0) + 1:]))  # then falls
+
+
+def test_fsdp_prefetch_issues_the_next_blocks_all_gathers():
+    """parallel.prefetch=2: each block prefetches the next two in forward and the previous
+    two (nearest first) in backward."""
+    from types import SimpleNamespace as NS
+
+    from moe_exp.optimizations.parallel import _prefetch
+
+    fwd, bwd = {}, {}
+    blocks = [NS(i=i) for i in range(4)]
+    for b in blocks:
+        b.set_modules_to_forward_prefetch = lambda m, i=b.i: fwd.__setitem__(i, [x.i for x in m])
+        b.set_modules_to_backward_prefetch = lambda m, i=b.i: bwd.__setitem__(i, [x.i for x in m])
+    _prefetch(blocks, 2)
+    assert fwd == {0: [1, 2], 1: [2, 3], 2: [3]}
+    assert bwd == {1: [0], 2: [1, 0], 3: [2, 1]}

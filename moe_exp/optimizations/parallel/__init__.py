@@ -63,7 +63,19 @@ def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh=None):
                     experts.set_force_sum_reduction_for_comms(True)
             fully_shard(block, mesh=world_mesh, **kw)
         fully_shard(model, mesh=world_mesh, **kw)
+        if p.prefetch > 1:
+            _prefetch(list(_blocks(model)), p.prefetch)
     return model
+
+
+def _prefetch(blocks: list, n: int) -> None:
+    """Each block issues the all-gathers of the next n blocks in forward, and of the
+    previous n in backward (FSDP2's explicit prefetching)."""
+    for i, block in enumerate(blocks):
+        if blocks[i + 1: i + 1 + n]:
+            block.set_modules_to_forward_prefetch(blocks[i + 1: i + 1 + n])
+        if i:
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - n): i][::-1])
 
 
 def accum_no_sync(model: nn.Module, cfg):
