@@ -30,6 +30,9 @@ HASH_EXCLUDE = ("logger", "extra", "sweep")
 # optim keys only optim=muon reads: left out of other optimizers' hashes (adamw runs keep
 # the hashes they had before muon existed, and a muon knob set on adamw changes nothing)
 MUON_ONLY = ("momentum", "nesterov", "ns_steps")
+# keys added after results were recorded: left out of the hash at their default value, so
+# older sweeps' hashes stay valid (compare, resume)
+ADDED_AT_DEFAULT = {("parallel", "prefetch"): 1}
 
 
 def config_hash(cfg_dict: dict) -> str:
@@ -37,6 +40,9 @@ def config_hash(cfg_dict: dict) -> str:
     optim = keep.get("optim")
     if isinstance(optim, dict) and optim.get("name") != "muon":
         keep["optim"] = {k: v for k, v in optim.items() if k not in MUON_ONLY}
+    for (group, key), default in ADDED_AT_DEFAULT.items():
+        if isinstance(keep.get(group), dict) and keep[group].get(key) == default:
+            keep[group] = {k: v for k, v in keep[group].items() if k != key}
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

@@ -104,9 +104,10 @@ def test_state_dict_round_trip_carries_both_optimizers():
     assert opt_b.param_groups[-1] is opt_b.adamw.param_groups[-1]
 
 
-def test_muon_knobs_enter_only_muon_config_hashes():
+def test_new_knobs_keep_older_config_hashes():
     """adamw hashes are those from before muon existed (a knob only muon reads changes
-    nothing for adamw); muon's settings are part of muon runs' hashes."""
+    nothing for adamw), as are those of runs with parallel.prefetch at its default; muon's
+    settings are part of muon runs' hashes."""
     from omegaconf import OmegaConf
 
     from moe_exp.results import MUON_ONLY, config_hash
@@ -115,6 +116,8 @@ def test_muon_knobs_enter_only_muon_config_hashes():
         return config_hash(OmegaConf.to_container(compose(["logger=none", *o]), resolve=True))
 
     assert h() == h("optim.ns_steps=3") == h("optim.momentum=0.5")
+    assert h() == "86eee63098e3"  # the default run's hash before optim=muon (056edc5)
+    assert h("parallel=fsdp") != h("parallel=fsdp", "parallel.prefetch=2")
     assert "ns_steps" in MUON_ONLY
     assert h("optim=muon") != h("optim=muon", "optim.ns_steps=3")
 
