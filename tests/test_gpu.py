@@ -30,3 +30,30 @@ def test_cuda_run_records_allocator_peaks_and_mfu(precision, tmp_path):
     if rec["mfu"] is not None:
         assert 0 < rec["mfu"] < 1
     assert rec["loss_last"] < rec["loss_first"]
+
+
+def test_muon_on_cuda_matches_torch_muon_and_trains(tmp_path):
+    """Newton-Schulz on the GPU (bf16): the update is torch.optim.Muon's per expert, and a
+    small_moe bf16 run with optim=muon trains."""
+    from moe_exp.optim.muon import Muon
+
+    if not hasattr(torch.optim, "Muon"):
+        pytest.skip(f"torch {torch.__version__} has no torch.optim.Muon to compare with")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    stack = torch.randn(4, 64, 96, device="cuda", generator=g)
+    grad = torch.randn(4, 64, 96, device="cuda", generator=g)
+    ours = stack.clone().requires_grad_()
+    ours.grad = grad.clone()
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=True, ns_steps=5)
+    Muon([ours], torch.optim.AdamW([torch.zeros(1, device="cuda", requires_grad=True)]),
+         **kw).step()
+    ref = [stack[e].clone().requires_grad_() for e in range(4)]
+    for r, gr in zip(ref, grad):
+        r.grad = gr.clone()
+    torch.optim.Muon(ref, adjust_lr_fn="match_rms_adamw", **kw).step()
+    torch.testing.assert_close(ours.detach(), torch.stack([r.detach() for r in ref]),
+                               rtol=0, atol=1e-5)
+    rec = run_inproc(["optim=muon", "precision=bf16", "logger=none", "model=small_moe"],
+                     tmp_path)
+    assert rec["status"] == "ok", rec["error"]
+    assert rec["loss_last"] < rec["loss_first"]
