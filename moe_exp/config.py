@@ -79,9 +79,10 @@ class ParallelConfig:
     # fsdp / expert_fsdp (FSDP2 fully_shard per block; mixed precision from the precision group)
     reshard_after_forward: bool = True
     cpu_offload: bool = False  # CPUOffloadPolicy: GPUs only
-    # blocks whose all-gathers are issued ahead, in forward and in backward: 1 = FSDP2's
-    # default (the next block); N >= 2 = the next N, explicitly (more overlap, more memory)
-    prefetch: int = 1
+    # FSDP2 prefetching: 0 = its default (implicit: backward prefetches the next block,
+    # forward relies on the CPU running ahead); N >= 1 = each block explicitly issues the
+    # all-gathers of the next N blocks in forward and backward (more overlap, more memory)
+    prefetch: int = 0
     profile_steps: int = 2  # extra steps under torch.profiler to measure communication time
 
 

@@ -32,7 +32,7 @@ HASH_EXCLUDE = ("logger", "extra", "sweep")
 MUON_ONLY = ("momentum", "nesterov", "ns_steps")
 # keys added after results were recorded: left out of the hash at their default value, so
 # older sweeps' hashes stay valid (compare, resume)
-ADDED_AT_DEFAULT = {("parallel", "prefetch"): 1}
+ADDED_AT_DEFAULT = {("parallel", "prefetch"): 0}
 
 
 def config_hash(cfg_dict: dict) -> str:

@@ -178,12 +178,12 @@ def check_parallel(cfg) -> None:
     elif p.expert_parallel_size is not None:
         raise ConfigError("parallel.expert_parallel_size", f"only for parallel=expert or "
                           f"expert_fsdp, not parallel={p.name}")
-    if p.prefetch < 1:
-        raise ConfigError("parallel.prefetch", f"must be >= 1 (1 = FSDP2's default), got "
+    if p.prefetch < 0:
+        raise ConfigError("parallel.prefetch", f"must be >= 0 (0 = FSDP2's default), got "
                           f"{p.prefetch}")
-    if p.prefetch > 1 and p.name not in ("fsdp", "expert_fsdp"):
+    if p.prefetch and p.name not in ("fsdp", "expert_fsdp"):
         raise ConfigError("parallel.prefetch", f"only for parallel=fsdp or expert_fsdp, not "
-                          f"parallel={p.name}")
+                          f"parallel={p.name} (leave it at 0)")
     if p.name in ("fsdp", "expert_fsdp"):
         if p.cpu_offload and hw.device != "cuda":
             raise Unsupported("parallel.cpu_offload", "FSDP CPU offload needs GPUs (it moves "

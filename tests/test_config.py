@@ -77,8 +77,8 @@ SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3"
     ("optim.min_lr_ratio=-1", "optim.min_lr_ratio"),
     ("optim.weight_decay=-0.1", "optim.weight_decay"),
     ("optim.name=sgd", "optim.name"),
-    ("parallel.prefetch=0", "parallel.prefetch"),
-    ("parallel.prefetch=2", "parallel.prefetch"),  # parallel=none: nothing to prefetch
+    ("parallel.prefetch=-1", "parallel.prefetch"),
+    ("parallel.prefetch=1", "parallel.prefetch"),  # parallel=none: nothing to prefetch
     ("optim=muon optim.ns_steps=0", "optim.ns_steps"),
     ("optim=muon optim.momentum=1.0", "optim.momentum"),
     ("model.init_std=0", "model.init_std"),

@@ -58,11 +58,12 @@ def single(tmp_path_factory):
     # recompute: see optimizations/checkpointing.py)
     ("expert_fsdp", ["train.activation_checkpointing=selective"]),
     ("fsdp", ["parallel.prefetch=2"]),  # explicit FSDP2 prefetching
+    ("expert_fsdp", ["parallel.prefetch=1", "train.activation_checkpointing=selective"]),
     # ep=2 x dp=2 (gloo has no PREMUL_SUM: FSDP2 is told to sum, then divide)
     ("expert_fsdp", ["hardware.devices=4", "parallel.expert_parallel_size=2",
                      "train.micro_batch_size=1"])],
     ids=["ddp", "fsdp", "expert", "expert_fsdp", "expert_fsdp-selective", "fsdp-prefetch2",
-         "expert_fsdp-4ranks"])
+         "expert_fsdp-prefetch1-selective", "expert_fsdp-4ranks"])
 def test_losses_after_k_steps_match_one_process(parallel, extra, single, tmp_path, monkeypatch):
     from moe_exp import validate
     from moe_exp.run import run

@@ -117,7 +117,7 @@ def test_new_knobs_keep_older_config_hashes():
 
     assert h() == h("optim.ns_steps=3") == h("optim.momentum=0.5")
     assert h() == "86eee63098e3"  # the default run's hash before optim=muon (056edc5)
-    assert h("parallel=fsdp") != h("parallel=fsdp", "parallel.prefetch=2")
+    assert h("parallel=fsdp") != h("parallel=fsdp", "parallel.prefetch=1")
     assert "ns_steps" in MUON_ONLY
     assert h("optim=muon") != h("optim=muon", "optim.ns_steps=3")
 

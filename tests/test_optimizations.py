@@ -132,17 +132,24 @@ def test_lr_schedule_peaks_once_and_ends_at_its_minimum(warmup, total):
 
 
 def test_fsdp_prefetch_issues_the_next_blocks_all_gathers():
-    """parallel.prefetch=2: each block prefetches the next two in forward and the previous
-    two (nearest first) in backward."""
+    """parallel.prefetch=2 (expert_fsdp: each block with its own sharded experts): a block
+    prefetches its experts and the next two blocks with theirs in forward, its experts and
+    the previous two (nearest first) in backward; the root the first two / last two."""
     from types import SimpleNamespace as NS
 
     from moe_exp.optimizations.parallel import _prefetch
 
     fwd, bwd = {}, {}
-    blocks = [NS(i=i) for i in range(4)]
-    for b in blocks:
-        b.set_modules_to_forward_prefetch = lambda m, i=b.i: fwd.__setitem__(i, [x.i for x in m])
-        b.set_modules_to_backward_prefetch = lambda m, i=b.i: bwd.__setitem__(i, [x.i for x in m])
-    _prefetch(blocks, 2)
-    assert fwd == {0: [1, 2], 1: [2, 3], 2: [3]}
-    assert bwd == {1: [0], 2: [1, 0], 3: [2, 1]}
+
+    def module(name):
+        m = NS(name=name)
+        m.set_modules_to_forward_prefetch = lambda ms: fwd.__setitem__(name, [x.name for x in ms])
+        m.set_modules_to_backward_prefetch = lambda ms: bwd.__setitem__(name, [x.name for x in ms])
+        return m
+
+    units = [[module(f"b{i}"), module(f"e{i}")] for i in range(4)]
+    _prefetch(module("root"), units, 2)
+    assert fwd == {"b0": ["e0", "b1", "e1", "b2", "e2"], "b1": ["e1", "b2", "e2", "b3", "e3"],
+                   "b2": ["e2", "b3", "e3"], "b3": ["e3"], "root": ["b0", "e0", "b1", "e1"]}
+    assert bwd == {"b0": ["e0"], "b1": ["e1", "b0", "e0"], "b2": ["e2", "b1", "e1", "b0", "e0"],
+                   "b3": ["e3", "b2", "e2", "b1", "e1"], "root": ["b3", "e3", "b2", "e2"]}

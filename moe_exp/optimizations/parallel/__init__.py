@@ -50,7 +50,9 @@ def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh=None):
         if p.cpu_offload:
             kw["offload_policy"] = CPUOffloadPolicy()
         world_mesh = init_device_mesh(cfg.hardware.device, (world,))
+        units = []  # per block: [block, its FSDP-sharded experts (expert_fsdp)]
         for block in _blocks(model):
+            units.append([block])
             if p.name == "expert_fsdp" and hasattr(block.ffn, "experts"):
                 experts = block.ffn.experts.local  # EP shard: FSDP over dp only
                 fully_shard(experts, mesh=mesh["dp"], **kw)
@@ -61,21 +63,29 @@ def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh=None):
                     # gloo has no PREMUL_SUM: sum, then divide (not over one rank: there
                     # FSDP2 skips the reduce-scatter, divides, and forced to sum, divides again)
                     experts.set_force_sum_reduction_for_comms(True)
+                units[-1].append(experts)
             fully_shard(block, mesh=world_mesh, **kw)
         fully_shard(model, mesh=world_mesh, **kw)
-        if p.prefetch > 1:
-            _prefetch(list(_blocks(model)), p.prefetch)
+        if p.prefetch:
+            _prefetch(model, units, p.prefetch)
     return model
 
 
-def _prefetch(blocks: list, n: int) -> None:
-    """Each block issues the all-gathers of the next n blocks in forward, and of the
-    previous n in backward (FSDP2's explicit prefetching)."""
-    for i, block in enumerate(blocks):
-        if blocks[i + 1: i + 1 + n]:
-            block.set_modules_to_forward_prefetch(blocks[i + 1: i + 1 + n])
-        if i:
-            block.set_modules_to_backward_prefetch(blocks[max(0, i - n): i][::-1])
+def _prefetch(root, units: list, n: int) -> None:
+    """FSDP2's explicit prefetching (as torchtitan's): each block issues the all-gathers of
+    its own experts and of the next n blocks (with theirs) in forward, of the previous n in
+    backward; the root issues the first n in forward and the last n in backward. An explicit
+    list replaces FSDP2's default, so every sharded module is listed."""
+    def flat(us):
+        return [m for u in us for m in u]
+
+    for i, (block, *own) in enumerate(units):
+        if fwd := own + flat(units[i + 1: i + 1 + n]):
+            block.set_modules_to_forward_prefetch(fwd)
+        if bwd := own + flat(units[max(0, i - n): i][::-1]):
+            block.set_modules_to_backward_prefetch(bwd)
+    root.set_modules_to_forward_prefetch(flat(units[:n]))
+    root.set_modules_to_backward_prefetch(flat(units[::-1][:n]))
 
 
 def accum_no_sync(model: nn.Module, cfg):
