@@ -134,3 +134,18 @@ def one_of(allowed):
                                              f"{', '.join(allowed)}")
         return text
     return parse
+
+
+def save_json(path: str, device: str, rows: list) -> None:
+    """A benchmark's rows with their provenance (device, torch, date, command)."""
+    import datetime as dt
+    import json
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"meta": {
+        "device": device, "torch": torch.__version__, "date": str(dt.date.today()),
+        "command": " ".join(sys.argv)}, "rows": rows}, indent=2))

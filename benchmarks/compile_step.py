@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import sys
 import time
@@ -30,7 +29,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import at_least, one_of, run_rounds  # noqa: E402
+from _timing import at_least, one_of, run_rounds, save_json  # noqa: E402
 
 
 def compose(overrides):
@@ -169,10 +168,7 @@ def main(argv=None):
                   flush=True)
             torch._dynamo.reset()
     if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps({"meta": {
-            "device": dev_name, "torch": torch.__version__, "date": str(dt.date.today()),
-            "command": " ".join(sys.argv)}, "rows": rows}, indent=2))
+        save_json(a.json, dev_name, rows)
     return rows
 
 

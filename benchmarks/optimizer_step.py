@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import at_least, one_of, run_rounds  # noqa: E402
+from _timing import at_least, one_of, run_rounds, save_json  # noqa: E402
 from compile_step import compose  # noqa: E402
 
 
@@ -107,10 +106,7 @@ def main(argv=None):
               f"{r['dropped_rounds']} dropped{', CONTENDED' if r['contended'] else ''}]",
               flush=True)
     if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps({"meta": {
-            "device": dev_name, "torch": torch.__version__, "date": str(dt.date.today()),
-            "command": " ".join(sys.argv)}, "rows": rows}, indent=2))
+        save_json(a.json, dev_name, rows)
     return rows
 
 
