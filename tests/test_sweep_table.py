@@ -146,6 +146,31 @@ def test_presets_compose_and_count_jobs():
                             "model"}
 
 
+@pytest.mark.distributed
+def test_seed003_preset_runs_muon_and_prefetch_under_fsdp(tmp_path):
+    """+sweep=seed003: adamw/muon x prefetch 0/1 under fsdp on 2 ranks, AdamW the baseline."""
+    import pandas as pd
+    import torch
+
+    from conftest import run_cli
+
+    cfg = compose(["+sweep=seed003"])
+    assert cfg.parallel.name == "fsdp" and cfg.hardware.devices == 2
+    assert dict(cfg.sweep.baseline) == {"optim": "adamw"}
+    params = OmegaConf.load(CONF / "sweep" / "seed003.yaml").hydra.sweeper.params
+    assert dict(params) == {"optim": "adamw,muon", "parallel.prefetch": "0,1"}
+    if torch.cuda.is_available():
+        pytest.skip("the run part: 2 gloo ranks on CPU")
+    d = tmp_path / "s"
+    r = run_cli(["-m", "+sweep=seed003", "logger=none", "train.steps=2", "train.warmup_steps=1",
+                 "parallel.profile_steps=0", f"hydra.sweep.dir={d}"], tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    df = pd.read_csv(d / "results.csv")
+    assert list(df["status"]) == ["ok"] * 4
+    assert df.loc[df["baseline"] == True, "optim"].tolist() == ["adamw"]  # noqa: E712
+    assert sorted(df["optim"]) == ["adamw", "adamw", "muon", "muon"]
+
+
 def test_sweep_keys_do_not_change_the_config_hash():
     from moe_exp.results import config_hash
 
