@@ -167,7 +167,8 @@ def test_seed003_preset_runs_muon_and_prefetch_under_fsdp(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     df = pd.read_csv(d / "results.csv")
     assert list(df["status"]) == ["ok"] * 4
-    assert df.loc[df["baseline"] == True, "optim"].tolist() == ["adamw"]  # noqa: E712
+    base = df[df["baseline"] == True]  # noqa: E712 - the first AdamW job: prefetch 0
+    assert base["optim"].tolist() == ["adamw"] and "parallel.prefetch=0" in base["label"].iloc[0]
     assert sorted(df["optim"]) == ["adamw", "adamw", "muon", "muon"]
 
 
