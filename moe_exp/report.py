@@ -14,23 +14,21 @@ def report(sweep_dir: Path, baseline: dict | None = None, by=("model",), wandb_c
            group: str | None = None, title: str | None = None, plots: bool = True,
            strict: bool = False) -> dict:
     """Rebuild everything from the job records in sweep_dir; returns the output paths."""
-    from .sweep.table import build_table, collect, markdown, print_table, write_tables
+    from .sweep.table import (build_table, collect, markdown, print_table, sweep_table,
+                              write_tables)
 
     sweep_dir = Path(sweep_dir)
     title = title or f"Sweep {sweep_dir}"
     records = collect(sweep_dir)
     if not records:
         raise FileNotFoundError(f"no job records (*/metrics.json) under {sweep_dir}")
-    names = ("--baseline", "--by") if strict else ("sweep.baseline", "sweep.baseline_by")
-    try:
-        df = build_table(records, baseline, by, names)
-    except KeyError as e:
-        if strict:
-            raise
-        # a sweep's own settings: its table and report still come, with the default
-        print(f"[sweep] {e.args[0]}: the default baseline per model instead", file=sys.stderr)
-        baseline = None
-        df = build_table(records, None, ("model",))
+    if strict:  # `report --baseline/--by`: a bad key is the user's error, now
+        df = build_table(records, baseline, by, ("--baseline", "--by"))
+    else:  # a sweep's own settings: its table and report still come, with the default
+        df, bad = sweep_table(records, baseline, by)
+        if bad:
+            print(f"[sweep] {bad}: the default baseline per model instead", file=sys.stderr)
+            baseline = None
     if baseline and not df["baseline"].any():  # before the tables are rewritten
         want = " ".join(f"{k}={v}" for k, v in baseline.items())
         if strict:  # `report --baseline`: the user asked for it, now

@@ -131,15 +131,12 @@ def _update_table(config: DictConfig) -> None:
 
     sweep_dir = Path(config.hydra.sweep.dir)
     try:
-        from .table import build_table, collect, write_tables
+        from .table import collect, sweep_table, write_tables
 
         with open(sweep_dir / ".results.lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            records = collect(sweep_dir)
-            try:
-                df = build_table(records, _baseline(config), config.sweep.baseline_by)
-            except KeyError:  # a key no row has: the report at the end says so
-                df = build_table(records)
+            fcntl.flock(lock, fcntl.LOCK_EX)  # (a bad baseline key: the report at the end
+            # says so)
+            df, _ = sweep_table(collect(sweep_dir), _baseline(config), config.sweep.baseline_by)
             write_tables(df, sweep_dir)
     except Exception as e:  # noqa: BLE001
         print(f"[sweep] could not update the table yet: {e}", flush=True)

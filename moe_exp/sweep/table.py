@@ -208,6 +208,15 @@ def _fmt(v, spec: str, suffix: str = "") -> str:
     return "—" if v is None else f"{v:{spec}}{suffix}"
 
 
+def sweep_table(records: list[dict], baseline: dict | None, by) -> tuple:
+    """A sweep's own table, with its sweep.baseline / sweep.baseline_by; where those name a
+    key no row has, with the default baseline per model. Returns (table, that error or None)."""
+    try:
+        return build_table(records, baseline, by), None
+    except KeyError as e:
+        return build_table(records), e.args[0]
+
+
 def compact(df):
     """The columns a reader compares, formatted (for results.md and the terminal)."""
     import pandas as pd
