@@ -153,3 +153,22 @@ def test_fsdp_prefetch_issues_the_next_blocks_all_gathers():
                    "b2": ["e2", "b3", "e3"], "b3": ["e3"], "root": ["b0", "e0", "b1", "e1"]}
     assert bwd == {"b0": ["e0"], "b1": ["e1", "b0", "e0"], "b2": ["e2", "b1", "e1", "b0", "e0"],
                    "b3": ["e3", "b2", "e2", "b1", "e1"], "root": ["b3", "e3", "b2", "e2"]}
+
+
+def test_tf32_switch_keeps_legacy_and_new_flags_in_step():
+    """precision.tf32 on CUDA: after the switch every reader agrees and none raises (setting
+    only the new fp32_precision flags made the legacy readers, which inductor's matmul
+    lowering uses in torch 2.9-2.11, raise "mix of the legacy and new APIs")."""
+    from moe_exp.optimizations.precision import set_matmul_precision
+
+    saved = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    try:
+        for tf32 in (True, False, True):
+            set_matmul_precision(torch.device("cuda"), tf32)  # flags only: no GPU needed
+            assert torch.backends.cuda.matmul.allow_tf32 is tf32
+            assert torch.get_float32_matmul_precision() == ("high" if tf32 else "highest")
+            assert torch.backends.cuda.matmul.fp32_precision == ("tf32" if tf32 else "ieee")
+            assert torch.backends.cudnn.allow_tf32 is tf32
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        torch.backends.cudnn.allow_tf32 = saved[1]

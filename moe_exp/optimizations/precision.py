@@ -11,11 +11,13 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def set_matmul_precision(device: torch.device, tf32: bool) -> None:
-    """TF32 through the fp32_precision API only (mixing it with allow_tf32 raises)."""
+    """TF32 for CUDA fp32 matmuls (and cuDNN) on or off, through the legacy setters: they
+    keep the legacy and the new (fp32_precision) flags in step. Setting only the new ones
+    makes a later read of the legacy ones raise ("mix of the legacy and new APIs"), and
+    inductor's matmul lowering in torch 2.9-2.11 reads them (pytorch#166387)."""
     if device.type == "cuda":
-        mode = "tf32" if tf32 else "ieee"
-        torch.backends.cuda.matmul.fp32_precision = mode
-        torch.backends.cudnn.conv.fp32_precision = mode
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
+        torch.backends.cudnn.allow_tf32 = tf32
 
 
 def autocast_factory(cfg, device: torch.device) -> Callable[[], ContextManager]:
