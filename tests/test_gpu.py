@@ -51,8 +51,14 @@ def test_muon_on_cuda_matches_torch_muon_and_trains(tmp_path):
     for r, gr in zip(ref, grad):
         r.grad = gr.clone()
     torch.optim.Muon(ref, adjust_lr_fn="match_rms_adamw", **kw).step()
-    torch.testing.assert_close(ours.detach(), torch.stack([r.detach() for r in ref]),
-                               rtol=0, atol=1e-5)
+    # The updates, as bf16 Newton-Schulz allows: our batched bmm and torch's per-matrix mm may
+    # round differently on a GPU (one bf16 ulp of an update entry is ~2e-5 here; on CPU,
+    # tests/test_muon.py checks several steps to 1e-6). A wrong lr scale or a transposed
+    # NS would be off by far more than 3%.
+    decayed = stack * (1 - kw["lr"] * kw["weight_decay"])
+    ours_d, ref_d = ours.detach() - decayed, torch.stack([r.detach() for r in ref]) - decayed
+    rel = ((ours_d - ref_d).norm() / ref_d.norm()).item()
+    assert rel < 0.03, rel
     rec = run_inproc(["optim=muon", "precision=bf16", "logger=none", "model=small_moe"],
                      tmp_path)
     assert rec["status"] == "ok", rec["error"]
