@@ -1,6 +1,7 @@
 """Weights & Biases logging: offline by default, always finished, even when the run fails."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 
@@ -15,7 +16,9 @@ class Tracker:
     """One W&B run. defer=True starts W&B only at finish(): the logged history and the
     summary are replayed then, so W&B's start-up (about 2 s on a 2-core machine: imports and
     its service process) is neither in the time to the first measured step nor, with its
-    service process, competing for the CPU during the measured steps."""
+    service process, competing for the CPU during the measured steps. Replayed history rows
+    keep the wall time of their log() call (W&B's `_timestamp`: its "Wall Time" axis); W&B
+    computes `_runtime` from its own start, so "Relative Time" is the replay's."""
 
     def __init__(self, cfg, cfg_dict: dict, out_dir: Path, tags: list[str], name: str | None,
                  defer: bool = False):
@@ -39,7 +42,7 @@ class Tracker:
 
     def log(self, metrics: dict, step: int) -> None:
         if self._pending is not None:
-            self._pending.append(("log", metrics, step))
+            self._pending.append(("log", {**metrics, "_timestamp": time.time()}, step))
         elif self.run:
             self.run.log(metrics, step=step)
 
@@ -72,8 +75,8 @@ class Tracker:
 
 def read_offline_run(run_file: str | Path) -> dict:
     """Parse an offline `run-*.wandb` file (a 7-byte W&B header, then a LevelDB-log stream of
-    protobuf Records) into {config, summary, history, exit_code, group}. For tests and
-    reports."""
+    protobuf Records) into {config, summary, history, exit_code, group, start_time (epoch s)}.
+    For tests and reports."""
     import json
 
     from wandb.proto import wandb_internal_pb2 as pb
@@ -95,13 +98,16 @@ def read_offline_run(run_file: str | Path) -> dict:
         buf = chunk if kind in (1, 2) else buf + chunk  # FULL/FIRST start, MIDDLE/LAST append
         if kind in (1, 4):
             payloads.append(buf)
-    out = {"config": {}, "summary": {}, "history": [], "exit_code": None, "group": None}
+    out = {"config": {}, "summary": {}, "history": [], "exit_code": None, "group": None,
+           "start_time": None}
     for payload in payloads:
         rec = pb.Record()
         rec.ParseFromString(payload)
         kind = rec.WhichOneof("record_type")
         if kind == "run":
             out["group"] = rec.run.run_group or out["group"]
+            if rec.run.HasField("start_time"):
+                out["start_time"] = rec.run.start_time.ToMicroseconds() / 1e6
         if kind in ("config", "run"):
             items = rec.config.update if kind == "config" else rec.run.config.update
             for item in items:

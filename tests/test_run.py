@@ -1,4 +1,5 @@
 """Whole runs on CPU: the record, precisions, checkpointing memory, W&B, the CLI."""
+import datetime as dt
 import glob
 import json
 import math
@@ -125,6 +126,11 @@ def test_wandb_offline_run_holds_config_and_metrics_and_is_finished(tmp_path, mo
     assert run["summary"]["tokens_per_expert"] == rec["tokens_per_expert"]
     assert [h["loss"] for h in run["history"]] == pytest.approx(rec["losses"])
     assert run["exit_code"] == 0  # finished
+    # W&B starts after the run (deferred): its history keeps when each row was logged, in
+    # the measured loop, not when it was replayed
+    stamps = [h["_timestamp"] for h in run["history"]]
+    started = dt.datetime.fromisoformat(rec["timestamp"]).timestamp()
+    assert started - 1 <= stamps[0] <= stamps[-1] < run["start_time"], (stamps, run)
 
 
 def test_wandb_run_is_finished_when_the_run_fails(tmp_path, monkeypatch):
