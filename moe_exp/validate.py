@@ -256,6 +256,13 @@ def check_optim(cfg) -> None:
             raise ConfigError("optim.ns_steps", f"must be in [1, 20], got {o.ns_steps}")
 
 
+def muon_params(m) -> int:
+    """Parameters optim=muon updates (optim.muon.hidden_matrices): all but the embeddings,
+    the head and the norms (2 per block + the final one), which AdamW updates."""
+    h = m.hidden_size
+    return param_counts(m)["params_total"] - 2 * m.vocab_size * h - (2 * m.num_layers + 1) * h
+
+
 def check_memory(cfg) -> None:
     """Weights + grads + optimizer state in fp32 (16 B/param with AdamW, 12 for Muon's
     matrices) must fit: a lower bound, once
@@ -277,7 +284,7 @@ def check_memory(cfg) -> None:
     local = n if cfg.hardware.device == "cpu" else 1
     per_param = 16.0  # AdamW: weight, grad, 2 moments; Muon keeps 1 buffer per matrix
     if cfg.optim.name == "muon":
-        matrices = total - 2 * m.vocab_size * m.hidden_size  # embeddings, head: AdamW's
+        matrices = muon_params(m)
         per_param = (16 * (total - matrices) + 12 * matrices) / total
     need = per_rank * local * per_param / 2**30
     if need > mem:

@@ -144,6 +144,18 @@ def test_memory_check_counts_what_sharding_saves(monkeypatch):
         check_memory(cfg)
 
 
+@pytest.mark.parametrize("model", ["tiny_moe", "tiny_dense"])
+def test_memory_check_counts_muons_params_as_the_optimizer_does(model):
+    from moe_exp.model.transformer import build_model
+    from moe_exp.optim.muon import hidden_matrices
+    from moe_exp.validate import muon_params
+
+    cfg = compose([f"model={model}", "optim=muon"])
+    net = build_model(cfg.model)
+    ids = hidden_matrices(net)
+    assert muon_params(cfg.model) == sum(p.numel() for p in net.parameters() if id(p) in ids)
+
+
 def test_cli_invalid_exits_nonzero_with_one_line(tmp_path):
     p = run_cli(["model.top_k=9", "logger=none"], tmp_path)
     assert p.returncode == 2
