@@ -128,6 +128,12 @@ def rank_entry(fn, *args):
     return fn(*args)
 
 
+def collective_device(device: torch.device):
+    """Where the small tensors of the loop's own collectives live: the GPU on CUDA, else
+    the CPU (gloo)."""
+    return device if device.type == "cuda" else "cpu"
+
+
 def all_max(values: list[float], device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..distributed import collective_device
 from ..results import fill_null_reasons, write_json_atomic
 
 
@@ -60,7 +61,7 @@ def measure(cfg, d, device) -> list[dict]:
                 if i >= c.warmup:
                     times.append(time.perf_counter() - t0)
             t = torch.tensor([statistics.median(times)], dtype=torch.float64,
-                             device=device if device.type == "cuda" else "cpu")
+                             device=collective_device(device))
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             sec, real = t.item(), numel * esize
             rows.append({"op": name, "bytes": real, "latency_us": sec * 1e6,

@@ -221,13 +221,14 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
 def _padded_fallbacks(model, cfg, rec, device, world: int) -> None:
     """moe_padded_fallback_share: of the eager padded MoE calls (warmup included, summed
     over ranks), the share that ran unpadded (grouped/loop: unbalanced routing)."""
+    from ..distributed import collective_device
     from ..model.moe import MoE
 
     key = "moe_padded_fallback_share"
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     n = torch.tensor([sum(m.padded_calls for m in layers),
                       sum(m.padded_fallbacks for m in layers)], dtype=torch.float64,
-                     device=device if device.type == "cuda" else "cpu")
+                     device=collective_device(device))
     if world > 1:
         import torch.distributed as dist
 
@@ -256,9 +257,9 @@ def _across_ranks(res, tm: dict, mem: dict, device) -> None:
     losses (each rank's, on its micro-batches) -> mean over ranks."""
     import torch.distributed as dist
 
-    from ..distributed import all_gather_stack, all_max, all_mean
+    from ..distributed import all_gather_stack, all_max, all_mean, collective_device
 
-    dev = device if device.type == "cuda" else "cpu"
+    dev = collective_device(device)
     keys = list(tm)
     every = all_gather_stack(torch.tensor([tm[k] for k in keys], dtype=torch.float64,
                                           device=dev))  # (rank, key, step)
