@@ -120,11 +120,17 @@ def check_dispatch(cfg) -> None:
     CPU only: a CUDA probe here would open a context on GPU 0 in every rank and launcher."""
     if cfg.model.dispatch != "grouped" or cfg.model.num_experts == 0:
         return
-    from .model.moe import grouped_compiles, grouped_mm_supported
+    from .model.moe import grouped_aligned, grouped_compiles, grouped_mm_supported
     from .optimizations.precision import DTYPES
 
     dtype = DTYPES.get(cfg.precision.autocast_dtype, torch.float32)
-    why = None
+    m, why = cfg.model, None
+    odd = [k for k in ("hidden_size", "ffn_hidden_size") if not grouped_aligned(dtype, m[k])]
+    if odd:
+        raise ConfigError("model.dispatch", f"grouped needs 16-byte strides (grouped_mm): "
+                          f"model.{odd[0]}={m[odd[0]]} is not a multiple of "
+                          f"{16 // dtype.itemsize} at precision={cfg.precision.name}; use "
+                          "model.dispatch=auto, loop or padded")
     if cfg.train.compile != "off" and not grouped_compiles(dtype):
         why = "compiled, grouped_mm runs in bf16 only"
     elif cfg.hardware.device == "cpu" and not grouped_mm_supported("cpu", dtype):

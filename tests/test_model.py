@@ -182,6 +182,23 @@ def test_auto_dispatch_choice():
     assert resolve_dispatch("auto", "cpu", torch.bfloat16, compiled=True) == "padded"
     assert resolve_dispatch("auto", "cpu", torch.float32) == ("grouped" if grouped else "loop")
     assert resolve_dispatch("loop", "cpu", torch.bfloat16) == "loop"
+    # grouped_mm needs 16-byte strides: a hidden or ffn size off that grid gets the loop
+    assert resolve_dispatch("auto", "cpu", torch.float32, sizes=(128, 255)) == "loop"
+    assert resolve_dispatch("auto", "cuda", torch.bfloat16, sizes=(1028, 256)) == "loop"
+
+
+def test_padded_fallback_with_unaligned_sizes_runs_the_loop():
+    """ffn 252 in bf16 is off grouped_mm's 16-byte grid: unbalanced routing falls back to
+    the loop, not to grouped_mm (which raised "strides should be multiple of 16 bytes")."""
+    torch.manual_seed(2)
+    a = MoE(16, 252, num_experts=8, top_k=2, dispatch="padded")
+    with torch.no_grad():
+        a.router.gate.weight[:2] += 5.0  # experts 0 and 1 win every token
+    x = torch.randn(512, 16).abs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = a(x)[0]
+    y.float().sum().backward()
+    assert a.padded_fallbacks == 1 and torch.isfinite(a.experts.w2.grad).all()
 
 
 def test_dispatch_probe_leaves_the_global_rng_alone():

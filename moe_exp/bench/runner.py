@@ -28,7 +28,8 @@ def _resolve_dispatch(cfg, device: torch.device) -> None:
     m = cfg.model
     if m.dispatch == "auto":
         dtype = DTYPES.get(cfg.precision.autocast_dtype, torch.float32)
-        m.dispatch = resolve_dispatch("auto", device, dtype, cfg.train.compile != "off") \
+        m.dispatch = resolve_dispatch("auto", device, dtype, cfg.train.compile != "off",
+                                      (m.hidden_size, m.ffn_hidden_size)) \
             if m.num_experts else "loop"
 
 

@@ -54,13 +54,19 @@ def grouped_mm_supported(device: torch.device | str, dtype: torch.dtype) -> bool
     return _SUPPORTED[key]
 
 
+def grouped_aligned(dtype: torch.dtype, *sizes: int) -> bool:
+    """grouped_mm needs 16-byte-aligned strides: hidden and ffn sizes (its matrices' row
+    lengths) multiples of 16 bytes (4 fp32, 8 bf16 values)."""
+    return all(n * dtype.itemsize % 16 == 0 for n in sizes)
+
+
 def grouped_compiles(dtype: torch.dtype) -> bool:
     """grouped_mm lowers under torch.compile in bf16 only."""
     return dtype == torch.bfloat16
 
 
 def resolve_dispatch(dispatch: str, device: torch.device | str, dtype: torch.dtype,
-                     compiled: bool = False) -> str:
+                     compiled: bool = False, sizes: tuple = ()) -> str:
     """The expert kernel to use for `dispatch` on this device, matmul dtype and mode.
 
     auto, from benchmarks/moe_layer.py and compile_step.py (see benchmarks/README.md):
@@ -68,9 +74,11 @@ def resolve_dispatch(dispatch: str, device: torch.device | str, dtype: torch.dty
     CPU: bf16 -> padded (one bmm per weight: oneDNN/AMX batched matmuls beat per-expert
     matmuls, eager and compiled; eager falls back to grouped on unbalanced routing, see
     PAD_LIMIT); fp32 -> grouped eager, loop compiled.
-    An explicit grouped falls back to loop where grouped_mm cannot run.
+    An explicit grouped falls back to loop where grouped_mm cannot run. sizes: the
+    experts' hidden and ffn sizes (grouped_mm needs them aligned, see grouped_aligned).
     """
-    grouped_ok = (not compiled or grouped_compiles(dtype)) and grouped_mm_supported(device, dtype)
+    grouped_ok = ((not compiled or grouped_compiles(dtype)) and grouped_aligned(dtype, *sizes)
+                  and grouped_mm_supported(device, dtype))
     if dispatch == "auto":
         if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
             return "padded"
@@ -188,9 +196,12 @@ def pad_slots(expert: torch.Tensor, pos: torch.Tensor, counts: torch.Tensor,
     return expert * cap + pos - (counts.cumsum(0) - counts)[expert]
 
 
-def unpadded_mode(x: torch.Tensor) -> str:
-    """padded's fallback: grouped where grouped_mm runs, else loop."""
-    return "grouped" if grouped_mm_supported(x.device, _mm_dtype(x)) else "loop"
+def unpadded_mode(x: torch.Tensor, w: torch.Tensor) -> str:
+    """padded's fallback for rows x and expert weights w (E, H, F): grouped where grouped_mm
+    runs, else loop."""
+    dt = _mm_dtype(x)
+    ok = grouped_aligned(dt, *w.shape[1:]) and grouped_mm_supported(x.device, dt)
+    return "grouped" if ok else "loop"
 
 
 class Experts(nn.Module):
@@ -218,7 +229,7 @@ class Experts(nn.Module):
                     torch.arange(counts.shape[0], device=x.device), counts, output_size=n)
                 rows = torch.arange(n, device=x.device)
                 return self.padded(x, pad_slots(expert, rows, counts, cap), cap)
-            mode = unpadded_mode(x)
+            mode = unpadded_mode(x, self.w1)
         if mode == "grouped" and x.shape[0] == 0 and not torch.compiler.is_compiling():
             mode = "loop"  # grouped_mm rejects an empty input (an expert-parallel rank may
             # receive no rows)
@@ -302,7 +313,7 @@ class MoE(nn.Module):
             if cap is not None:  # tokens straight to their padded rows and back
                 y = self.experts.padded(x, pad_slots(flat, inv, counts, cap), cap, self.top_k)
             else:
-                mode = unpadded_mode(x)
+                mode = unpadded_mode(x, self.experts.w1)
             if not torch.compiler.is_compiling():  # (compiled code always pads)
                 self.padded_calls += 1
                 self.padded_fallbacks += cap is None
