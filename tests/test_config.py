@@ -69,6 +69,8 @@ SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3"
     ("model=mixtral_8x7b", "model"),
     ("data=tokens", "data.path"),
     ("data.prefetch_factor=2", "data.prefetch_factor"),
+    ("data.name=tokens", "data.name"),  # a label: the data would still be markov
+    ("data.path=/tmp/x.bin", "data.path"),  # markov reads no file
     ("optim.lr=0", "optim.lr"),
     ("+train.foo=1", "train.foo"),  # `+` adds any key; nothing would read it
     ("+foo=1", "foo"),
