@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import os
 import signal
 import uuid
@@ -57,6 +58,12 @@ def finish() -> None:
         dist.destroy_process_group()
 
 
+def _no_failure_dump(record: logging.LogRecord) -> bool:
+    """The agent logs a failed rank's whole traceback (tens of lines of stderr); the run
+    prints one line (failure_message) and keeps every traceback in its error.log."""
+    return not str(record.msg).startswith("failed (exitcode")
+
+
 def launch(entry, n: int, *args, run_id: str | None = None):
     """Run entry(*args) on n local ranks; returns rank 0's return value. A rank that fails
     ends all of them (the agent stops the rest) and raises ChildFailedError naming it."""
@@ -72,6 +79,8 @@ def launch(entry, n: int, *args, run_id: str | None = None):
     # put the process's own back afterwards, so a later Ctrl-C is an interrupt again
     saved = {s: signal.getsignal(s)
              for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    agent_log.addFilter(_no_failure_dump)
     try:
         return elastic_launch(lc, entry)(*args)[0]
     except SignalException as e:  # the agent stopped the ranks on a signal: Ctrl-C is an
@@ -79,6 +88,7 @@ def launch(entry, n: int, *args, run_id: str | None = None):
             raise KeyboardInterrupt from None
         raise
     finally:
+        agent_log.removeFilter(_no_failure_dump)
         for s, handler in saved.items():
             if handler is not None:
                 try:

@@ -105,7 +105,8 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
         rec.update(status="error", error=f"{type(e).__name__}: {first} (see {out_dir}/error.log)")
     finally:
         if main:
-            if rec["status"] != "ok":
+            if rec["status"] != "ok" and rec["error"]:  # (none yet: a rank's error on its
+                # way to the launcher, which prints it)
                 print(f"error: run {rec['status']}: {rec['error']}", file=sys.stderr)
             fill_null_reasons(rec, f"not measured: run {rec['status']}")
             write_json_atomic(out_dir / "metrics.json", rec)
