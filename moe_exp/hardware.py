@@ -67,6 +67,9 @@ def resolve(cfg) -> None:
                 hw.peak_flops = {**value, **dict(hw.peak_flops)}
             elif key == "name" or mine in (None, "auto", [], {}) or key not in hw:
                 hw[key] = value
+    elif not hw.precisions:  # `hardware.name=X` on the auto group loads no profile
+        raise ConfigError("hardware.name", f"'{hw.name}' only labels a profile; pick one with "
+                          f"hardware={hw.name} (or hardware=auto to detect it)")
     if hw.device == "auto":
         hw.device = "cuda" if torch.cuda.is_available() else "cpu"
     check_device(cfg)

@@ -43,6 +43,22 @@ def check_known_keys(cfg) -> None:
                                   f"{', '.join(sorted(known))})")
 
 
+def check_finite(cfg) -> None:
+    """No nan or inf anywhere: every range check below is a comparison, which nan passes."""
+    import math
+
+    def walk(node, path):
+        items = node.items() if isinstance(node, dict) else enumerate(node) \
+            if isinstance(node, list) else ()
+        for k, v in items:
+            key = f"{path}.{k}" if path else str(k)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(key, f"must be a finite number, got {v}")
+            walk(v, key)
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+
+
 def _at_least(cfg, key: str, low: int) -> None:
     value = _get(cfg, key)
     if value < low:
@@ -66,8 +82,9 @@ def check_model(m) -> None:
                           f"model.num_heads={m.num_heads}")
     if m.num_experts > 0 and not 1 <= m.top_k <= m.num_experts:
         raise ConfigError("model.top_k", f"must be in 1..num_experts={m.num_experts}, got {m.top_k}")
-    if m.aux_loss_coef < 0 or m.z_loss_coef < 0:
-        raise ConfigError("model.aux_loss_coef", "loss coefficients must be >= 0")
+    for key in ("aux_loss_coef", "z_loss_coef"):
+        if m[key] < 0:
+            raise ConfigError(f"model.{key}", f"must be >= 0, got {m[key]}")
     for key in ("init_std", "norm_eps", "rope_theta"):
         if not m[key] > 0:
             raise ConfigError(f"model.{key}", f"must be > 0, got {m[key]}")
@@ -87,6 +104,13 @@ def check_train(cfg) -> None:
 
 def check_precision(cfg) -> None:
     p, hw = cfg.precision.name, cfg.hardware
+    names = CHOICES["precision.name"]
+    for key, what in (("peak_flops", hw.peak_flops), ("precisions", hw.precisions)):
+        if bad := [k for k in what if k not in names]:
+            raise ConfigError(f"hardware.{key}", f"'{bad[0]}' is not a precision (allowed: "
+                              f"{', '.join(names)})")
+    if hw.memory_gib is not None and not hw.memory_gib > 0:
+        raise ConfigError("hardware.memory_gib", f"must be > 0 GiB or null, got {hw.memory_gib}")
     for key, peak in hw.peak_flops.items():
         if peak is not None and not peak > 0:
             raise ConfigError(f"hardware.peak_flops.{key}", f"must be > 0 FLOP/s or null, got {peak}")
@@ -275,6 +299,10 @@ def muon_params(m) -> int:
     return param_counts(m)["params_total"] - 2 * m.vocab_size * h - (2 * m.num_layers + 1) * h
 
 
+def _gib(x: float) -> str:
+    return f"{x:,.0f}" if x >= 10 else f"{x:.2g}"
+
+
 def check_memory(cfg) -> None:
     """Weights + grads + optimizer state in fp32 (16 B/param with AdamW, 12 for Muon's
     matrices) must fit: a lower bound, once
@@ -301,10 +329,10 @@ def check_memory(cfg) -> None:
     need = per_rank * local * per_param / 2**30
     if need > mem:
         where = f"{n} CPU ranks together" if local > 1 else "one device"
-        raise Unsupported("model", f"model={m.name} needs >= {need:,.0f} GiB on {where} for "
+        raise Unsupported("model", f"model={m.name} needs >= {_gib(need)} GiB on {where} for "
                           f"fp32 weights, gradients and optimizer state (optim="
                           f"{cfg.optim.name}) under parallel={p.name}; "
-                          f"hardware={cfg.hardware.name} has {mem:,.0f} GiB (shard it: "
+                          f"hardware={cfg.hardware.name} has {_gib(mem)} GiB (shard it: "
                           "parallel=fsdp or expert_fsdp over more devices, or a smaller model)")
 
 
@@ -391,6 +419,7 @@ def check_logger(cfg) -> None:
 def validate(cfg) -> None:
     """Raise ConfigError on the first problem. Run after hardware.resolve()."""
     check_known_keys(cfg)
+    check_finite(cfg)
     check_choices(cfg)
     check_model(cfg.model)
     check_train(cfg)

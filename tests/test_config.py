@@ -70,6 +70,14 @@ SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3"
     ("data=tokens", "data.path"),
     ("data.prefetch_factor=2", "data.prefetch_factor"),
     ("data.name=tokens", "data.name"),  # a label: the data would still be markov
+    ("optim.lr=nan", "optim.lr"),  # nan passes every comparison
+    ("optim.grad_clip=nan", "optim.grad_clip"),
+    ("optim.weight_decay=inf", "optim.weight_decay"),
+    ("model.z_loss_coef=-1", "model.z_loss_coef"),
+    ("hardware=cpu ++hardware.peak_flops.fp23=1e11", "hardware.peak_flops"),
+    ("hardware=cpu hardware.precisions=[fp32,fp99]", "hardware.precisions"),
+    ("hardware.name=cpu", "hardware.name"),  # a label on the auto group: no profile
+    ("hardware=cpu hardware.memory_gib=-1", "hardware.memory_gib"),
     ("data.path=/tmp/x.bin", "data.path"),  # markov reads no file
     ("optim.lr=0", "optim.lr"),
     ("+train.foo=1", "train.foo"),  # `+` adds any key; nothing would read it
