@@ -148,6 +148,7 @@ def test_cli_expert_parallel_record(tmp_path):
     rec = json.loads((tmp_path / "metrics.json").read_text())
     assert rec["status"] == "ok" and rec["world_size"] == 2
     assert rec["comm_ms"] > 0 and 0 < rec["comm_share"] < 1
+    assert rec["measured_steps"] == 6 - 2  # the last parallel.profile_steps are not timed
     assert rec["tokens_per_s"] == pytest.approx(2 * rec["tokens_per_s_per_device"])
     assert rec["peak_mem_gib"] > 0
     assert len(list(tmp_path.glob("**/metrics.json"))) == 1  # one output dir, one record

@@ -179,10 +179,13 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
         tokens_per_s_wall=tokens_per_step * world * t.steps / res.wall_s,
         **{f"{p}_ms": median(tm[f"{p}_ms"]) for p in ("data", "forward", "backward", "optimizer")},
         loss_first=res.losses[0], loss_last=res.losses[-1], losses=res.losses,
-        tokens_per_step=tokens_per_step * world, measured_steps=t.steps,
+        tokens_per_step=tokens_per_step * world, measured_steps=len(tm["step_ms"]),
     )
     if rec["step_time_iqr_ms"] is None:
-        why["step_time_iqr_ms"] = "one measured step: an IQR needs train.steps >= 2"
+        why["step_time_iqr_ms"] = "one timed step: an IQR needs two" + (
+            f" (of train.steps={t.steps}, the last {t.steps - 1} ran under the profiler for "
+            "comm_ms, untimed: raise train.steps)" if t.steps > 1 else
+            ": train.steps >= 2")
     rec["data_share"] = rec["data_ms"] / step_ms
     if t.compile == "off":
         why["compile_s"] = "train.compile=off"
