@@ -333,3 +333,22 @@ def test_sweep_with_no_finished_job_says_so_and_exits_1(tmp_path):
     assert "[sweep] done: 1 jobs" in r.stdout and ": 1 invalid" in r.stdout
     assert "no job finished ok" in r.stderr
     assert list(pd.read_csv(d / "results.csv")["status"]) == ["invalid"]
+
+
+def test_sweep_checks_fail_before_any_job(tmp_path):
+    """One line and exit 2, no job run: a sweep dir that holds another sweep's records (its
+    rows would mix into this table), a baseline key no row can have (found only at the end
+    before), a value the key does not allow (a row per job before)."""
+    used = tmp_path / "used"
+    (used / "0").mkdir(parents=True)
+    (used / "0" / "metrics.json").write_text("{}")
+    for d, args, line in [
+            (used, ["+case=fp32"], f"hydra.sweep.dir: '{used}' already holds another sweep's"),
+            (tmp_path / "b", ["+case=fp32,bf16", "++sweep.baseline={precison:fp32}"],
+             "sweep.baseline: 'precison' is not a column"),
+            (tmp_path / "c", ["+case=fp32", "train.activation_checkpointing=nope,none"],
+             "train.activation_checkpointing: 'nope' is not one of: none, full, selective")]:
+        r = sweep(d, *args, "logger=none")
+        assert r.returncode == 2, r.stderr[-3000:]
+        assert r.stderr.strip().startswith(f"error: {line}") and len(r.stderr.strip().splitlines()) == 1
+        assert len(list(d.glob("*/metrics.json"))) == (1 if d == used else 0)

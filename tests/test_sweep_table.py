@@ -32,6 +32,19 @@ def test_default_baseline_is_fewest_optimizations_on_per_model():
     assert df["label"][0] == "precision=bf16"
 
 
+def test_default_baseline_prefers_adamw_and_a_baseline_may_name_an_override():
+    rows = [rec(0, 160.0, 1.0, optim="muon"), rec(1, 100.0, 1.0, optim="adamw")]
+    assert list(build_table(rows)["baseline"]) == [False, True]  # muon is an optimization on
+    rows = [rec(0, 100.0, 1.0), rec(1, 90.0, 1.0)]
+    rows[0]["overrides"], rows[1]["overrides"] = ["parallel.prefetch=1"], ["parallel.prefetch=0"]
+    df = build_table(rows, baseline={"parallel.prefetch": 0})  # a key only the overrides hold
+    assert list(df["baseline"]) == [False, True]
+    with pytest.raises(KeyError, match="no row has 'parallel.prefetc'"):
+        build_table(rows, baseline={"parallel.prefetc": 0})
+    with pytest.raises(KeyError, match=r"sweep.baseline: \{'precision': 'fp32'\} matches 2 rows"):
+        build_table(rows, baseline={"precision": "fp32"})  # ambiguous: say so, pick none
+
+
 def test_chosen_baseline_and_unknown_key():
     rows = [rec(0, 100.0, 1.0), rec(1, 200.0, 1.0, precision="bf16")]
     df = build_table(rows, baseline={"precision": "bf16"})
@@ -156,7 +169,7 @@ def test_seed003_preset_runs_muon_and_prefetch_under_fsdp(tmp_path):
 
     cfg = compose(["+sweep=seed003"])
     assert cfg.parallel.name == "fsdp" and cfg.hardware.devices == 2
-    assert dict(cfg.sweep.baseline) == {"optim": "adamw"}
+    assert dict(cfg.sweep.baseline) == {"optim": "adamw", "parallel.prefetch": 0}
     params = OmegaConf.load(CONF / "sweep" / "seed003.yaml").hydra.sweeper.params
     assert dict(params) == {"optim": "adamw,muon", "parallel.prefetch": "0,1"}
     if torch.cuda.is_available():
@@ -167,7 +180,7 @@ def test_seed003_preset_runs_muon_and_prefetch_under_fsdp(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     df = pd.read_csv(d / "results.csv")
     assert list(df["status"]) == ["ok"] * 4
-    base = df[df["baseline"] == True]  # noqa: E712 - the first AdamW job: prefetch 0
+    base = df[df["baseline"] == True]  # noqa: E712 - AdamW, prefetch 0 (an override key)
     assert base["optim"].tolist() == ["adamw"] and "parallel.prefetch=0" in base["label"].iloc[0]
     assert sorted(df["optim"]) == ["adamw", "adamw", "muon", "muon"]
 

@@ -21,21 +21,23 @@ def _fmt_s(s: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
-def plan(config: DictConfig) -> tuple[int | None, list[str]]:
-    """(number of jobs, keys that vary) for the basic sweeper; (None, []) if unknown."""
+def plan(config: DictConfig) -> tuple[int | None, dict]:
+    """(number of jobs, {key that varies: its values}) for the basic sweeper; (None, {}) if
+    unknown. A key swept twice (preset and command line): the command line's values."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     if "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", "")):
-        return None, []
+        return None, {}
     params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
     try:
         parsed = OverridesParser.create().parse_overrides(params + list(config.hydra.overrides.task))
         jobs = BasicSweeper.split_arguments(parsed, None)[0]
     except Exception:  # noqa: BLE001 - progress is a nicety; Hydra reports real errors
-        return None, []
-    varying = [o.get_key_element() for o in parsed if o.is_sweep_override()]
-    return len(jobs), list(dict.fromkeys(varying))  # a key swept twice (preset + command line)
+        return None, {}
+    varying = {o.get_key_element(): list(o.sweep_string_iterator())
+               for o in parsed if o.is_sweep_override()}
+    return len(jobs), varying
 
 
 class SweepCallback(Callback):
@@ -50,7 +52,15 @@ class SweepCallback(Callback):
         global NO_JOB_OK
         NO_JOB_OK = False
         self.active = True
-        self.total, self.varying = plan(config)
+        self.total, swept = plan(config)
+        self.varying = list(swept)
+        from .checks import SweepError, check_sweep
+
+        try:  # before any job
+            check_sweep(config, swept)
+        except SweepError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None  # run.EXIT_INVALID (Hydra passes SystemExit on)
         self.t0 = time.time()
         n = f"{self.total} jobs" if self.total else "jobs"
         print(f"[sweep] {n} -> {config.hydra.sweep.dir}", flush=True)

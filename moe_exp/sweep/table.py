@@ -16,7 +16,7 @@ ADDED = ("job", "label", "repeats", "tokens_per_s_min", "tokens_per_s_max", "bas
          "speedup", "speedup_significant", "mem_saved_pct")
 # What counts as "an optimization on" when choosing the default baseline (fewest on).
 _OFF = {"precision": "fp32", "activation_checkpointing": "none", "compile": "off",
-        "parallel": "none"}
+        "parallel": "none", "optim": "adamw"}
 _HIDDEN_OVERRIDES = ("sweep.", "+sweep", "hydra.", "logger", "+logger")
 
 
@@ -114,7 +114,8 @@ _MISSING = object()
 
 
 def _value(row: dict, key: str, what: str):
-    """row's value of a table column or a dotted key into a dict column (extra.seed_row)."""
+    """row's value of a table column, a dotted key into a dict column (extra.seed_row), or
+    of a key the row's overrides set (parallel.prefetch; as a string)."""
     k = _norm_key(key)
     if k in row:
         return row[k]
@@ -127,6 +128,11 @@ def _value(row: dict, key: str, what: str):
             sub = _MISSING
     if isinstance(sub, dict):
         return sub.get(rest, _MISSING)
+    set_here = {_norm_key(o): v for o, v in _override_items(row).items()}
+    if k in set_here:
+        return set_here[k]
+    if rest:
+        return _MISSING  # a dotted key: an override other rows may set (_check_keys)
     raise KeyError(f"{what}: '{key}' is not a column of the table (e.g. precision, "
                    f"activation_checkpointing, compile, model, extra.seed_row)")
 
@@ -162,6 +168,10 @@ def build_table(records: list[dict], baseline: dict | None = None, by=("model",)
         ok = [r for r in rows if r["status"] == "ok" and _num(r.get("tokens_per_s"))]
         if baseline:
             cands = [r for r in ok if _matches(r, baseline, names[0])]
+            if len(cands) > 1:
+                raise KeyError(f"{names[0]}: {baseline} matches {len(cands)} rows ("
+                               f"{'; '.join(r['label'] for r in cands)}): add a key that "
+                               "tells them apart")
         else:
             cands = sorted(ok, key=_opts_on)[:1]
         base = cands[0] if cands else None

@@ -1,0 +1,63 @@
+"""Checks of a whole sweep before its first job, for what would otherwise show only after
+every job ran (a typo in sweep.baseline), become a row per job (a value no key allows), or
+mix another sweep's rows into this one's table (a reused sweep dir)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+
+class SweepError(Exception):
+    """One line, `key: what` (the callback prints it and exits 2: Hydra would only warn about
+    an exception a callback raises, and run the sweep)."""
+
+
+def check_sweep(config: DictConfig, params: dict) -> None:
+    """params: each swept key (as written) -> its values."""
+    check_dir(config)
+    check_values(params)
+    check_baseline(config, params)
+
+
+def check_dir(config: DictConfig) -> None:
+    if config.sweep.resume:
+        return
+    d = Path(config.hydra.sweep.dir)
+    n = len(list(d.glob("*/metrics.json")))
+    if n:
+        raise SweepError(f"hydra.sweep.dir: '{d}' already holds another sweep's results ({n} "
+                         "job records): use a new dir, or sweep.resume=true to continue that "
+                         "sweep")
+
+
+def check_values(params: dict) -> None:
+    """Swept values of keys with a fixed set of options (config.CHOICES)."""
+    from ..config import CHOICES
+
+    for key, values in params.items():
+        allowed = CHOICES.get(key.lstrip("+"))
+        bad = [v for v in values if allowed and str(v) not in allowed]
+        if bad:
+            raise SweepError(f"{key.lstrip('+')}: '{bad[0]}' is not one of: {', '.join(allowed)}")
+
+
+def check_baseline(config: DictConfig, params: dict) -> None:
+    """sweep.baseline / baseline_by keys: a record column (results FIELDS or EXTRAS, or a
+    key of its `extra` dict), or a key this sweep sets on the command line or in a preset."""
+    from .table import ADDED, _norm_key
+
+    from ..results import EXTRAS, FIELDS
+
+    columns = {*FIELDS, *EXTRAS, *ADDED}
+    overridden = {_norm_key(k) for k in [*params, *(o.split("=", 1)[0] for o in
+                                                    config.hydra.overrides.task if "=" in o)]}
+    baseline = OmegaConf.to_container(config.sweep.baseline) if config.sweep.baseline else {}
+    for what, keys in (("sweep.baseline", list(baseline)),
+                       ("sweep.baseline_by", list(config.sweep.baseline_by))):
+        for key in keys:
+            k = _norm_key(key)
+            if k not in columns and k not in overridden and not k.startswith("extra."):
+                raise SweepError(f"{what}: '{key}' is not a column of the table (e.g. precision, "
+                                 "compile, optim, model, extra.seed_row) nor a key this sweep "
+                                 "sets")
