@@ -92,6 +92,13 @@ def test_repeats_combine_to_median_and_significance():
                    for i, t in enumerate([100.0, 300.0])])
     assert two["tokens_per_s"] == 200.0 and two["step_time_ms"] == pytest.approx(5000.0)
     assert (two["step_time_ms_min"], two["step_time_ms_max"]) == pytest.approx((1e4 / 3, 1e4))
+    # its breakdown adds up to that step time (medians of the phases alone gave 170% of it
+    # when repeats differed as much as 1:3 on a busy machine)
+    two = combine([rec(5, t, 1.0, repeat=i, tokens_per_step=1000, step_time_ms=1e6 / t,
+                       data_ms=0.0, forward_ms=0.4e6 / t, backward_ms=0.5e6 / t,
+                       optimizer_ms=0.1e6 / t) for i, t in enumerate([100.0, 300.0])])
+    phases = sum(two[k] for k in ("data_ms", "forward_ms", "backward_ms", "optimizer_ms"))
+    assert phases == pytest.approx(two["step_time_ms"]) and two["forward_ms"] == pytest.approx(2000)
     bad = combine([rec(3, 100.0, 1.0, repeat=0), rec(3, None, None, status="crashed",
                                                     repeat=1, error="killed")])
     assert bad["status"] == "crashed" and bad["repeats_ok"] == 1 and "repeat 1" in bad["error"]

@@ -70,10 +70,27 @@ def combine(records: list[dict]) -> dict:
     if rec.get("tokens_per_s") and rec.get("tokens_per_step"):  # the step time the median
         # tokens/s means (for an even count their two medians are not each other's inverse)
         rec["step_time_ms"] = 1e3 * rec["tokens_per_step"] / rec["tokens_per_s"]
+        _phases_of(rec, ok)
     for k in ("tokens_per_s", "peak_mem_gib", "step_time_ms"):
         vals = [r[k] for r in ok if isinstance(r.get(k), (int, float))]
         rec[f"{k}_min"], rec[f"{k}_max"] = (min(vals), max(vals)) if vals else (None, None)
     return rec
+
+
+PHASES = ("data_ms", "forward_ms", "backward_ms", "optimizer_ms")
+
+
+def _phases_of(rec: dict, ok: list[dict]) -> None:
+    """The breakdown of the combined step time: each phase's median share of its repeat's
+    step, times that step time (medians of the phases themselves need not add up to it when
+    repeats differ widely)."""
+    for k in PHASES:
+        shares = [r[k] / r["step_time_ms"] for r in ok
+                  if isinstance(r.get(k), (int, float)) and r.get("step_time_ms")]
+        if shares and len(shares) == len(ok):
+            rec[k] = statistics.median(shares) * rec["step_time_ms"]
+    if isinstance(rec.get("data_ms"), (int, float)):
+        rec["data_share"] = rec["data_ms"] / rec["step_time_ms"]
 
 
 def _norm_key(key: str) -> str:
