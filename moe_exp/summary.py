@@ -51,7 +51,11 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
         rows.append(("startup", f"{r['startup_s']:.1f} s from process start to the first "
                                 "measured step (compile excluded)"))
     if r.get("compile_s") is not None:
-        rows.append(("compile", f"{r['compile_s']:.1f} s (first step beyond a steady step)"))
+        share = r.get("compile_cache_hit_share")
+        cache = ("" if share is None else ", cold inductor cache" if share == 0 else
+                 f", warm inductor cache: {share:.0%} of graphs from it")
+        rows.append(("compile", f"{r['compile_s']:.1f} s (first step beyond a steady step"
+                                f"{cache})"))
     if r.get("expert_load_cv") is not None:
         rows.append(("expert load", f"CV {r['expert_load_cv']:.3f}, max/mean "
                                     f"{r['expert_load_max_over_mean']:.2f}, aux loss "

@@ -73,6 +73,12 @@ def test_compiled_run_matches_eager_losses(tmp_path):
     assert compiled["status"] == "ok", compiled["error"]
     assert compiled["compile_s"] > 0
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-3)
+    # whether inductor's cache was warm (compile_s depends on it), counted per run
+    assert 0 <= compiled["compile_cache_hit_share"] <= 1
+    assert eager["compile_cache_hit_share"] is None
+    assert eager["null_reasons"]["compile_cache_hit_share"] == "train.compile=off"
+    again = run_inproc([*args, "train.compile=default"], tmp_path / "again")  # same process:
+    assert again["compile_cache_hit_share"] == 1.0  # every graph from the cache
 
 
 @pytest.mark.slow

@@ -163,7 +163,9 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
             tracker.log({"loss": v, "lr": lr}, step=first + i)
 
     rec["flops_per_token"] = flops_per_token(cfg.model, t.seq_len)  # analytic: known now
+    cached = _inductor_graphs()
     res = train_loop(cfg, applied, optimizer, scheduler, loader, device, memory, on_log, progress)
+    _compile_cache(rec, cfg, cached)
 
     tokens_per_step = t.micro_batch_size * t.grad_accum_steps * t.seq_len
     tm = res.timings
@@ -221,6 +223,28 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
     else:
         for k in ("aux_loss", "expert_load_cv", "expert_load_max_over_mean"):
             why[k] = "dense model (model.num_experts=0)"
+
+
+def _inductor_graphs() -> tuple[int, int]:
+    """(graphs inductor took from its cache, graphs it compiled) in this process so far."""
+    from torch._dynamo.utils import counters
+
+    c = counters["inductor"]
+    return c["fxgraph_cache_hit"], c["fxgraph_cache_miss"]
+
+
+def _compile_cache(rec: dict, cfg, before: tuple[int, int]) -> None:
+    """compile_cache_hit_share: of the graphs this run needed compiled, the share that came
+    from a cache (a warm one makes compile_s a fraction of a cold compile): inductor's on
+    disk, or, where no graph reached inductor, this process's earlier compile of the same
+    model (an in-process sweep's later job)."""
+    key = "compile_cache_hit_share"
+    if cfg.train.compile == "off":
+        rec[key] = None
+        rec["null_reasons"][key] = "train.compile=off"
+        return
+    hit, miss = (a - b for a, b in zip(_inductor_graphs(), before))
+    rec[key] = hit / (hit + miss) if hit + miss else 1.0
 
 
 def _padded_fallbacks(model, cfg, rec, device, world: int) -> None:
