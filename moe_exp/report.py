@@ -98,7 +98,7 @@ def main(argv=None) -> int:
         report(a.sweep_dir, _pairs(a.baseline), a.by, wandb_cfg, plots=not a.no_plots,
                strict=True)
     except (FileNotFoundError, KeyError) as e:
-        print(f"error: {str(e).strip(chr(39))}", file=sys.stderr)
+        print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2
     return 0
 

@@ -241,9 +241,6 @@ def check_data(cfg) -> None:
         raise ConfigError("data.name", f"'{d.name}' only labels the run; the data would come "
                           f"from data.source={d.source}: pick the group instead, data={d.name}")
     if d.source == "markov":
-        if not OmegaConf.is_missing(d, "path") and d.path:
-            raise ConfigError("data.path", "data=markov generates its tokens and reads no file; "
-                              "for a token file use data=tokens data.path=<file>")
         if not 1 <= d.branching <= cfg.model.vocab_size:
             raise ConfigError("data.branching", f"must be in 1..model.vocab_size, got {d.branching}")
     if d.source == "tokens":

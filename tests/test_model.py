@@ -192,6 +192,8 @@ def test_padded_fallback_with_unaligned_sizes_runs_the_loop():
     the loop, not to grouped_mm (which raised "strides should be multiple of 16 bytes")."""
     torch.manual_seed(2)
     a = MoE(16, 252, num_experts=8, top_k=2, dispatch="padded")
+    for p in a.parameters():
+        torch.nn.init.normal_(p, std=0.2)
     with torch.no_grad():
         a.router.gate.weight[:2] += 5.0  # experts 0 and 1 win every token
     x = torch.randn(512, 16).abs()

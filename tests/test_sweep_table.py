@@ -43,6 +43,25 @@ def test_default_baseline_prefers_adamw_and_a_baseline_may_name_an_override():
         build_table(rows, baseline={"parallel.prefetc": 0})
     with pytest.raises(KeyError, match=r"sweep.baseline: \{'precision': 'fp32'\} matches 2 rows"):
         build_table(rows, baseline={"precision": "fp32"})  # ambiguous: say so, pick none
+    # several matches: the one with the fewest optimizations on
+    rows = [rec(0, 100.0, 1.0, precision="bf16", compile="default"),
+            rec(1, 90.0, 1.0, precision="bf16")]
+    assert list(build_table(rows, baseline={"precision": "bf16"})["baseline"]) == [False, True]
+    # override values compare as Hydra types them, like the baseline's own values
+    rows = [rec(0, 100.0, 1.0), rec(1, 90.0, 1.0)]
+    rows[0]["overrides"] = ["parallel.accum_no_sync=true", "optim.lr=1e-3"]
+    rows[1]["overrides"] = ["parallel.accum_no_sync=false", "optim.lr=3e-3"]
+    for baseline in ({"parallel.accum_no_sync": False}, {"optim.lr": 3e-3}):
+        assert list(build_table(rows, baseline=baseline)["baseline"]) == [False, True]
+
+
+def test_sweep_value_check_reads_quoted_values_as_jobs_get_them():
+    from moe_exp.sweep.callback import _unquoted
+    from moe_exp.sweep.checks import SweepError, check_values
+
+    check_values({"train.compile": [_unquoted(v) for v in ('"off"', "'default'")]})
+    with pytest.raises(SweepError, match="train.compile: 'fast' is not one of"):
+        check_values({"train.compile": ["off", "fast"]})
 
 
 def test_chosen_baseline_and_unknown_key():

@@ -163,7 +163,7 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
             tracker.log({"loss": v, "lr": lr}, step=first + i)
 
     rec["flops_per_token"] = flops_per_token(cfg.model, t.seq_len)  # analytic: known now
-    cached = _inductor_graphs()
+    cached = _graph_counts()
     res = train_loop(cfg, applied, optimizer, scheduler, loader, device, memory, on_log, progress)
     _compile_cache(rec, cfg, cached)
 
@@ -225,26 +225,30 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
             why[k] = "dense model (model.num_experts=0)"
 
 
-def _inductor_graphs() -> tuple[int, int]:
-    """(graphs inductor took from its cache, graphs it compiled) in this process so far."""
+def _graph_counts() -> tuple[int, int, int, int]:
+    """(graphs dynamo captured, graphs inductor took from its cache, compiled and stored,
+    compiled bypassing the cache) in this process so far."""
     from torch._dynamo.utils import counters
 
     c = counters["inductor"]
-    return c["fxgraph_cache_hit"], c["fxgraph_cache_miss"]
+    return (counters["stats"]["unique_graphs"], c["fxgraph_cache_hit"],
+            c["fxgraph_cache_miss"], c["fxgraph_cache_bypass"])
 
 
-def _compile_cache(rec: dict, cfg, before: tuple[int, int]) -> None:
+def _compile_cache(rec: dict, cfg, before: tuple) -> None:
     """compile_cache_hit_share: of the graphs this run needed compiled, the share that came
     from a cache (a warm one makes compile_s a fraction of a cold compile): inductor's on
-    disk, or, where no graph reached inductor, this process's earlier compile of the same
+    disk, or, where dynamo captured no new graph, this process's earlier compile of the same
     model (an in-process sweep's later job)."""
-    key = "compile_cache_hit_share"
+    key, why = "compile_cache_hit_share", None
+    graphs, hit, miss, bypass = (a - b for a, b in zip(_graph_counts(), before))
     if cfg.train.compile == "off":
-        rec[key] = None
-        rec["null_reasons"][key] = "train.compile=off"
-        return
-    hit, miss = (a - b for a, b in zip(_inductor_graphs(), before))
-    rec[key] = hit / (hit + miss) if hit + miss else 1.0
+        why = "train.compile=off"
+    elif graphs and not hit + miss + bypass:
+        why = "inductor's FX graph cache is off (TORCHINDUCTOR_FX_GRAPH_CACHE=0)"
+    rec[key] = None if why else hit / (hit + miss + bypass) if graphs else 1.0
+    if why:
+        rec["null_reasons"][key] = why
 
 
 def _padded_fallbacks(model, cfg, rec, device, world: int) -> None:

@@ -35,9 +35,14 @@ def plan(config: DictConfig) -> tuple[int | None, dict]:
         jobs = BasicSweeper.split_arguments(parsed, None)[0]
     except Exception:  # noqa: BLE001 - progress is a nicety; Hydra reports real errors
         return None, {}
-    varying = {o.get_key_element(): list(o.sweep_string_iterator())
+    varying = {o.get_key_element(): [_unquoted(v) for v in o.sweep_string_iterator()]
                for o in parsed if o.is_sweep_override()}
     return len(jobs), varying
+
+
+def _unquoted(v: str) -> str:
+    """'"off"' -> 'off': what a job gets for a quoted sweep value."""
+    return v[1:-1] if len(v) >= 2 and v[0] == v[-1] and v[0] in "'\"" else v
 
 
 class SweepCallback(Callback):

@@ -43,8 +43,9 @@ def check_values(params: dict) -> None:
 
 
 def check_baseline(config: DictConfig, params: dict) -> None:
-    """sweep.baseline / baseline_by keys: a record column (results FIELDS or EXTRAS, or a
-    key of its `extra` dict), or a key this sweep sets on the command line or in a preset."""
+    """sweep.baseline / baseline_by keys: a record column (results FIELDS or EXTRAS, a key
+    of its `extra` dict, task=comm's busbw_gbps_<op>, a repeats' *_min / *_max), or a key
+    this sweep sets on the command line or in a preset."""
     from .table import ADDED, _norm_key
 
     from ..results import EXTRAS, FIELDS
@@ -57,7 +58,8 @@ def check_baseline(config: DictConfig, params: dict) -> None:
                        ("sweep.baseline_by", list(config.sweep.baseline_by))):
         for key in keys:
             k = _norm_key(key)
-            if k not in columns and k not in overridden and not k.startswith("extra."):
+            if k not in columns and k not in overridden and not k.startswith("extra.") \
+                    and not k.startswith("busbw_gbps_") and not k.endswith(("_min", "_max")):
                 raise SweepError(f"{what}: '{key}' is not a column of the table (e.g. precision, "
                                  "compile, optim, model, extra.seed_row) nor a key this sweep "
                                  "sets")

@@ -147,11 +147,22 @@ def _value(row: dict, key: str, what: str):
         return sub.get(rest, _MISSING)
     set_here = {_norm_key(o): v for o, v in _override_items(row).items()}
     if k in set_here:
-        return set_here[k]
+        return _typed(set_here[k])
     if rest:
         return _MISSING  # a dotted key: an override other rows may set (_check_keys)
     raise KeyError(f"{what}: '{key}' is not a column of the table (e.g. precision, "
                    f"activation_checkpointing, compile, model, extra.seed_row)")
+
+
+def _typed(text: str):
+    """An override's value as Hydra types it (true -> True, 1e-3 -> 0.001), to compare with
+    a baseline's value, which Hydra typed too."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        return OverridesParser.create().parse_override(f"k={text}").value()
+    except Exception:  # noqa: BLE001 - not a plain value: compare the text
+        return text
 
 
 def _matches(row, baseline: dict, what: str = "sweep.baseline") -> bool:
@@ -184,11 +195,12 @@ def build_table(records: list[dict], baseline: dict | None = None, by=("model",)
     for rows in groups.values():
         ok = [r for r in rows if r["status"] == "ok" and _num(r.get("tokens_per_s"))]
         if baseline:
-            cands = [r for r in ok if _matches(r, baseline, names[0])]
-            if len(cands) > 1:
-                raise KeyError(f"{names[0]}: {baseline} matches {len(cands)} rows ("
-                               f"{'; '.join(r['label'] for r in cands)}): add a key that "
-                               "tells them apart")
+            # several matches: the one with the fewest optimizations on, if that is one
+            cands = sorted((r for r in ok if _matches(r, baseline, names[0])), key=_opts_on)
+            if len(cands) > 1 and _opts_on(cands[0]) == _opts_on(cands[1]):
+                tied = [r["label"] for r in cands if _opts_on(r) == _opts_on(cands[0])]
+                raise KeyError(f"{names[0]}: {baseline} matches {len(tied)} rows equally ("
+                               f"{'; '.join(tied)}): add a key that tells them apart")
         else:
             cands = sorted(ok, key=_opts_on)[:1]
         base = cands[0] if cands else None
