@@ -122,18 +122,24 @@ def test_grouped_mm_probe_reports_unsupported_dtype_cleanly():
     assert _grouped_mm is not None
 
 
+def _lopsided_padded_moe(ffn: int) -> MoE:
+    """hidden 16, 8 experts, top-2, padded; experts 0 and 1 win every (positive) token."""
+    torch.manual_seed(2)
+    a = MoE(16, ffn, num_experts=8, top_k=2, dispatch="padded")
+    for p in a.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    with torch.no_grad():
+        a.router.gate.weight[:2] += 5.0
+    return a
+
+
 def test_padded_dispatch_with_one_hot_expert_matches_loop(monkeypatch):
     """All tokens prefer two of 8 experts: padded falls back to grouped/loop (no 4x
     padding: no bmm at all) and gives the loop's numbers."""
     bmm_calls = []
     real_bmm = torch.bmm
     monkeypatch.setattr(torch, "bmm", lambda *a: bmm_calls.append(1) or real_bmm(*a))
-    torch.manual_seed(2)
-    a = MoE(16, 24, num_experts=8, top_k=2, dispatch="padded")
-    for p in a.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    with torch.no_grad():
-        a.router.gate.weight[:2] += 5.0  # experts 0 and 1 win every token
+    a = _lopsided_padded_moe(ffn=24)
     b = MoE(16, 24, num_experts=8, top_k=2, dispatch="loop")
     b.load_state_dict(a.state_dict())
     x = torch.randn(512, 16).abs()
@@ -190,12 +196,7 @@ def test_auto_dispatch_choice():
 def test_padded_fallback_with_unaligned_sizes_runs_the_loop():
     """ffn 252 in bf16 is off grouped_mm's 16-byte grid: unbalanced routing falls back to
     the loop, not to grouped_mm (which raised "strides should be multiple of 16 bytes")."""
-    torch.manual_seed(2)
-    a = MoE(16, 252, num_experts=8, top_k=2, dispatch="padded")
-    for p in a.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    with torch.no_grad():
-        a.router.gate.weight[:2] += 5.0  # experts 0 and 1 win every token
+    a = _lopsided_padded_moe(ffn=252)
     x = torch.randn(512, 16).abs()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = a(x)[0]

@@ -46,9 +46,8 @@ def check_baseline(config: DictConfig, params: dict) -> None:
     """sweep.baseline / baseline_by keys: a record column (results FIELDS or EXTRAS, a key
     of its `extra` dict, task=comm's busbw_gbps_<op>, a repeats' *_min / *_max), or a key
     this sweep sets on the command line or in a preset."""
-    from .table import ADDED, _norm_key
-
     from ..results import EXTRAS, FIELDS
+    from .table import ADDED, _norm_key
 
     columns = {*FIELDS, *EXTRAS, *ADDED}
     overridden = {_norm_key(k) for k in [*params, *(o.split("=", 1)[0] for o in

@@ -132,7 +132,7 @@ _MISSING = object()
 
 def _value(row: dict, key: str, what: str):
     """row's value of a table column, a dotted key into a dict column (extra.seed_row), or
-    of a key the row's overrides set (parallel.prefetch; as a string)."""
+    of a key the row's overrides set (parallel.prefetch; typed as Hydra types it)."""
     k = _norm_key(key)
     if k in row:
         return row[k]
