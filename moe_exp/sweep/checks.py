@@ -23,9 +23,10 @@ def check_sweep(config: DictConfig, params: dict) -> None:
 def check_dir(config: DictConfig) -> None:
     if config.sweep.resume:
         return
+    from .table import job_dirs
+
     d = Path(config.hydra.sweep.dir)
-    n = len(list(d.glob("*/metrics.json")))
-    if n:
+    if n := len(job_dirs(d)):
         raise SweepError(f"hydra.sweep.dir: '{d}' already holds another sweep's results ({n} "
                          "job records): use a new dir, or sweep.resume=true to continue that "
                          "sweep")

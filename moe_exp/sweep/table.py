@@ -2,6 +2,7 @@
 against a baseline row; repeats combined into median and spread."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -154,6 +155,7 @@ def _value(row: dict, key: str, what: str):
                    f"activation_checkpointing, compile, model, extra.seed_row)")
 
 
+@functools.lru_cache(maxsize=None)  # the same few override texts, row after row
 def _typed(text: str):
     """An override's value as Hydra types it (true -> True, 1e-3 -> 0.001), to compare with
     a baseline's value, which Hydra typed too."""
