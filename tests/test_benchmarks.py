@@ -104,3 +104,16 @@ def test_optimizer_step_benchmark_rows(tmp_path):
     assert set(ms) == {"adamw", "muon ns=1", "muon ns=7"} and row["vs_adamw"]["adamw"] == 1.0
     assert state["muon ns=7"] < 0.6 * state["adamw"]
     assert all(v > 0 for v in ms.values()) and row["rounds"] >= 1
+
+
+def test_row_moves_benchmark_rows(tmp_path):
+    """Both moves timed for both contenders (the script checks their gradients agree)."""
+    out = tmp_path / "moves.json"
+    bench("row_moves.py", "--shapes", "tiny", "--dtypes", "bf16", "--reps", "1",
+          "--warmup", "0", "--json", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["move"] for r in rows] == ["fan-out", "permute"]
+    for r in rows:
+        assert set(r["median_ms"]) == {"index", "gather"}
+        assert all(v > 0 for v in r["median_ms"].values())
+        assert r["speedup"] == pytest.approx(r["median_ms"]["index"] / r["median_ms"]["gather"])
