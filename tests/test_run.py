@@ -111,6 +111,42 @@ def test_full_checkpointing_lowers_peak_memory(tmp_path):
     assert peaks["full"] < 0.75 * peaks["none"], peaks
 
 
+IMPORTS_IN_WINDOW = """
+import sys, tempfile
+from moe_exp.bench import memory
+from moe_exp.run import run
+sys.path.insert(0, "tests")
+from conftest import compose
+seen = {}
+base, read = memory.MemoryMeter.baseline, memory.MemoryMeter.read
+memory.MemoryMeter.baseline = lambda self: (seen.setdefault("base", set(sys.modules)), base(self))[1]
+memory.MemoryMeter.read = lambda self: (seen.setdefault("read", set(sys.modules)), read(self))[1]
+rec = run(compose(["logger=none", "train.steps=2", "train.warmup_steps=1", *sys.argv[1:]]),
+          out_dir=tempfile.mkdtemp(), progress=False)
+assert rec["status"] == "ok", rec["error"]
+print(" ".join(sorted(m for m in seen["read"] - seen["base"] if m.startswith("torch"))))
+"""
+
+
+@pytest.mark.parametrize("extra", [[], ["optim=muon"]], ids=["adamw", "muon"])
+def test_cpu_peak_memory_counts_no_module_imports(extra):
+    """CPU peak_mem_gib is RSS above a baseline taken before the model is built: torch
+    modules a run imports after it (torch.optim's lazy dynamo import: ~45 MiB, a third of
+    tiny_moe's peak) would count as the run's memory. A fresh process, so nothing is
+    imported already."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-c", IMPORTS_IN_WINDOW, *extra], cwd=root,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    late = p.stdout.strip().splitlines()[-1].split() if p.stdout.strip() else []
+    heavy = ("torch._dynamo", "torch._inductor", "torch.distributed", "torch.onnx",
+             "torch._functorch", "torch.fx")
+    assert not [m for m in late if m.startswith(heavy)], late
+
 def test_wandb_offline_run_holds_config_and_metrics_and_is_finished(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     rec = run_inproc(["train.steps=5"], tmp_path)

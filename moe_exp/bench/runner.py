@@ -136,6 +136,10 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
     setup_backends(cfg)
     torch.manual_seed(t.seed)
     _resolve_dispatch(cfg, device)
+    # modules the run imports anyway (torch.optim imports dynamo lazily), loaded before the
+    # memory baseline: on CPU their RSS (~45 MiB) would count as the run's memory
+    import torch._dynamo as _  # noqa: F401 (binds no local `torch`)
+
     memory = MemoryMeter(device)
     memory.baseline()
     with torch.device(device):

@@ -12,6 +12,7 @@ Moonlight), so the update's RMS matches AdamW's and lr/weight_decay carry over f
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 from torch import Tensor, nn
@@ -36,10 +37,11 @@ def newton_schulz(g: Tensor, steps: int, eps: float = 1e-7) -> Tensor:
 
 
 def _orthogonalize(u: Tensor, steps: int, eps: float) -> Tensor:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if not isinstance(u, DTensor):
+    # not imported where no DTensor can exist (a run's CPU memory would count the import)
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None or not isinstance(u, dtensor.DTensor):
         return newton_schulz(u, steps, eps)
+    DTensor, distribute_tensor = dtensor.DTensor, dtensor.distribute_tensor
     if u.ndim == 3 and all(p.is_shard(0) for p in u.placements):  # whole experts per rank
         local = newton_schulz(u.to_local(), steps, eps)
         return DTensor.from_local(local, u.device_mesh, u.placements, shape=u.shape,
