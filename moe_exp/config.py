@@ -83,7 +83,9 @@ class ParallelConfig:
     # forward relies on the CPU running ahead); N >= 1 = each block explicitly issues the
     # all-gathers of the next N blocks in forward and backward (more overlap, more memory)
     prefetch: int = 0
-    profile_steps: int = 2  # extra steps under torch.profiler to measure communication time
+    # the last N of train.steps run under torch.profiler to measure communication time
+    # (several ranks only; left out of the step-time figures)
+    profile_steps: int = 2
 
 
 @dataclass

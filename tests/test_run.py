@@ -343,3 +343,24 @@ def test_ctrl_c_on_a_distributed_run_is_an_interrupt(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         launch(print, 2)
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_gradient_sync_before_the_step_counts_as_backward(tmp_path, monkeypatch):
+    """Expert parallelism all-reduces the replicated gradients after the last micro-step
+    (Applied.before_step): backward time, as DDP's and FSDP's in-hook reductions are, not
+    the optimizer's (clip + step + zero_grad)."""
+    import time
+
+    import moe_exp.optimizations as opt
+
+    real = opt.apply
+
+    def with_slow_sync(*args, **kwargs):
+        applied = real(*args, **kwargs)
+        applied.before_step = lambda: time.sleep(0.1)
+        return applied
+
+    monkeypatch.setattr(opt, "apply", with_slow_sync)
+    rec = run_inproc(["logger=none", "train.steps=3", "train.warmup_steps=1"], tmp_path)
+    assert rec["status"] == "ok", rec["error"]
+    assert rec["backward_ms"] >= 100 and rec["optimizer_ms"] < 100, rec

@@ -115,6 +115,8 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
         for step in range(total):
             measured = step >= t.warmup_steps
             if step == prof_from:
+                _sync(device)  # the wall-clock window ends where the profiled steps begin
+                res.wall_s = time.perf_counter() - wall0
                 prof = _profiler(device)
                 with _kineto_quiet():
                     prof.__enter__()
@@ -140,8 +142,10 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                     res.counts = out.counts if res.counts is None else res.counts + out.counts
                     balances.append(out.balance.detach())
                     zs.append(out.z.detach())
-            if applied.before_step:
+            if applied.before_step:  # gradient sync outside DDP/FSDP's hooks (expert
+                # parallelism): backward's, as under DDP/FSDP
                 applied.before_step()
+                timer.lap("backward")
             if scaler:
                 scaler.unscale_(optimizer)
             if cfg.optim.grad_clip > 0:
@@ -179,8 +183,9 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                     raise Diverged(f"loss became {res.losses[bad]} at step {bad}",
                                    res.losses[:bad])
             bar.update(1)
-        _sync(device)
-        res.wall_s = time.perf_counter() - wall0
+        if res.wall_s is None:
+            _sync(device)
+            res.wall_s = time.perf_counter() - wall0
         if prof is not None:
             with _kineto_quiet():
                 prof.__exit__(None, None, None)

@@ -182,7 +182,7 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
         step_time_ms=step_ms, step_time_iqr_ms=iqr(tm["step_ms"]),
         tokens_per_s=tokens_per_step * world / (step_ms / 1e3),
         tokens_per_s_per_device=tokens_per_step / (step_ms / 1e3),
-        tokens_per_s_wall=tokens_per_step * world * t.steps / res.wall_s,
+        tokens_per_s_wall=tokens_per_step * world * len(tm["step_ms"]) / res.wall_s,
         **{f"{p}_ms": median(tm[f"{p}_ms"]) for p in ("data", "forward", "backward", "optimizer")},
         loss_first=res.losses[0], loss_last=res.losses[-1], losses=res.losses,
         tokens_per_step=tokens_per_step * world, measured_steps=len(tm["step_ms"]),
