@@ -364,3 +364,30 @@ def test_gradient_sync_before_the_step_counts_as_backward(tmp_path, monkeypatch)
     rec = run_inproc(["logger=none", "train.steps=3", "train.warmup_steps=1"], tmp_path)
     assert rec["status"] == "ok", rec["error"]
     assert rec["backward_ms"] >= 100 and rec["optimizer_ms"] < 100, rec
+
+
+def test_other_accelerators_sync_at_each_boundary_and_read_their_allocator(monkeypatch):
+    """A device without CUDA events (Gaudi's hpu: torch.hpu once its bridge is imported)
+    queues work asynchronously: each phase boundary waits for it, and peak memory comes from
+    its allocator's own calls. (A stand-in torch.hpu: no Gaudi here.)"""
+    from types import SimpleNamespace
+
+    from moe_exp.bench.memory import MemoryMeter
+    from moe_exp.bench.timer import StepTimer
+
+    calls = []
+    monkeypatch.setattr(torch, "hpu", SimpleNamespace(
+        synchronize=lambda: calls.append("sync"),
+        reset_peak_memory_stats=lambda: calls.append("reset"),
+        max_memory_allocated=lambda: 2**30, max_memory_reserved=lambda: 3 * 2**29),
+        raising=False)
+    hpu = torch.device("hpu")
+    timer = StepTimer(hpu)
+    timer.start()
+    timer.lap("data")
+    timer.end()
+    assert calls == ["sync", "sync"]
+    meter = MemoryMeter(hpu)
+    meter.reset()
+    assert calls[2:] == ["sync", "reset"]
+    assert meter.read() == ({"peak_mem_gib": 1.0, "peak_reserved_gib": 1.5}, {})

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from ..config import total_steps
 from .memory import MemoryMeter
-from .timer import StepTimer, process_age_s
+from .timer import StepTimer, device_sync, process_age_s
 
 
 class Diverged(Exception):
@@ -88,11 +88,6 @@ def _kineto_quiet():
             os.write(2, out.encode())
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                memory: MemoryMeter, on_log=None, progress: bool = True) -> LoopResult:
     t = cfg.train
@@ -115,7 +110,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
         for step in range(total):
             measured = step >= t.warmup_steps
             if step == prof_from:
-                _sync(device)  # the wall-clock window ends where the profiled steps begin
+                device_sync(device)  # the wall-clock window ends where the profiled steps begin
                 res.wall_s = time.perf_counter() - wall0
                 prof = _profiler(device)
                 with _kineto_quiet():
@@ -161,7 +156,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
             if measured and step < prof_from:
                 timer.end()
             if step == 0:
-                _sync(device)
+                device_sync(device)
                 res.first_step_s = time.perf_counter() - t0
             pending.append(step_loss)
             res.steps_done = step + 1
@@ -184,7 +179,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                                    res.losses[:bad])
             bar.update(1)
         if res.wall_s is None:
-            _sync(device)
+            device_sync(device)
             res.wall_s = time.perf_counter() - wall0
         if prof is not None:
             with _kineto_quiet():

@@ -1,4 +1,5 @@
-"""Peak memory: CUDA allocator peaks; on CPU the process's peak RSS above a baseline."""
+"""Peak memory: the accelerator allocator's peaks (torch.cuda, or torch.hpu/xpu alike); on CPU
+the process's peak RSS above a baseline."""
 from __future__ import annotations
 
 import torch
@@ -59,10 +60,18 @@ class MemoryMeter:
             _release_free_heap()
             self.base_rss = _status_kib("VmRSS") * 1024
 
+    def _api(self):
+        """torch.cuda, or another accelerator's module with the same peak-memory calls
+        (torch.hpu once Gaudi's bridge is imported; torch.xpu); None on CPU or without them."""
+        mod = getattr(torch, self.device.type, None) if self.device.type != "cpu" else None
+        need = ("synchronize", "reset_peak_memory_stats", "max_memory_allocated")
+        return mod if mod is not None and all(hasattr(mod, n) for n in need) else None
+
     def reset(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+        api = self._api()
+        if api is not None:
+            api.synchronize()
+            api.reset_peak_memory_stats()
         elif self.device.type == "cpu":
             try:  # resets VmHWM to the current RSS
                 with open("/proc/self/clear_refs", "w") as f:
@@ -72,10 +81,14 @@ class MemoryMeter:
 
     def read(self) -> tuple[dict, dict]:
         """(values, reasons for null values)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            return {"peak_mem_gib": torch.cuda.max_memory_allocated() / GIB,
-                    "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB}, {}
+        api = self._api()
+        if api is not None:
+            api.synchronize()
+            reserved = getattr(api, "max_memory_reserved", None)
+            return {"peak_mem_gib": api.max_memory_allocated() / GIB,
+                    "peak_reserved_gib": reserved() / GIB if reserved else None}, \
+                {} if reserved else {"peak_reserved_gib": f"torch.{self.device.type} has no "
+                                     "max_memory_reserved"}
         if self.device.type == "cpu":
             peak = (_status_kib("VmHWM") * 1024 - self.base_rss) / GIB
             why = {"peak_reserved_gib": "CPU has no caching allocator: peak_mem_gib is peak RSS "

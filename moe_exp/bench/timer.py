@@ -1,7 +1,9 @@
 """Per-step phase timing without syncs inside a step.
 
 On CUDA each boundary records an event (no host sync; read after the window), so the
-figures are GPU time between boundaries. On CPU, wall time between boundaries.
+figures are GPU time between boundaries. On CPU, wall time between boundaries. On other
+accelerators (Gaudi's hpu) each boundary waits for the device first (device_sync), so the
+phases hold the device's work, at the cost of those syncs.
 """
 from __future__ import annotations
 
@@ -14,8 +16,16 @@ import torch
 PHASES = ("data", "forward", "backward", "optimizer")
 
 
+def device_sync(device: torch.device) -> None:
+    """Wait for the device's queued work: torch.<type>.synchronize() (cuda, hpu once its
+    bridge is imported, xpu, mps); nothing on CPU."""
+    if device.type != "cpu":
+        getattr(torch, device.type).synchronize()
+
+
 class StepTimer:
     def __init__(self, device: torch.device):
+        self.device = device
         self.cuda = device.type == "cuda"
         self.steps: list[list] = []
         self._cur: list = []
@@ -25,6 +35,7 @@ class StepTimer:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             return ev
+        device_sync(self.device)
         return time.perf_counter()
 
     def start(self) -> None:
