@@ -10,7 +10,9 @@ import torch
 from omegaconf import OmegaConf
 
 CONF = Path(__file__).parent / "conf"
-GPU_PROFILES = {"H200": "h200", "H100": "h100", "A100": "a100"}
+# CUDA device name -> profile, first match wins (the PCIe and NVL parts peak lower than SXM)
+GPU_PROFILES = {"H100 PCIe": "h100_pcie", "H100 NVL": "h100_nvl", "H200 NVL": "h200_nvl",
+                "H200": "h200", "H100": "h100", "A100": "a100"}
 
 
 class ConfigError(Exception):

@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from conftest import CONF, compose, run_cli, run_inproc
@@ -22,7 +23,8 @@ def test_groups_have_the_contract_options():
     have = {g: {p.stem for p in (CONF / g).glob("*.yaml")} for g in GROUPS}
     assert {"tiny_moe", "small_moe", "moe_1b", "mixtral_8x7b", "tiny_dense"} <= have["model"]
     assert have["precision"] == {"fp32", "tf32", "fp16", "bf16", "fp8"}
-    assert have["hardware"] == {"auto", "cpu", "a100", "h100", "h200", "gaudi3"}
+    assert have["hardware"] == {"auto", "cpu", "a100", "h100", "h100_pcie", "h100_nvl", "h200",
+                                "h200_nvl", "gaudi3"}
     assert {"wandb", "none"} == have["logger"]
 
 
@@ -298,3 +300,18 @@ def test_netrc_fallback_reader(tmp_path, monkeypatch):
     assert not _netrc_has_key({"wandb.example.com"})
     (tmp_path / "netrc").write_text('machine api.wandb.ai login user password ""\n')
     assert not _netrc_has_key({"api.wandb.ai"})  # an entry without a key
+
+
+@pytest.mark.parametrize("device_name,profile,bf16_peak", [
+    ("NVIDIA H100 80GB HBM3", "h100", 989e12), ("NVIDIA H100 PCIe", "h100_pcie", 756e12),
+    ("NVIDIA H100 NVL", "h100_nvl", 835.5e12), ("NVIDIA H200", "h200", 989e12),
+    ("NVIDIA H200 NVL", "h200_nvl", 835.5e12), ("NVIDIA A100-SXM4-80GB", "a100", 312e12)])
+def test_auto_hardware_tells_the_gpu_parts_apart(device_name, profile, bf16_peak, monkeypatch):
+    """hardware=auto picks the profile from the CUDA device name: a PCIe or NVL H100 given
+    the SXM part's peaks would understate its MFU by 16-24%."""
+    from moe_exp import hardware
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: device_name)
+    assert hardware.detect() == profile
+    assert hardware.load_profile(profile)["peak_flops"]["bf16"] == bf16_peak

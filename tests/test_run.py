@@ -46,7 +46,8 @@ def test_default_record_is_complete_and_sane(default_record):
     assert rec["expert_load_cv"] >= 0 and rec["expert_load_max_over_mean"] >= 1
     assert len(rec["expert_load_cv_per_layer"]) == 2
     assert rec["aux_loss"] > 0.9  # Switch loss is >= ~1 for top-k routing
-    assert rec["world_size"] == 1 and rec["hardware"] in ("cpu", "a100", "h100", "h200", "cuda")
+    assert rec["world_size"] == 1 and rec["hardware"] in ("cpu", "a100", "h100", "h100_pcie", "h100_nvl",
+                                                       "h200", "h200_nvl", "cuda")
     assert rec["compile_s"] is None and rec["null_reasons"]["compile_s"] == "train.compile=off"
     assert rec["startup_s"] > 0  # its own process: process start -> first measured step
     assert len(rec["config_hash"]) == 12 and rec["torch_version"] == torch.__version__
