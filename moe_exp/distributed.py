@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import math
 import os
 import signal
 import uuid
@@ -144,10 +145,13 @@ def collective_device(device: torch.device):
     return device if device.type == "cuda" else "cpu"
 
 
-def all_max(values: list[float], device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
+def all_max(values: list[float | None], device) -> list[float | None]:
+    """Each value's max over ranks; None (not measured on a rank) counts as none, and stays
+    None where no rank has a value. Every rank passes the same number of values."""
+    t = torch.tensor([-math.inf if v is None else v for v in values], dtype=torch.float64,
+                     device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+    return [None if v == -math.inf else v for v in t.tolist()]
 
 
 def all_gather_stack(t: torch.Tensor) -> torch.Tensor:

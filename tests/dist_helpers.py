@@ -139,3 +139,16 @@ def grad_norm_matches(overrides, batch: int) -> dict:
         return {"norm": norm, "ref_norm": ref_norm}
     finally:
         distributed.finish()
+
+
+def max_with_nulls(overrides) -> list:
+    """distributed.all_max where the ranks' nulls differ: rank 0 lacks the first value,
+    rank 1 the second, neither has the third."""
+    from moe_exp import distributed
+
+    d = distributed.init(_cfg(["parallel=ddp", "hardware.devices=2", *overrides]))
+    try:
+        mine = [None, 2.0, None] if d.rank == 0 else [5.0, None, None]
+        return distributed.all_max(mine, torch.device("cpu"))
+    finally:
+        distributed.finish()

@@ -255,3 +255,12 @@ def test_sweep_over_parallel_and_devices(tmp_path):
     assert list(df["status"]) == ["ok", "invalid", "ok", "ok"]
     assert list(df["world_size"]) == [1, 2, 1, 2]
     assert df.loc[0, "baseline"] and df.loc[3, "speedup"] > 0
+
+
+def test_max_over_ranks_keeps_nulls_apart():
+    """Peaks and comm time -> max over ranks with the same keys on every rank: a figure one
+    rank could not measure (null) takes the others' (the null list used to be skipped,
+    so ranks with different nulls passed collectives of different sizes)."""
+    import dist_helpers
+
+    assert launch(dist_helpers.max_with_nulls, []) == [5.0, 2.0, None]

@@ -202,7 +202,8 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
     else:
         why["startup_s"] = "process not started for this run (in-process call), or no /proc"
     rec.update(mem)
-    why.update(mem_why)
+    why.update({k: v for k, v in mem_why.items() if mem.get(k) is None})  # (another rank's
+    # figure may fill a null)
     if res.comm_ms is not None:
         rec.update(comm_ms=res.comm_ms, comm_share=res.comm_ms / step_ms)
     else:
@@ -301,12 +302,10 @@ def _across_ranks(res, tm: dict, mem: dict, device) -> None:
     every = all_gather_stack(torch.tensor([tm[k] for k in keys], dtype=torch.float64,
                                           device=dev))  # (rank, key, step)
     tm.update(slowest_rank_steps(every, keys))
-    mkeys = [k for k, v in mem.items() if v is not None]
-    extra = [res.comm_ms] if res.comm_ms is not None else []
-    vals = all_max([mem[k] for k in mkeys] + extra, dev)
+    mkeys = sorted(mem)  # the same keys on every rank, nulls included
+    vals = all_max([*(mem[k] for k in mkeys), res.comm_ms], dev)
     mem.update(zip(mkeys, vals))
-    if extra:
-        res.comm_ms = vals[-1]
+    res.comm_ms = vals[-1]
     if res.counts is not None:
         dist.all_reduce(res.counts)
     if res.balance is not None:
