@@ -52,11 +52,22 @@ class MemoryMeter:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.base_rss = 0
+        self.base_rss = self.base_alloc = self.base_reserved = 0
         self.reset_ok = True
 
     def baseline(self) -> None:
-        if self.device.type == "cpu":
+        api = self._api()
+        if api is not None:  # what an earlier run in this process (sweep.isolate=false)
+            # left: its cached blocks freed, its live tensors not counted (0 in a new process)
+            import gc
+
+            gc.collect()
+            api.synchronize()
+            if hasattr(api, "empty_cache"):
+                api.empty_cache()
+            self.base_alloc = api.memory_allocated() if hasattr(api, "memory_allocated") else 0
+            self.base_reserved = api.memory_reserved() if hasattr(api, "memory_reserved") else 0
+        elif self.device.type == "cpu":
             _release_free_heap()
             self.base_rss = _status_kib("VmRSS") * 1024
 
@@ -85,8 +96,9 @@ class MemoryMeter:
         if api is not None:
             api.synchronize()
             reserved = getattr(api, "max_memory_reserved", None)
-            return {"peak_mem_gib": api.max_memory_allocated() / GIB,
-                    "peak_reserved_gib": reserved() / GIB if reserved else None}, \
+            return {"peak_mem_gib": (api.max_memory_allocated() - self.base_alloc) / GIB,
+                    "peak_reserved_gib": (reserved() - self.base_reserved) / GIB
+                    if reserved else None}, \
                 {} if reserved else {"peak_reserved_gib": f"torch.{self.device.type} has no "
                                      "max_memory_reserved"}
         if self.device.type == "cpu":
