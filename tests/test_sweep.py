@@ -101,6 +101,26 @@ def test_resume_skips_finished_jobs_and_rebuilds_table(swept, tmp_path):
     assert list(df["tokens_per_s"].fillna(-1)) == list(old["tokens_per_s"].fillna(-1))
 
 
+def test_resume_with_other_values_keeps_every_finished_row(swept, tmp_path):
+    """Resumed with fewer values, Hydra numbers the jobs anew: job 0 is now bf16, whose
+    record sits in dir 1. fp32's record in dir 0 moves aside (it was overwritten) and
+    every row stays in the table."""
+    d0, _ = swept
+    d = tmp_path / "s"
+    shutil.copytree(d0, d, ignore=shutil.ignore_patterns("wandb", "results.*"))
+    old = pd.read_parquet(d0 / "results.parquet")
+    r = sweep(d, "+case=bf16", "logger=none", "sweep.resume=true")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count("already done") == 1 and "moved to" in r.stderr
+    fp32_hash = old.loc[0, "config_hash"]
+    moved = d / f"0-{fp32_hash}"
+    assert json.loads((moved / "metrics.json").read_text())["config_hash"] == fp32_hash
+    assert "status: ok" in (moved / "run.log").read_text()
+    df = pd.read_parquet(d / "results.parquet")
+    assert sorted(df["config_hash"]) == sorted(old["config_hash"])
+    assert set(df["status"]) == {"ok", "invalid", "diverged"}
+
+
 def _child_of(job_dir: Path, timeout=120):
     """pid of the job process running job_dir/job.json."""
     end = time.time() + timeout
@@ -133,6 +153,27 @@ def test_killed_job_is_crashed_row_and_sweep_goes_on(tmp_path):
     assert list(df["status"]) == ["crashed", "ok"]
     assert "SIGKILL" in df.loc[0, "error"]
     assert df.loc[0, "config_hash"] and pd.isna(df.loc[0, "tokens_per_s"])
+
+
+def test_ctrl_c_stops_the_sweep_and_keeps_the_running_job_as_a_row(tmp_path):
+    """SIGINT to the sweep (Ctrl-C): the job process is killed, the job it was running
+    becomes a `crashed: interrupted` row in the table, the sweep exits 130."""
+    d = tmp_path / "s"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "moe_exp.run", "-m", CASES,
+                             f"hydra.sweep.dir={d}", "+case=fast,long", "logger=none"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    child = _child_of(d / "1")
+    time.sleep(2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    with pytest.raises(ProcessLookupError):  # the job process went with it
+        os.kill(child, 0)
+    df = pd.read_csv(d / "results.csv")
+    assert list(df["status"]) == ["ok", "crashed"]
+    assert "interrupted" in df.loc[1, "error"] and df.loc[1, "config_hash"]
 
 
 def test_repeats_report_median_and_spread(tmp_path):

@@ -127,7 +127,7 @@ class SweepCallback(Callback):
             NO_JOB_OK = True
             print("[sweep] no job finished ok: see the table's status and error columns "
                   "(exit status 1)", file=sys.stderr, flush=True)
-        report(sweep_dir, baseline=_baseline(config), by=list(config.sweep.baseline_by),
+        report(sweep_dir, baseline=baseline_of(config.sweep), by=list(config.sweep.baseline_by),
                wandb_cfg=config.logger if config.logger.name == "wandb" else None,
                group=config.logger.get("group") or sweep_group(config, sweep_dir),
                title=f"Sweep {config.sweep.name or sweep_dir}")
@@ -140,25 +140,28 @@ def _is_sweep_job(config: DictConfig) -> bool:
 
 
 def _update_table(config: DictConfig) -> None:
+    update_table(Path(config.hydra.sweep.dir), config.sweep)
+
+
+def update_table(sweep_dir: Path, sweep: DictConfig) -> None:
     """Keep results.* current: an interrupted sweep still has its table. Under a lock, so
     jobs that end together (submitit) each write a table read after the other's."""
     import fcntl
 
-    sweep_dir = Path(config.hydra.sweep.dir)
     try:
         from .table import collect, sweep_table, write_tables
 
         with open(sweep_dir / ".results.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # (a bad baseline key: the report at the end
             # says so)
-            df, _ = sweep_table(collect(sweep_dir), _baseline(config), config.sweep.baseline_by)
+            df, _ = sweep_table(collect(sweep_dir), baseline_of(sweep), sweep.baseline_by)
             write_tables(df, sweep_dir)
     except Exception as e:  # noqa: BLE001
         print(f"[sweep] could not update the table yet: {e}", flush=True)
 
 
-def _baseline(config: DictConfig) -> dict | None:
+def baseline_of(sweep: DictConfig) -> dict | None:
     from omegaconf import OmegaConf
 
-    b = config.sweep.baseline
+    b = sweep.baseline
     return OmegaConf.to_container(b) if b is not None else None

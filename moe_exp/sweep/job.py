@@ -61,11 +61,32 @@ def _run_job(cfg, job_dir: Path, sweep_dir: Path, overrides, choices, num: int) 
 
     s = cfg.sweep
     cfg, rec = prepare(cfg, overrides)
+    set_aside(job_dir, rec["config_hash"] if rec is not None else config_hash(_container(cfg)))
     if rec is not None:  # invalid or skipped: no process started
         print(f"[sweep] job #{num}: {rec['status']}: {rec['error']}", file=sys.stderr)
         log_record(rec)
         return rec
     cfg_dict = _container(cfg)
+    try:
+        return _repeats(cfg, cfg_dict, job_dir, sweep_dir, overrides, choices, num)
+    except KeyboardInterrupt:  # Ctrl-C: the sweep stops; this job is a row that says so
+        from .callback import update_table
+
+        rec = failed_record(cfg_dict, overrides, "crashed",
+                            "interrupted (Ctrl-C): the sweep stopped during this job",
+                            "not measured: interrupted")
+        rec["job"] = num
+        write_json_atomic(job_dir / "metrics.json", rec)
+        update_table(sweep_dir, s)
+        raise
+
+
+def _repeats(cfg, cfg_dict: dict, job_dir: Path, sweep_dir: Path, overrides, choices,
+             num: int) -> dict:
+    """The job's sweep.repeats runs (or the records a resume finds for them)."""
+    from ..run import log_record
+
+    s = cfg.sweep
     pool = finished_records(sweep_dir, config_hash(cfg_dict), job_dir) if s.resume else []
     reps = []
     for i in range(s.repeats):
@@ -98,6 +119,32 @@ def _run_job(cfg, job_dir: Path, sweep_dir: Path, overrides, choices, num: int) 
 
 
 _RUNS_HERE = 0  # runs of an in-process sweep (sweep.isolate=false) made by this process
+
+
+def set_aside(job_dir: Path, h: str) -> Path | None:
+    """A resumed sweep numbers its jobs anew: with other values, job_dir may hold another
+    configuration's records. They move to <num>-<their config hash> beside it (the table
+    and a later resume still find them) before this job writes; returns where to."""
+    prev = read_record(job_dir / "metrics.json")
+    if prev is None or prev.get("config_hash") == h:
+        return None
+    base = f"{job_dir.name}-{prev.get('config_hash') or 'other'}"
+    dest, i = job_dir.parent / base, 2
+    while dest.exists():
+        dest, i = job_dir.parent / f"{base}-{i}", i + 1
+    dest.mkdir()
+    for p in job_dir.iterdir():
+        if p.name == ".hydra":  # (Hydra has written this job's over the old one's)
+            continue
+        if p.name == "run.log":  # Hydra's open log of this job: copied, then emptied
+            shutil.copy2(p, dest / p.name)
+            with open(p, "r+") as f:
+                f.truncate(0)
+            continue
+        shutil.move(str(p), str(dest / p.name))
+    print(f"[sweep] {job_dir} held another configuration's records: moved to {dest}",
+          file=sys.stderr)
+    return dest
 
 
 def finished_records(sweep_dir: Path, h: str, job_dir: Path) -> list[tuple[Path, dict]]:
