@@ -2,6 +2,9 @@
 report.md; optionally a W&B summary run.
 
     python -m moe_exp.report SWEEP_DIR [--baseline precision=fp32 ...] [--by model] [--wandb]
+
+Without --baseline / --by: the sweep's own sweep.baseline and sweep.baseline_by (from its
+multirun.yaml), else the row with the fewest optimizations on, per model.
 """
 from __future__ import annotations
 
@@ -77,8 +80,10 @@ def main(argv=None) -> int:
         "\n\n")[0])
     ap.add_argument("sweep_dir", type=Path)
     ap.add_argument("--baseline", nargs="*", metavar="KEY=VALUE",
-                    help="the baseline row (default: the one with the fewest optimizations on)")
-    ap.add_argument("--by", nargs="*", default=["model"], help="one baseline per value of")
+                    help="the baseline row (default: the sweep's sweep.baseline, else the "
+                    "one with the fewest optimizations on; --baseline alone: the latter)")
+    ap.add_argument("--by", nargs="*", help="one baseline per value of (default: the "
+                    "sweep's sweep.baseline_by, else model)")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--wandb", action="store_true", help="log a W&B summary run (offline "
                     "unless WANDB_MODE=online)")
@@ -94,9 +99,17 @@ def main(argv=None) -> int:
 
         wandb_cfg = OmegaConf.create({"project": "moe_exp", "entity": None,
                                       "mode": os.environ.get("WANDB_MODE", "offline")})
-    try:
-        report(a.sweep_dir, _pairs(a.baseline), a.by, wandb_cfg, plots=not a.no_plots,
-               strict=True)
+    from .sweep.table import sweep_settings
+
+    own, own_by = sweep_settings(a.sweep_dir)
+    baseline = _pairs(a.baseline) if a.baseline is not None else own
+    by = a.by if a.by else own_by
+    if a.baseline is None and own:
+        print(f"[report] baseline: the sweep's own, {' '.join(f'{k}={v}' for k, v in own.items())}"
+              " (--baseline to choose another)", file=sys.stderr)
+    try:  # strict where the user named them here
+        report(a.sweep_dir, baseline, by, wandb_cfg, plots=not a.no_plots,
+               strict=a.baseline is not None or bool(a.by))
     except (FileNotFoundError, KeyError) as e:
         print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2

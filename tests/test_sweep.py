@@ -258,6 +258,25 @@ def test_report_cli_rebuilds_with_chosen_baseline(swept, tmp_path):
     assert (d / "results.csv").read_text() == before  # tables left as they were
 
 
+def test_report_keeps_the_sweeps_own_baseline(tmp_path):
+    """`report DIR` without --baseline rebuilds with the sweep's sweep.baseline (it used to
+    switch to the default baseline silently); `--baseline` alone asks for the default."""
+    d = tmp_path / "s"
+    r = sweep(d, "+case=fp32,bf16", "logger=none", "++sweep.baseline={precision: bf16}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert list(pd.read_parquet(d / "results.parquet")["baseline"]) == [False, True]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    again = subprocess.run([sys.executable, "-m", "moe_exp.report", str(d), "--no-plots"],
+                           capture_output=True, text=True, env=env)
+    assert again.returncode == 0, again.stderr
+    assert "the sweep's own, precision=bf16" in again.stderr
+    assert list(pd.read_parquet(d / "results.parquet")["baseline"]) == [False, True]
+    default = subprocess.run([sys.executable, "-m", "moe_exp.report", str(d), "--no-plots",
+                              "--baseline"], capture_output=True, text=True, env=env)
+    assert default.returncode == 0, default.stderr
+    assert list(pd.read_parquet(d / "results.parquet")["baseline"]) == [True, False]
+
+
 def test_notebook_executes_against_a_sweep(swept):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

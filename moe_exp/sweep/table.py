@@ -249,6 +249,19 @@ def _fmt(v, spec: str, suffix: str = "") -> str:
     return "—" if v is None else f"{v:{spec}}{suffix}"
 
 
+def sweep_settings(sweep_dir: Path) -> tuple[dict | None, list[str]]:
+    """A sweep's own sweep.baseline and sweep.baseline_by, from the multirun.yaml Hydra
+    wrote in its dir; (None, [model]) where there is none."""
+    p = Path(sweep_dir) / "multirun.yaml"
+    if not p.is_file():
+        return None, ["model"]
+    from omegaconf import OmegaConf
+
+    s = OmegaConf.load(p).get("sweep") or {}
+    b, by = s.get("baseline"), s.get("baseline_by")
+    return (OmegaConf.to_container(b) if b else None), (list(by) if by else ["model"])
+
+
 def sweep_table(records: list[dict], baseline: dict | None, by) -> tuple:
     """A sweep's own table, with its sweep.baseline / sweep.baseline_by; where those name a
     key no row has, with the default baseline per model. Returns (table, that error or None)."""
