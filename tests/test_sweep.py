@@ -397,8 +397,9 @@ def test_sweep_with_no_finished_job_says_so_and_exits_1(tmp_path):
 
 def test_sweep_checks_fail_before_any_job(tmp_path):
     """One line and exit 2, no job run: a sweep dir that holds another sweep's records (its
-    rows would mix into this table), a baseline key no row can have (found only at the end
-    before), a value the key does not allow (a row per job before)."""
+    rows would mix into this table), a baseline key or swept value no row can have (found
+    only at the end before), a value the key does not allow, a bad sweep.* setting (a row
+    per job before)."""
     used = tmp_path / "used"
     (used / "0").mkdir(parents=True)
     (used / "0" / "metrics.json").write_text("{}")
@@ -407,7 +408,13 @@ def test_sweep_checks_fail_before_any_job(tmp_path):
             (tmp_path / "b", ["+case=fp32,bf16", "++sweep.baseline={precison:fp32}"],
              "sweep.baseline: 'precison' is not a column"),
             (tmp_path / "c", ["+case=fp32", "train.activation_checkpointing=nope,none"],
-             "train.activation_checkpointing: 'nope' is not one of: none, full, selective")]:
+             "train.activation_checkpointing: 'nope' is not one of: none, full, selective"),
+            (tmp_path / "d", ["+case=fp32", "precision=fp32,fp16", "++sweep.baseline={precision: bf16}"],
+             "sweep.baseline: precision=bf16 is not among the swept values (fp32, fp16)"),
+            (tmp_path / "e", ["+case=fp32", "train.activation_checkpointing=none,full",
+                              "sweep.repeats=0"], "sweep.repeats: must be >= 1, got 0"),
+            (tmp_path / "f", ["+case=fp32,bf16", "sweep.job_timeout_s=-1"],
+             "sweep.job_timeout_s: must be > 0 seconds or null, got -1")]:
         r = sweep(d, *args, "logger=none")
         assert r.returncode == 2, r.stderr[-3000:]
         assert r.stderr.strip().startswith(f"error: {line}") and len(r.stderr.strip().splitlines()) == 1

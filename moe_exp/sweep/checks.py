@@ -15,6 +15,13 @@ class SweepError(Exception):
 
 def check_sweep(config: DictConfig, params: dict) -> None:
     """params: each swept key (as written) -> its values."""
+    from .. import validate
+    from ..hardware import ConfigError
+
+    try:  # sweep.* settings are the same for every job: wrong, they would fail each one
+        validate.check_sweep(config)
+    except ConfigError as e:
+        raise SweepError(str(e)) from None
     check_dir(config)
     check_values(params)
     check_baseline(config, params)
@@ -63,3 +70,11 @@ def check_baseline(config: DictConfig, params: dict) -> None:
                 raise SweepError(f"{what}: '{key}' is not a column of the table (e.g. precision, "
                                  "compile, optim, model, extra.seed_row) nor a key this sweep "
                                  "sets")
+    from .table import _typed
+
+    swept = {_norm_key(k): v for k, v in params.items()}
+    for key, want in baseline.items():  # a swept key: every row has one of its values
+        values = swept.get(_norm_key(key))
+        if values and str(want) not in {str(_typed(v)) for v in values}:
+            raise SweepError(f"sweep.baseline: {key}={want} is not among the swept values "
+                             f"({', '.join(values)}): no row could be the baseline")
