@@ -71,6 +71,27 @@ def test_prepare_cli_never_overwrites_an_input(tmp_path):
         assert "Traceback" not in p.stderr and text.read_text() == "keep me"
 
 
+def test_prepare_cli_keeps_an_existing_file_unless_forced(tmp_path):
+    """`prepare a.txt b.txt` (the output left off): b.txt is not a token file, so it is kept;
+    --force overwrites it; an existing token file is rewritten as before."""
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("some text")
+    b.write_text("my notes")
+
+    def prepare_cli(*args):
+        return subprocess.run([sys.executable, "-m", "moe_exp.data", "prepare", *map(str, args)],
+                              capture_output=True, text=True, cwd=ROOT)
+
+    p = prepare_cli(a, b)
+    assert p.returncode == 2 and "is not a token file" in p.stderr and b.read_text() == "my notes"
+    assert prepare_cli(a, b, "--force").returncode == 0
+    first = read_meta(b)["num_tokens"]
+    c = tmp_path / "c.txt"
+    c.write_text("some more text")
+    assert prepare_cli(c, b).returncode == 0  # b.txt is a token file now: rewritten
+    assert read_meta(b)["num_tokens"] == first + len("some more text") - len("some text")
+
+
 def test_data_loader_workers(tmp_path):
     rec = run_inproc(["logger=none", "data.num_workers=1", "data.prefetch_factor=2",
                       "train.steps=3"], tmp_path)

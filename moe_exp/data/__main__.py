@@ -14,6 +14,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("prepare", help="byte-level token file from text files (vocab 256)")
     p.add_argument("inputs", nargs="+", help="text files to read")
     p.add_argument("out", help="token file to write (metadata goes to <out>.json)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing file that is "
+                   "not a token file (one without its .json)")
     args = ap.parse_args(argv)
     missing = [f for f in args.inputs if not Path(f).is_file()]
     if missing:
@@ -29,6 +31,12 @@ def main(argv=None) -> int:
     if out.is_dir():
         print(f"error: the output {args.out} is a directory; give a file name (e.g. "
               f"{out / 'corpus.bin'})", file=sys.stderr)
+        return 2
+    if out.is_file() and not meta_path(out).is_file() and not args.force:  # an output
+        # left off the command line would make the last input the output
+        print(f"error: the output {args.out} exists and is not a token file (no "
+              f"{meta_path(out).name} beside it): was it meant as an input? Name a new file, "
+              "or add --force to overwrite it", file=sys.stderr)
         return 2
     meta = prepare(args.inputs, args.out)
     print(f"wrote {args.out}: {meta['num_tokens']:,} tokens (vocab {meta['vocab_size']}); "
