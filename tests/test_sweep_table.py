@@ -32,6 +32,18 @@ def test_default_baseline_is_fewest_optimizations_on_per_model():
     assert df["label"][0] == "precision=bf16"
 
 
+def test_each_model_size_is_its_own_baseline_group():
+    """model.hidden_size=64,128 under one model name: two architectures; each is compared
+    with its own runs (a speedup of 128 over 64 would say nothing about an optimization)."""
+    small = dict(params_total=1000, params_active=500)
+    big = dict(params_total=4000, params_active=2000)
+    rows = [rec(0, 200.0, 1.0, **small), rec(1, 300.0, 1.0, precision="bf16", **small),
+            rec(2, 100.0, 2.0, **big), rec(3, 120.0, 2.0, precision="bf16", **big)]
+    df = build_table(rows)
+    assert list(df["baseline"]) == [True, False, True, False]
+    assert list(df["speedup"]) == pytest.approx([1.0, 1.5, 1.0, 1.2])
+
+
 def test_default_baseline_prefers_adamw_and_a_baseline_may_name_an_override():
     rows = [rec(0, 160.0, 1.0, optim="muon"), rec(1, 100.0, 1.0, optim="adamw")]
     assert list(build_table(rows)["baseline"]) == [False, True]  # muon is an optimization on

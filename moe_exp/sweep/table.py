@@ -193,6 +193,9 @@ def build_table(records: list[dict], baseline: dict | None = None, by=("model",)
     groups: dict = {}
     for r in records:
         key = tuple(_value(r, b, names[1]) for b in by)
+        if "model" in by:  # a model is its name and its size: a sweep over model.hidden_size
+            # compares each size with itself, not with another architecture
+            key += (r.get("params_total"), r.get("params_active"))
         groups.setdefault(tuple(str(None if v is _MISSING else v) for v in key), []).append(r)
     for rows in groups.values():
         ok = [r for r in rows if r["status"] == "ok" and _num(r.get("tokens_per_s"))]
