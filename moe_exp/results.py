@@ -30,7 +30,8 @@ EXTRAS = (
     "tokens_per_s_wall", "data_share", "startup_s", "comm_ms", "comm_share", "comm",
     "comm_backend", "z_loss", "tokens_per_expert", "expert_load_cv_per_layer",
     "expert_load_max_over_mean_per_layer", "moe_dispatch", "moe_padded_fallback_share",
-    "optim_impl", "peak_flops", "compile_cache_hit_share", "job", "repeat", "repeats",
+    "optim_impl", "peak_flops", "compile_cache_hit_share", "cpu_other_load", "job",
+    "repeat", "repeats",
     "repeats_ok", "combined", "resumed_from",
 )
 # Keys that do not change what is measured, left out of the config hash.

@@ -43,6 +43,7 @@ def test_default_record_is_complete_and_sane(default_record):
     assert rec["flops_per_token"] > 6 * (rec["params_active"] - 256 * 128) * 0.9
     assert rec["loss_last"] < rec["loss_first"] - 0.5  # the markov data is learnable
     assert len(rec["losses"]) == 23
+    assert 0 <= rec["cpu_other_load"] <= 1  # other processes' share of the CPU
     assert rec["expert_load_cv"] >= 0 and rec["expert_load_max_over_mean"] >= 1
     assert len(rec["expert_load_cv_per_layer"]) == 2
     assert rec["aux_loss"] > 0.9  # Switch loss is >= ~1 for top-k routing
@@ -394,3 +395,46 @@ def test_other_accelerators_sync_at_each_boundary_and_read_their_allocator(monke
     meter.reset()
     assert calls[2:] == ["sync", "empty", "sync", "reset"]
     assert meter.read() == ({"peak_mem_gib": 0.75, "peak_reserved_gib": 1.5}, {})
+
+
+def test_other_load_counts_other_processes_not_our_own_tree():
+    """cpu_other_load: a busy child (a data-loader worker, a local rank) is ours; the same
+    busy loop in an unrelated process is another's load, and the summary warns of it."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from moe_exp.bench.load import _tree_ticks, other_load, snapshot
+    from moe_exp.summary import summary_rows
+
+    spin = "import time\nt = time.time()\nwhile time.time() - t < 1.0: pass"
+    t0 = _tree_ticks(os.getpid())
+    subprocess.run([sys.executable, "-c", spin], check=True)  # reaped: its ticks are gone
+    child = subprocess.Popen([sys.executable, "-c", spin + "\ntime.sleep(5)"])
+    time.sleep(1.2)
+    assert _tree_ticks(os.getpid()) - t0 >= 50  # the live child's second, in 10 ms ticks
+    child.kill()
+    child.wait()
+    n = os.cpu_count() or 1
+    # synthetic snapshots: (machine busy ticks, our tree's ticks, seconds)
+    assert other_load((0, 0, 0.0), (100 * n, 100 * n, 1.0)) == 0.0
+    assert other_load((0, 0, 0.0), (100 * n, 25 * n, 1.0)) == pytest.approx(0.75)
+    assert other_load(None, snapshot()) is None
+    rec = {"cpu_other_load": 0.4, "null_reasons": {}}
+    rows = dict(_summary_stub(summary_rows, rec))
+    assert "40% of this machine's CPU" in rows["WARNING"]
+
+
+def _summary_stub(summary_rows, extra):
+    """summary_rows on a minimal ok record plus `extra`."""
+    from moe_exp.results import FIELDS
+
+    r = dict.fromkeys(FIELDS)
+    r.update(model="m", precision="fp32", activation_checkpointing="none", compile="off",
+             parallel="none", device_name="cpu", params_total=1e6, params_active=1e6,
+             tokens_per_s=1.0, tokens_per_s_per_device=1.0, step_time_ms=1.0,
+             tflops_per_device=0.0, flops_per_token=1.0, loss_first=1.0, loss_last=1.0,
+             data_ms=0.1, forward_ms=0.3, backward_ms=0.5, optimizer_ms=0.1)
+    r.update(extra)
+    return summary_rows(r)

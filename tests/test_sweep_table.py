@@ -317,3 +317,14 @@ def test_sweep_report_with_an_unknown_baseline_key_falls_back(tmp_path, capsys):
     assert "sweep.baseline_by: " in capsys.readouterr().err
     with pytest.raises(KeyError, match="--baseline"):
         report(tmp_path, baseline={"colour": "red"}, plots=False, strict=True)
+
+
+def test_report_names_rows_measured_under_other_load():
+    from moe_exp.sweep.table import markdown
+
+    rows = [rec(0, 100.0, 1.0), rec(1, 2200.0, 1.0, precision="bf16")]
+    rows[0]["cpu_other_load"], rows[1]["cpu_other_load"] = 0.62, 0.02
+    md = markdown(build_table(rows))
+    assert "not reliable): job 0 (62%)." in md and "job 1 (" not in md.split("reliable")[1]
+    rows[0]["cpu_other_load"] = None  # not measured: no claim either way
+    assert "not reliable" not in markdown(build_table(rows))

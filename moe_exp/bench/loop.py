@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from ..config import total_steps
 from .memory import MemoryMeter
+from .load import other_load, snapshot
 from .timer import StepTimer, device_sync, process_age_s
 
 
@@ -36,6 +37,7 @@ class LoopResult:
     steps_done: int = 0
     comm_ms: float | None = None  # per step, from the profiled last steps (distributed only)
     startup_s: float | None = None  # process start -> first measured step (compile included)
+    cpu_other_load: float | None = None  # other processes' share of the CPU in the window
 
 
 def micro_step(model, tokens, targets, autocast, scaler, accum: int, timer=None):
@@ -106,12 +108,17 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
     n_prof = cfg.parallel.profile_steps if dist.is_initialized() else 0
     prof_from = total - n_prof if 0 < n_prof < t.steps else total
     prof = None
+
+    def end_window():
+        device_sync(device)
+        res.wall_s = time.perf_counter() - wall0
+        res.cpu_other_load = other_load(load0, snapshot())
+
     try:
         for step in range(total):
             measured = step >= t.warmup_steps
-            if step == prof_from:
-                device_sync(device)  # the wall-clock window ends where the profiled steps begin
-                res.wall_s = time.perf_counter() - wall0
+            if step == prof_from:  # the window ends where the profiled steps begin
+                end_window()
                 prof = _profiler(device)
                 with _kineto_quiet():
                     prof.__enter__()
@@ -119,7 +126,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                 res.startup_s = process_age_s()
                 memory.reset()
                 bar.set_description("bench")
-                wall0 = time.perf_counter()
+                wall0, load0 = time.perf_counter(), snapshot()
             if step == 0:
                 t0 = time.perf_counter()
             timer.start()
@@ -179,8 +186,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                                    res.losses[:bad])
             bar.update(1)
         if res.wall_s is None:
-            device_sync(device)
-            res.wall_s = time.perf_counter() - wall0
+            end_window()
         if prof is not None:
             with _kineto_quiet():
                 prof.__exit__(None, None, None)

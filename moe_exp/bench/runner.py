@@ -201,6 +201,9 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
         rec["startup_s"] = res.startup_s - (rec["compile_s"] or 0.0)
     else:
         why["startup_s"] = "process not started for this run (in-process call), or no /proc"
+    rec["cpu_other_load"] = res.cpu_other_load
+    if res.cpu_other_load is None:
+        why["cpu_other_load"] = "no /proc to read the machine's CPU time from"
     rec.update(mem)
     why.update({k: v for k, v in mem_why.items() if mem.get(k) is None})  # (another rank's
     # figure may fill a null)
@@ -291,8 +294,8 @@ def slowest_rank_steps(every: torch.Tensor, keys: list[str]) -> dict:
 
 def _across_ranks(res, tm: dict, mem: dict, device) -> None:
     """Each step's times -> those of the rank whose step was slowest (its phases with it,
-    so they add up to its step); peaks and comm -> max; expert counts -> summed; the aux
-    losses (each rank's, on its micro-batches) -> mean over ranks."""
+    so they add up to its step); peaks, comm and other processes' CPU load -> max; expert
+    counts -> summed; the aux losses (each rank's, on its micro-batches) -> mean over ranks."""
     import torch.distributed as dist
 
     from ..distributed import all_gather_stack, all_max, all_mean, collective_device
@@ -303,9 +306,9 @@ def _across_ranks(res, tm: dict, mem: dict, device) -> None:
                                           device=dev))  # (rank, key, step)
     tm.update(slowest_rank_steps(every, keys))
     mkeys = sorted(mem)  # the same keys on every rank, nulls included
-    vals = all_max([*(mem[k] for k in mkeys), res.comm_ms], dev)
+    vals = all_max([*(mem[k] for k in mkeys), res.comm_ms, res.cpu_other_load], dev)
     mem.update(zip(mkeys, vals))
-    res.comm_ms = vals[-1]
+    res.comm_ms, res.cpu_other_load = vals[-2:]
     if res.counts is not None:
         dist.all_reduce(res.counts)
     if res.balance is not None:

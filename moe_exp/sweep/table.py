@@ -7,8 +7,10 @@ import json
 import math
 import os
 import statistics
+import sys
 from pathlib import Path
 
+from ..bench.load import OTHER_LOAD_WARN
 from ..results import FIELDS
 
 # Finished outcomes that a re-run would repeat: resume keeps them (error/crashed re-run).
@@ -322,6 +324,14 @@ def _compact_comm(df):
     return pd.DataFrame(rows)
 
 
+def contended(df) -> str:
+    """'job 2 (37%); ...' for rows measured under other processes' CPU load, else ''."""
+    if "cpu_other_load" not in df:
+        return ""
+    busy = df[df["cpu_other_load"].map(lambda v: _num(v) is not None and v > OTHER_LOAD_WARN)]
+    return "; ".join(f"job {r.job} ({r.cpu_other_load:.0%})" for r in busy.itertuples())
+
+
 def markdown(df, title: str = "Sweep results") -> str:
     lines = [f"# {title}", "", compact(df).to_markdown(index=False), ""]
     base = df[df["baseline"] == True]  # noqa: E712 - pandas mask
@@ -331,6 +341,10 @@ def markdown(df, title: str = "Sweep results") -> str:
     if (df["repeats"].fillna(1) > 1).any():
         lines.append("Median over repeats; spread = half the min–max range; (n.s.) = the "
                      "tokens/s ranges of this row and its baseline overlap.")
+    busy = contended(df)
+    if busy:
+        lines.append(f"**Measured while other processes used over {OTHER_LOAD_WARN:.0%} of the "
+                     f"machine's CPU** (cpu_other_load; their timings are not reliable): {busy}.")
     if "task" in df and len(df) and (df["task"] == "comm").all():
         lines.append("GB/s: the peak bus bandwidth (nccl-tests convention) over the message "
                      "sizes; every size: each job's comm.csv.")
@@ -377,3 +391,7 @@ def print_table(df, title: str = "Sweep results") -> None:
     for row in c.itertuples(index=False):
         t.add_row(*[str(v) for v in row])
     Console(width=200).print(t)
+    busy = contended(df)
+    if busy:
+        print(f"[sweep] warning: measured while other processes used over {OTHER_LOAD_WARN:.0%} "
+              f"of the CPU (timings not reliable): {busy}", file=sys.stderr)
