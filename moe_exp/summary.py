@@ -32,7 +32,8 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                 + (f" optim={r['optim']}" if r.get("optim", "adamw") != "adamw" else "")
                 + f" on {r['device_name']}"),
         *([("parallel", f"{r['parallel']} on {r['world_size']} ranks; collectives "
-                        f"{_f(r.get('comm_ms'), '.1f', ' ms')}/step"
+                        + (f"{r['comm_ms']:.1f} ms/step" if r.get("comm_ms") is not None
+                           else f"null: {why.get('comm_ms', 'unknown')}")
                         + (f" ({100 * r['comm_share']:.0f}%)" if r.get("comm_share") else ""))]
           if (r.get("world_size") or 1) > 1 or r["parallel"] != "none" else []),
         ("params", f"{r['params_total'] / 1e6:,.2f}M total, {r['params_active'] / 1e6:,.2f}M active"),

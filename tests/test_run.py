@@ -77,7 +77,8 @@ def test_record_says_how_often_padded_fell_back(limit, share, tmp_path, monkeypa
     load = dict(summary_rows(rec))["expert load"]
     assert ("padded fell back on 100% of layer calls" in load) == (got == 1.0)
     other = run_inproc(["model.dispatch=loop", "logger=none", "train.steps=2"], tmp_path / "l")
-    assert "moe_padded_fallback_share" not in other
+    assert other["moe_padded_fallback_share"] is None
+    assert "only padded falls back" in other["null_reasons"]["moe_padded_fallback_share"]
     from moe_exp.summary import _fallbacks
 
     assert "<1%" in _fallbacks(0.004) and _fallbacks(0.0) == "" and _fallbacks(None) == ""
@@ -438,3 +439,15 @@ def _summary_stub(summary_rows, extra):
              data_ms=0.1, forward_ms=0.3, backward_ms=0.5, optimizer_ms=0.1)
     r.update(extra)
     return summary_rows(r)
+
+
+def test_summary_gives_the_reason_for_unmeasured_collectives():
+    from moe_exp.summary import summary_rows
+
+    why = "parallel.profile_steps=0 or train.steps <= profile_steps"
+    rows = dict(_summary_stub(summary_rows, {"parallel": "ddp", "world_size": 2,
+                                             "null_reasons": {"comm_ms": why}}))
+    assert rows["parallel"] == f"ddp on 2 ranks; collectives null: {why}"
+    rows = dict(_summary_stub(summary_rows, {"parallel": "ddp", "world_size": 2,
+                                             "comm_ms": 3.25, "comm_share": 0.1}))
+    assert rows["parallel"] == "ddp on 2 ranks; collectives 3.2 ms/step (10%)"

@@ -224,6 +224,11 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
                       f"{cfg.precision.name}; set ++hardware.peak_flops.{cfg.precision.name}=<FLOP/s>")
     if cfg.model.dispatch == "padded":
         _padded_fallbacks(applied.model, cfg, rec, device, world)
+    else:  # (a sweep's table has the column for every row: say why it is empty)
+        rec["moe_padded_fallback_share"] = None
+        why["moe_padded_fallback_share"] = (
+            f"model.dispatch={cfg.model.dispatch}: only padded falls back"
+            if cfg.model.num_experts else "dense model (model.num_experts=0)")
     if res.counts is not None:
         rec.update(load_stats(res.counts))
         rec["aux_loss"] = res.balance
