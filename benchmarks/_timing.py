@@ -136,6 +136,15 @@ def one_of(allowed):
     return parse
 
 
+def device_name(device) -> str:
+    """The GPU's name, or the CPU's cores and torch threads: each table's first line."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+
+
 def save_json(path: str, device: str, rows: list) -> None:
     """A benchmark's rows with their provenance (device, torch, date, command)."""
     import datetime as dt

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import at_least, one_of, run_rounds, save_json  # noqa: E402
+from _timing import at_least, device_name, one_of, run_rounds, save_json  # noqa: E402
 
 
 def compose(overrides):
@@ -149,8 +149,7 @@ def main(argv=None):
     cuda = device.type == "cuda"
     models = (a.models or ("tiny_moe,small_moe,moe_1b" if cuda else "tiny_moe,small_moe")).split(",")
     precisions = (a.precisions or ("bf16" if cuda else "fp32,bf16")).split(",")
-    dev_name = torch.cuda.get_device_name(device) if cuda else \
-        f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    dev_name = device_name(device)
     print(f"# whole train step, compiled vs eager, {dev_name}, torch {torch.__version__}, "
           f"{dt.date.today()}, median of {a.reps}")
     print(f"{'model':10} {'precision':9} {'dispatch e/c':>16} {'eager ms':>10} {'compiled ms':>12} "

@@ -46,7 +46,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import at_least, one_of, run_rounds  # noqa: E402
+from _timing import at_least, device_name, one_of, run_rounds  # noqa: E402
 
 from moe_exp.model.moe import MoE, resolve_dispatch  # noqa: E402
 
@@ -278,8 +278,7 @@ def main(argv=None):
     shapes = (a.shapes or ("tiny,small,1b" if cuda else "tiny,small,1b-cpu")).split(",")
     dtypes = (a.dtypes or ("bf16" if cuda else "fp32,bf16")).split(",")
     dmap = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    dev_name = torch.cuda.get_device_name(device) if cuda else \
-        f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    dev_name = device_name(device)
     print(f"# MoE layer fwd+bwd, {dev_name}, torch {torch.__version__}, "
           f"python {platform.python_version()}, {dt.date.today()}, median of {a.reps}")
     print(f"{'shape':8} {'T x H x F x E x k':>24} {'dtype':>8}  "

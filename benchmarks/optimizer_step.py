@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import at_least, one_of, run_rounds, save_json  # noqa: E402
+from _timing import at_least, device_name, one_of, run_rounds, save_json  # noqa: E402
 from compile_step import compose  # noqa: E402
 
 
@@ -91,8 +90,7 @@ def main(argv=None):
     cuda = device.type == "cuda"
     models = (a.models or ("small_moe,moe_1b" if cuda else "tiny_moe,small_moe")).split(",")
     ns = [int(x) for x in a.ns_steps.split(",")]
-    dev_name = torch.cuda.get_device_name(device) if cuda else \
-        f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    dev_name = device_name(device)
     print(f"# optimizer step, AdamW vs Muon, {dev_name}, torch {torch.__version__}, "
           f"{dt.date.today()}, median of {a.reps}")
     print(f"{'model':10} {'optimizer':10} {'ms':>9} {'vs adamw':>9} {'state MiB':>10}")

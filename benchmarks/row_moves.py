@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import at_least, one_of, run_rounds, save_json  # noqa: E402
+from _timing import at_least, device_name, one_of, run_rounds, save_json  # noqa: E402
 
 from moe_exp.model.moe import gather_rows  # noqa: E402
 
@@ -91,8 +90,7 @@ def main(argv=None):
     device = torch.device(a.device)
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    dev_name = torch.cuda.get_device_name(device) if cuda else \
-        f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    dev_name = device_name(device)
     print(f"# row moves, forward + backward, {dev_name}, torch {torch.__version__}, "
           f"{dt.date.today()}, median of {a.reps}")
     print(f"{'shape':6} {'dtype':5} {'move':8} {'index ms':>9} {'gather ms':>10} {'speedup':>8}")

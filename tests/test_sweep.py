@@ -137,13 +137,16 @@ def _child_of(job_dir: Path, timeout=120):
     raise TimeoutError(f"no process for {job_dir}")
 
 
+def _sweep_in_background(d: Path, cases: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "moe_exp.run", "-m", CASES,
+                             f"hydra.sweep.dir={d}", cases, "logger=none"], cwd=d.parent,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def test_killed_job_is_crashed_row_and_sweep_goes_on(tmp_path):
     d = tmp_path / "s"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "moe_exp.run", "-m", CASES,
-                             f"hydra.sweep.dir={d}", "+case=long,fp32", "logger=none"],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = _sweep_in_background(d, "+case=long,fp32")
     pid = _child_of(d / "0")
     time.sleep(3)  # let it get into its steps
     os.kill(pid, signal.SIGKILL)
@@ -159,11 +162,7 @@ def test_ctrl_c_stops_the_sweep_and_keeps_the_running_job_as_a_row(tmp_path):
     """SIGINT to the sweep (Ctrl-C): the job process is killed, the job it was running
     becomes a `crashed: interrupted` row in the table, the sweep exits 130."""
     d = tmp_path / "s"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "moe_exp.run", "-m", CASES,
-                             f"hydra.sweep.dir={d}", "+case=fast,long", "logger=none"],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = _sweep_in_background(d, "+case=fast,long")
     child = _child_of(d / "1")
     time.sleep(2)
     proc.send_signal(signal.SIGINT)
