@@ -118,15 +118,21 @@ def test_padded_dispatch_compiles_and_matches_eager():
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
 
 
-def test_cpu_comm_time_is_the_union_of_collective_intervals():
+def test_comm_time_is_the_union_of_collective_intervals():
     """gloo runs collectives on two worker threads at once and the caller's c10d event
-    encloses its worker's: the time with any collective in flight counts once."""
+    encloses its worker's; on a GPU, FSDP's all-gather and reduce-scatter kernels run on
+    separate streams: the time with any collective in flight counts once."""
     from types import SimpleNamespace as NS
 
     from moe_exp.optimizations.parallel import comm_ms_per_step
 
-    def ev(name, start, end):
-        return NS(name=name, time_range=NS(start=start, end=end), device_type="CPU")
+    def ev(name, start, end, device="CPU"):
+        return NS(name=name, time_range=NS(start=start, end=end), device_type=device)
+
+    gpu = [ev("nccl:all_gather", 0, 1000), ev("ncclDevKernel_AllGather", 0, 600, "CUDA"),
+           ev("ncclDevKernel_ReduceScatter", 400, 1000, "CUDA"),  # another stream
+           ev("ncclDevKernel_AllReduce", 2000, 2100, "CUDA")]
+    assert comm_ms_per_step(NS(events=lambda: gpu), 1) == (1000 + 100) / 1e3  # kernels only
 
     events = [ev("c10d::allreduce_", 0, 1000), ev("gloo:all_reduce", 100, 900),  # nested
               ev("gloo:all_reduce", 500, 1500),  # another thread, overlapping

@@ -179,10 +179,11 @@ def clip_grad_norm(params, max_norm: float, ep_group) -> torch.Tensor:
 
 
 def comm_ms_per_step(prof, steps: int) -> float | None:
-    """Time spent in collectives per step from a torch.profiler trace: NCCL kernels on
-    GPU; on CPU the wall time during which any gloo/c10d collective is in flight (the union
-    of their intervals: gloo runs them on several threads at once, and the caller's c10d
-    event encloses its worker's, so a sum would count the same time twice)."""
+    """Time spent in collectives per step from a torch.profiler trace: the time during which
+    any collective is in flight (the union of their intervals). GPU: NCCL kernels (FSDP's
+    all-gathers and reduce-scatters run on separate streams and may overlap); CPU: gloo /
+    c10d events (gloo runs them on several threads at once, and the caller's c10d event
+    encloses its worker's). A sum would count the same time twice."""
     if steps <= 0:
         return None
     keys = ("nccl", "gloo", "c10d::", "all_to_all", "allreduce", "all_reduce", "all_gather",
@@ -190,15 +191,17 @@ def comm_ms_per_step(prof, steps: int) -> float | None:
     events = [ev for ev in prof.events() if any(k in ev.name.lower() for k in keys)]
     kernels = [ev for ev in events if "nccl" in ev.name.lower()
                and str(getattr(ev, "device_type", "")).endswith("CUDA")]
-    if kernels:  # GPU: the collectives' kernel time
-        total_us = sum(ev.device_time_total for ev in kernels)
-    else:
-        total_us, start, end = 0.0, None, None
-        for s, e in sorted((ev.time_range.start, ev.time_range.end) for ev in events):
-            if end is None or s > end:
-                total_us += 0.0 if end is None else end - start
-                start, end = s, e
-            else:
-                end = max(end, e)
-        total_us += 0.0 if end is None else end - start
-    return total_us / 1e3 / steps
+    spans = [(ev.time_range.start, ev.time_range.end) for ev in (kernels or events)]
+    return union_us(spans) / 1e3 / steps
+
+
+def union_us(spans) -> float:
+    """Total length of the union of (start, end) intervals."""
+    total, start, end = 0.0, None, None
+    for s, e in sorted(spans):
+        if end is None or s > end:
+            total += 0.0 if end is None else end - start
+            start, end = s, e
+        else:
+            end = max(end, e)
+    return total + (0.0 if end is None else end - start)
