@@ -152,3 +152,45 @@ def max_with_nulls(overrides) -> list:
         return distributed.all_max(mine, torch.device("cpu"))
     finally:
         distributed.finish()
+
+
+def muon_round_robin(overrides) -> dict:
+    """One Muon step under FSDP on 2 ranks, round-robin NS against every rank gathering
+    every matrix (the previous way), from the same weights and gradients. Returns rank 0's
+    largest parameter difference and both ranks' NS call counts per way."""
+    import moe_exp.optim.muon as muon
+    from moe_exp import distributed
+    from moe_exp.model import build_model
+    from moe_exp.optim import build_optimizer
+    from moe_exp.optimizations import apply
+
+    cfg = _cfg(["parallel=fsdp", "hardware.devices=2", "optim=muon", *overrides])
+    d = distributed.init(cfg)
+    cpu = torch.device("cpu")
+    try:
+        params, calls = {}, {}
+        for way in ("round_robin", "gathered"):
+            torch.manual_seed(0)
+            applied = apply(build_model(cfg.model), cfg, cpu, d.world)
+            opt = build_optimizer(applied.model, cfg, cpu)[0]
+            g = torch.Generator().manual_seed(1 + d.rank)
+            tokens = torch.randint(0, cfg.model.vocab_size, (2, 17), generator=g)
+            applied.model(tokens[:, :-1], tokens[:, 1:]).loss.backward()
+            seen, real_ns, real_ok = [], muon.newton_schulz, muon.round_robin_ok
+            muon.newton_schulz = lambda x, *a: (seen.append(tuple(x.shape)), real_ns(x, *a))[1]
+            if way == "gathered":
+                muon.round_robin_ok = lambda u: False
+            try:
+                opt.step()
+            finally:
+                muon.newton_schulz, muon.round_robin_ok = real_ns, real_ok
+            params[way] = [p.full_tensor() for p in applied.model.parameters()]
+            counts = torch.tensor([len(seen), 0])
+            counts[1] = counts[0]
+            dist.all_reduce(counts[1:], op=dist.ReduceOp.MAX)  # (the busier rank's)
+            calls[way] = counts.tolist()
+        diff = max((a - b).abs().max().item()
+                   for a, b in zip(params["round_robin"], params["gathered"]))
+        return {"diff": diff, "calls": calls}
+    finally:
+        distributed.finish()

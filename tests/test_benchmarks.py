@@ -117,3 +117,15 @@ def test_row_moves_benchmark_rows(tmp_path):
         assert set(r["median_ms"]) == {"index", "gather"}
         assert all(v > 0 for v in r["median_ms"].values())
         assert r["speedup"] == pytest.approx(r["median_ms"]["index"] / r["median_ms"]["gather"])
+
+
+@pytest.mark.distributed
+def test_muon_fsdp_benchmark_rows(tmp_path):
+    """Both ways timed on 2 gloo ranks, the slower rank's medians."""
+    out = tmp_path / "muon_fsdp.json"
+    bench("muon_fsdp.py", "--models", "tiny_dense", "--reps", "1", "--json", str(out))
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["ranks"] == 2 and set(row["median_ms"]) == {"round-robin", "gathered"}
+    assert all(v > 0 for v in row["median_ms"].values())
+    assert row["speedup"] == pytest.approx(row["median_ms"]["gathered"] /
+                                           row["median_ms"]["round-robin"])

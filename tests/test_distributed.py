@@ -264,3 +264,19 @@ def test_max_over_ranks_keeps_nulls_apart():
     import dist_helpers
 
     assert launch(dist_helpers.max_with_nulls, []) == [5.0, 2.0, None]
+
+
+# NS calls per rank: gathered (every matrix on every rank), round-robin (the busier rank).
+# tiny_dense: 14 sharded matrices, 7 each; tiny_moe: 6 expert stacks stay local (whole
+# experts per rank) and its 10 sharded matrices split 5 + 5.
+@pytest.mark.parametrize("model,gathered,round_robin", [("tiny_dense", 14, 7),
+                                                        ("tiny_moe", 16, 6 + 5)])
+def test_muon_under_fsdp_orthogonalizes_each_matrix_once(model, gathered, round_robin):
+    """Round-robin Newton-Schulz: each sharded matrix is orthogonalized on one rank and
+    sent back in shards; the step is exactly the one every rank gathering and
+    orthogonalizing every matrix gave."""
+    import dist_helpers
+
+    res = launch(dist_helpers.muon_round_robin, [f"model={model}"])
+    assert res["diff"] == 0.0
+    assert res["calls"] == {"gathered": [gathered] * 2, "round_robin": [round_robin] * 2}

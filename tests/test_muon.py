@@ -138,3 +138,16 @@ def test_memory_check_counts_muons_single_buffer():
         return float(re.search(r">= ([\d,]+) GiB", str(e.value)).group(1).replace(",", ""))
 
     assert 0.74 < need("muon") / need("adamw") < 0.76
+
+
+def test_shard_rows_split_as_dtensor_shards():
+    """The round-robin's row counts per rank are DTensor Shard(0)'s (torch.chunk's, padded
+    with empty shards), e.g. 5 rows on 4 ranks: 2, 2, 1, 0."""
+    import torch
+
+    from moe_exp.optim.sharded_ns import shard_rows
+
+    for n in range(0, 20):
+        for world in range(1, 6):
+            chunks = [len(c) for c in torch.arange(n).chunk(world)] if n else []
+            assert shard_rows(n, world) == chunks + [0] * (world - len(chunks)), (n, world)

@@ -3,9 +3,9 @@ on the rest (embeddings, output head, norms), as one optimizer.
 
 torch.optim.Muon takes 2-D plain tensors only; here the update also runs on
 - stacked expert weights (E, in, out): one orthogonalization per expert, batched;
-- FSDP2 shards (DTensor): a matrix split across ranks is gathered, orthogonalized whole and
-  split again (every rank does the same work: simple, not the cheapest); expert stacks
-  sharded on the expert dim hold whole experts, so they stay local.
+- FSDP2 shards (DTensor): matrices split across ranks are orthogonalized round-robin, each
+  on one rank (sharded_ns.py); expert stacks sharded on the expert dim hold whole experts,
+  so they stay local.
 The learning rate is scaled by 0.2 * sqrt(max(rows, cols)) (torch's "match_rms_adamw",
 Moonlight), so the update's RMS matches AdamW's and lr/weight_decay carry over from adamw.
 """
@@ -16,6 +16,8 @@ import sys
 
 import torch
 from torch import Tensor, nn
+
+from .sharded_ns import orthogonalize_round_robin, round_robin_ok
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, as torch.optim.Muon
 
@@ -36,18 +38,30 @@ def newton_schulz(g: Tensor, steps: int, eps: float = 1e-7) -> Tensor:
     return x.reshape(g.shape)
 
 
+def _dtensor(u):
+    """u's DTensor module where u is one, else None (not imported where no DTensor can
+    exist: a run's CPU memory would count the import)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod if mod is not None and isinstance(u, mod.DTensor) else None
+
+
+def _whole_per_rank(u) -> bool:
+    """A plain tensor, or expert stacks sharded on the expert dim (whole experts per rank)."""
+    return _dtensor(u) is None or (u.ndim == 3 and all(p.is_shard(0) for p in u.placements))
+
+
 def _orthogonalize(u: Tensor, steps: int, eps: float) -> Tensor:
-    # not imported where no DTensor can exist (a run's CPU memory would count the import)
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is None or not isinstance(u, dtensor.DTensor):
+    """NS of one update: local where each rank holds whole matrices, else gathered (a mesh
+    round_robin_ok does not take: every rank repeats the work)."""
+    dt = _dtensor(u)
+    if dt is None:
         return newton_schulz(u, steps, eps)
-    DTensor, distribute_tensor = dtensor.DTensor, dtensor.distribute_tensor
-    if u.ndim == 3 and all(p.is_shard(0) for p in u.placements):  # whole experts per rank
+    if _whole_per_rank(u):
         local = newton_schulz(u.to_local(), steps, eps)
-        return DTensor.from_local(local, u.device_mesh, u.placements, shape=u.shape,
-                                  stride=u.stride())
+        return dt.DTensor.from_local(local, u.device_mesh, u.placements, shape=u.shape,
+                                     stride=u.stride())
     full = newton_schulz(u.full_tensor(), steps, eps)
-    return distribute_tensor(full, u.device_mesh, u.placements, src_data_rank=None)
+    return dt.distribute_tensor(full, u.device_mesh, u.placements, src_data_rank=None)
 
 
 def hidden_matrices(model: nn.Module) -> set:
@@ -105,6 +119,20 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_group(self, group) -> None:
         lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        steps, eps = group["ns_steps"], group["eps"]
+        pending: dict = {}  # mesh -> [(p, u)]: sharded matrices, NS'd a mesh-size at a time
+
+        def update(p, o):
+            p.mul_(1 - lr * wd)
+            p.add_(o.to(p.dtype), alpha=-lr * 0.2 * math.sqrt(max(p.shape[-2:])))
+
+        def flush(mesh):
+            todo = pending.pop(mesh)
+            outs = orthogonalize_round_robin([u for _, u in todo],
+                                             lambda x: newton_schulz(x, steps, eps))
+            for (p, _), o in zip(todo, outs):
+                update(p, o)
+
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -114,6 +142,11 @@ class Muon(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - mu)  # as torch.optim.Muon (an EMA of the gradients)
             u = p.grad.lerp(buf, mu) if group["nesterov"] else buf
-            o = _orthogonalize(u, group["ns_steps"], group["eps"])
-            p.mul_(1 - lr * wd)
-            p.add_(o.to(p.dtype), alpha=-lr * 0.2 * math.sqrt(max(p.shape[-2:])))
+            if _whole_per_rank(u) or not round_robin_ok(u):
+                update(p, _orthogonalize(u, steps, eps))
+                continue
+            pending.setdefault(u.device_mesh, []).append((p, u))
+            if len(pending[u.device_mesh]) == u.device_mesh.size():
+                flush(u.device_mesh)
+        for mesh in list(pending):  # (every rank holds the same matrices in the same order)
+            flush(mesh)
