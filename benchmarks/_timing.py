@@ -21,30 +21,19 @@ import statistics
 import time
 from typing import Callable, Iterator
 
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+from moe_exp.bench import load as _load
 
 
-def _cpu_ticks() -> tuple[int, int] | None:
-    """(busy ticks of the whole machine, ticks of this process, its threads and its
-    finished children)."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        busy = sum(v) - v[3] - (v[4] if len(v) > 4 else 0)  # minus idle and iowait
-        with open("/proc/self/stat") as f:
-            own = f.read().rsplit(")", 1)[1].split()
-        # utime + stime, and cutime + cstime (children this process has waited for)
-        return busy, sum(int(x) for x in own[11:15])
-    except (OSError, ValueError, IndexError):
-        return None
+def _cpu_ticks():
+    """A reading for other_load (moe_exp.bench.load.snapshot: our CPUs' busy ticks, this
+    process tree's ticks, the time)."""
+    return _load.snapshot()
 
 
-def other_load(t0, t1, wall_s: float) -> float | None:
-    """Share of the machine's CPU time that other processes used between two readings."""
-    if t0 is None or t1 is None or wall_s <= 0:
-        return None
-    others = (t1[0] - t0[0]) - (t1[1] - t0[1])
-    return max(0.0, others / _TICK) / (wall_s * (os.cpu_count() or 1))
+def other_load(t0, t1, wall_s: float | None = None) -> float | None:
+    """Share of our CPUs' time that other processes used between two readings (wall_s:
+    unused, the readings hold their times)."""
+    return _load.other_load(t0, t1)
 
 
 def round_orders(names: list[str], seed: int = 0) -> Iterator[list[str]]:

@@ -27,16 +27,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import at_least, device_name, one_of, run_rounds, save_json  # noqa: E402
 
-from moe_exp.model.moe import gather_rows  # noqa: E402
+from moe_exp.bench.timer import device_sync  # noqa: E402
+from moe_exp.model.moe import gather_rows, inverse_permutation  # noqa: E402
 
 # tokens x hidden x experts x top_k, as moe_layer.py's shapes
 SHAPES = {"tiny": (1024, 128, 8, 2), "small": (2048, 256, 16, 2), "1b": (2048, 1024, 16, 2)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def inverse(order: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(),
-                                                                   device=order.device))
 
 
 def contenders(shape, dtype, device):
@@ -46,7 +42,7 @@ def contenders(shape, dtype, device):
     x = torch.randn(tokens, hidden, generator=g).to(device, dtype).requires_grad_()
     pair_expert = torch.randint(0, experts, (tokens * k,), generator=g).to(device)
     order = torch.argsort(pair_expert, stable=True)  # pairs in expert order
-    inv = inverse(order)
+    inv = inverse_permutation(order)
     grad = torch.randn(tokens * k, hidden, generator=g).to(device, dtype)
     rows = torch.randn(tokens * k, hidden, generator=g).to(device, dtype).requires_grad_()
 
@@ -88,8 +84,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     device = torch.device(a.device)
-    cuda = device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync = lambda: device_sync(device)  # noqa: E731
     dev_name = device_name(device)
     print(f"# row moves, forward + backward, {dev_name}, torch {torch.__version__}, "
           f"{dt.date.today()}, median of {a.reps}")

@@ -101,15 +101,21 @@ def main(argv=None) -> int:
                                       "mode": os.environ.get("WANDB_MODE", "offline")})
     from .sweep.table import sweep_settings
 
-    own, own_by = sweep_settings(a.sweep_dir)
-    baseline = _pairs(a.baseline) if a.baseline is not None else own
-    by = a.by if a.by else own_by
-    if a.baseline is None and own:
-        print(f"[report] baseline: the sweep's own, {' '.join(f'{k}={v}' for k, v in own.items())}"
-              " (--baseline to choose another)", file=sys.stderr)
-    try:  # strict where the user named them here
+    try:
+        own, own_by = sweep_settings(a.sweep_dir)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        baseline = _pairs(a.baseline) if a.baseline is not None else own
+        by = a.by if a.by is not None else own_by  # (--by alone: one group for all rows)
+        if a.baseline is None and own:
+            print(f"[report] baseline: the sweep's own, "
+                  f"{' '.join(f'{k}={v}' for k, v in own.items())} (--baseline to choose "
+                  "another)", file=sys.stderr)
+        # strict where the user named them here
         report(a.sweep_dir, baseline, by, wandb_cfg, plots=not a.no_plots,
-               strict=a.baseline is not None or bool(a.by))
+               strict=a.baseline is not None or a.by is not None)
     except (FileNotFoundError, KeyError) as e:
         print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2

@@ -399,8 +399,9 @@ def test_other_accelerators_sync_at_each_boundary_and_read_their_allocator(monke
 
 
 def test_other_load_counts_other_processes_not_our_own_tree():
-    """cpu_other_load: a busy child (a data-loader worker, a local rank) is ours; the same
-    busy loop in an unrelated process is another's load, and the summary warns of it."""
+    """cpu_other_load: a busy child (a data-loader worker), live or finished and waited
+    for, is ours; the same busy loop in a process outside our tree is another's load, and
+    the summary warns of it."""
     import os
     import subprocess
     import sys
@@ -409,21 +410,29 @@ def test_other_load_counts_other_processes_not_our_own_tree():
     from moe_exp.bench.load import _tree_ticks, other_load, snapshot
     from moe_exp.summary import summary_rows
 
-    spin = "import time\nt = time.time()\nwhile time.time() - t < 1.0: pass"
+    spin = "import time\nt = time.time()\nwhile time.time() - t < {}: pass"
     t0 = _tree_ticks(os.getpid())
-    subprocess.run([sys.executable, "-c", spin], check=True)  # reaped: its ticks are gone
-    child = subprocess.Popen([sys.executable, "-c", spin + "\ntime.sleep(5)"])
-    time.sleep(1.2)
-    assert _tree_ticks(os.getpid()) - t0 >= 50  # the live child's second, in 10 ms ticks
-    child.kill()
-    child.wait()
-    n = os.cpu_count() or 1
-    # synthetic snapshots: (machine busy ticks, our tree's ticks, seconds)
-    assert other_load((0, 0, 0.0), (100 * n, 100 * n, 1.0)) == 0.0
-    assert other_load((0, 0, 0.0), (100 * n, 25 * n, 1.0)) == pytest.approx(0.75)
+    subprocess.run([sys.executable, "-c", spin.format(1.0)], check=True)  # finished, waited
+    assert _tree_ticks(os.getpid()) - t0 >= 50  # its second (10 ms ticks), as our cutime
+
+    def share_while(start):
+        proc = start()
+        time.sleep(0.3)
+        a = snapshot()
+        time.sleep(1.0)
+        share = other_load(a, snapshot())
+        proc.wait()
+        return share
+
+    child = share_while(lambda: subprocess.Popen([sys.executable, "-c", spin.format(1.6)]))
+    # `sh` starts the loop in the background and exits: the loop is no longer in our tree
+    stranger = share_while(lambda: subprocess.Popen(
+        ["sh", "-c", f"{sys.executable} -c '{spin.format(1.6)}' >/dev/null 2>&1 &"]))
+    time.sleep(0.4)  # (until that loop has ended)
+    cpus = len(os.sched_getaffinity(0))
+    assert stranger >= 0.6 / cpus and child <= stranger - 0.4 / cpus, (child, stranger, cpus)
     assert other_load(None, snapshot()) is None
-    rec = {"cpu_other_load": 0.4, "null_reasons": {}}
-    rows = dict(_summary_stub(summary_rows, rec))
+    rows = dict(_summary_stub(summary_rows, {"cpu_other_load": 0.4, "null_reasons": {}}))
     assert "40% of this machine's CPU" in rows["WARNING"]
 
 

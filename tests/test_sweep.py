@@ -114,7 +114,8 @@ def test_resume_with_other_values_keeps_every_finished_row(swept, tmp_path):
     assert r.stderr.count("already done") == 1 and "moved to" in r.stderr
     fp32_hash = old.loc[0, "config_hash"]
     moved = d / f"0-{fp32_hash}"
-    assert json.loads((moved / "metrics.json").read_text())["config_hash"] == fp32_hash
+    rec = json.loads((moved / "metrics.json").read_text())
+    assert rec["config_hash"] == fp32_hash and rec["job"] == moved.name  # its own row name
     assert "status: ok" in (moved / "run.log").read_text()
     df = pd.read_parquet(d / "results.parquet")
     assert sorted(df["config_hash"]) == sorted(old["config_hash"])

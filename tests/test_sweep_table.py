@@ -42,6 +42,11 @@ def test_each_model_size_is_its_own_baseline_group():
     df = build_table(rows)
     assert list(df["baseline"]) == [True, False, True, False]
     assert list(df["speedup"]) == pytest.approx([1.0, 1.5, 1.0, 1.2])
+    for r, h in zip(rows, (64, 64, 128, 128)):  # a baseline on a size key compares sizes
+        r["overrides"].append(f"model.hidden_size={h}")
+    df = build_table(rows, baseline={"model.hidden_size": 64, "precision": "fp32"})
+    assert list(df["baseline"]) == [True, False, False, False]
+    assert list(df["speedup"]) == pytest.approx([1.0, 1.5, 0.5, 0.6])
 
 
 def test_default_baseline_prefers_adamw_and_a_baseline_may_name_an_override():
@@ -71,9 +76,28 @@ def test_sweep_value_check_reads_quoted_values_as_jobs_get_them():
     from moe_exp.sweep.callback import _unquoted
     from moe_exp.sweep.checks import SweepError, check_values
 
-    check_values({"train.compile": [_unquoted(v) for v in ('"off"', "'default'")]})
+    check_values({"train.compile": ['"off"', "'default'"]})
     with pytest.raises(SweepError, match="train.compile: 'fast' is not one of"):
         check_values({"train.compile": ["off", "fast"]})
+    assert _unquoted("'true'") == "true" and _unquoted("true") == "true"
+
+
+def test_baseline_value_check_types_swept_values_as_the_table_does():
+    """A quoted 'true' is the string true (what the table compares), unquoted true a bool;
+    1e-3 and 0.001 are one number."""
+    from omegaconf import OmegaConf
+
+    from moe_exp.sweep.checks import SweepError, check_baseline
+
+    def check(baseline, values, key="+extra.tag"):
+        cfg = OmegaConf.create({"sweep": {"baseline": baseline, "baseline_by": ["model"]},
+                                "hydra": {"overrides": {"task": []}}})
+        check_baseline(cfg, {key: values})
+
+    check({"extra.tag": "true"}, ["'true'", "b"])
+    check({"optim.lr": 0.001}, ["1e-3", "3e-3"], "optim.lr")
+    with pytest.raises(SweepError, match="optim.lr=0.002 is not among the swept values"):
+        check({"optim.lr": 0.002}, ["1e-3", "3e-3"], "optim.lr")
 
 
 def test_chosen_baseline_and_unknown_key():
@@ -114,6 +138,9 @@ def test_repeats_combine_to_median_and_significance():
     x = combine([rec(0, 100.0, 1.0, repeat=i, startup_s=s, data_share=0.01 * s)
                  for i, s in enumerate([5.7, 3.7, 3.6])])
     assert (x["startup_s"], x["data_share"]) == pytest.approx((3.7, 0.037))
+    busy = combine([rec(0, t, 1.0, repeat=i, cpu_other_load=load)  # not hidden by a median
+                    for i, (t, load) in enumerate([(100.0, 0.01), (2200.0, 0.62), (98., 0.02)])])
+    assert busy["cpu_other_load"] == 0.62
     two = combine([rec(0, t, 1.0, repeat=i, micro_batch_size=8) for i, t in enumerate([1., 3.])])
     assert two["micro_batch_size"] == 8 and isinstance(two["micro_batch_size"], int)
     df = build_table([a, b, c])
@@ -328,3 +355,37 @@ def test_report_names_rows_measured_under_other_load():
     assert "not reliable): job 0 (62%)." in md and "job 1 (" not in md.split("reliable")[1]
     rows[0]["cpu_other_load"] = None  # not measured: no claim either way
     assert "not reliable" not in markdown(build_table(rows))
+
+
+def test_set_aside_moves_another_configurations_repeats(tmp_path):
+    """A repeats job cut off before its job-level record: its rep records are another
+    configuration's too, and move aside whole rather than being overwritten."""
+    import json
+
+    from moe_exp.sweep.job import set_aside
+
+    job = tmp_path / "0"
+    (job / "rep0").mkdir(parents=True)
+    (job / "rep0" / "metrics.json").write_text(json.dumps({"config_hash": "old", "status": "ok"}))
+    (job / "run.log").write_text("old log\n")
+    assert set_aside(job, "old") is None  # the same configuration: left for resume
+    dest = set_aside(job, "new")
+    assert dest == tmp_path / "0-old"
+    assert json.loads((dest / "rep0" / "metrics.json").read_text())["config_hash"] == "old"
+    assert (dest / "run.log").read_text() == "old log\n" and (job / "run.log").read_text() == ""
+    assert not (job / "rep0").exists()
+
+
+def test_sweep_settings_read_as_the_sweep_had_them(tmp_path):
+    """report/notebook read sweep.baseline / baseline_by from multirun.yaml: an empty
+    baseline_by is one group (not [model]), interpolations resolve, a broken file is one
+    error line."""
+    from moe_exp.sweep.table import sweep_settings
+
+    assert sweep_settings(tmp_path) == (None, ["model"])  # no multirun.yaml
+    (tmp_path / "multirun.yaml").write_text(
+        "base_prec: bf16\nsweep:\n  baseline: {precision: '${base_prec}'}\n  baseline_by: []\n")
+    assert sweep_settings(tmp_path) == ({"precision": "bf16"}, [])
+    (tmp_path / "multirun.yaml").write_text("sweep: [unclosed\n")
+    with pytest.raises(ValueError, match="cannot read its sweep settings"):
+        sweep_settings(tmp_path)

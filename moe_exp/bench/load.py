@@ -1,9 +1,11 @@
-"""Other processes' share of the machine's CPU during the measured window (Linux /proc).
+"""Other processes' share of the CPU during the measured window (Linux /proc).
 
 A 2-core box shared with a test suite can make a step 20x slower: a run measured then is
 not evidence. The record keeps the share (`cpu_other_load`) and the summary warns above
-OTHER_LOAD_WARN. "Ours" is the run's process tree: its data-loader workers, and for a rank
-the launcher's other local ranks.
+OTHER_LOAD_WARN. "Ours" is this process's tree (its data-loader workers, children it has
+waited for); a rank's sibling ranks are added by the caller (runner: summed per host).
+The CPUs are those this process may run on (a container's cpuset), busy = every state but
+idle and iowait (guest time is inside user time already).
 """
 from __future__ import annotations
 
@@ -14,8 +16,28 @@ _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 OTHER_LOAD_WARN = 0.15  # the share benchmarks/_timing.py drops a round at
 
 
+def _cpus() -> set[int]:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return set(range(os.cpu_count() or 1))
+
+
+def _busy_ticks(cpus: set[int]) -> int:
+    """Busy ticks of the given CPUs since boot (/proc/stat's cpuN lines)."""
+    total = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *v = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+                user, nice, system, _idle, _iowait, *rest = (int(x) for x in v)
+                total += user + nice + system + sum(rest[:3])  # irq softirq steal
+    return total
+
+
 def _tree_ticks(root: int) -> int:
-    """utime + stime (threads included) of root and every live process below it."""
+    """CPU ticks of root and every live process below it: their own (threads included)
+    and their waited-for children's (a finished child's time moves to its parent's)."""
     ticks, parent = {}, {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -25,38 +47,39 @@ def _tree_ticks(root: int) -> int:
                 fields = f.read().rsplit(")", 1)[1].split()
         except (OSError, IndexError):  # gone meanwhile
             continue
-        pid = int(name)  # (fields from "state": ppid is the 2nd, utime the 12th)
-        parent[pid], ticks[pid] = int(fields[1]), int(fields[11]) + int(fields[12])
+        pid = int(name)  # (fields from "state": ppid 2nd; utime stime cutime cstime 12th-15th)
+        parent[pid], ticks[pid] = int(fields[1]), sum(int(x) for x in fields[11:15])
     total = 0
     for pid, t in ticks.items():
-        p, seen = pid, 0
-        while p and p != root and seen < 64:
-            p, seen = parent.get(p, 0), seen + 1
+        p, hops = pid, 0
+        while p and p != root and hops < 64:
+            p, hops = parent.get(p, 0), hops + 1
         total += t if p == root else 0
     return total
 
 
-def _root() -> int:
-    """Whose process tree is ours: a rank's launcher (its local ranks and their workers),
-    else this process (and its data-loader workers)."""
-    return os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
-
-
-def snapshot() -> tuple[int, int, float] | None:
-    """(machine's busy ticks, our process tree's ticks, monotonic time); None without
-    /proc."""
+def snapshot() -> tuple | None:
+    """(busy ticks of our CPUs, our tree's ticks, monotonic time, number of our CPUs);
+    None without /proc."""
     try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        busy = sum(v) - v[3] - (v[4] if len(v) > 4 else 0)  # minus idle and iowait
-        return busy, _tree_ticks(_root()), time.monotonic()
+        cpus = _cpus()
+        return _busy_ticks(cpus), _tree_ticks(os.getpid()), time.monotonic(), len(cpus)
     except (OSError, ValueError, IndexError):
         return None
 
 
-def other_load(a, b) -> float | None:
-    """Share of the machine's CPU time other processes used between snapshots a and b."""
+def window(a, b) -> tuple | None:
+    """(busy ticks, our ticks, seconds, CPUs) between snapshots a and b; None if unknown."""
     if a is None or b is None or b[2] <= a[2]:
         return None
-    others = max(0, (b[0] - a[0]) - (b[1] - a[1])) / _TICK
-    return min(1.0, others / ((b[2] - a[2]) * (os.cpu_count() or 1)))
+    return b[0] - a[0], b[1] - a[1], b[2] - a[2], b[3]
+
+
+def other_share(busy: float, ours: float, secs: float, cpus: int) -> float:
+    """Share of cpus x secs of CPU time that others used (busy minus ours), in [0, 1]."""
+    return min(1.0, max(0.0, busy - ours) / _TICK / (secs * max(1, cpus)))
+
+
+def other_load(a, b) -> float | None:
+    w = window(a, b)
+    return None if w is None else other_share(*w)

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from ..config import total_steps
 from .memory import MemoryMeter
-from .load import other_load, snapshot
+from .load import snapshot, window
 from .timer import StepTimer, device_sync, process_age_s
 
 
@@ -37,7 +37,7 @@ class LoopResult:
     steps_done: int = 0
     comm_ms: float | None = None  # per step, from the profiled last steps (distributed only)
     startup_s: float | None = None  # process start -> first measured step (compile included)
-    cpu_other_load: float | None = None  # other processes' share of the CPU in the window
+    cpu_window: tuple | None = None  # CPU ticks in the window: load.window's tuple
 
 
 def micro_step(model, tokens, targets, autocast, scaler, accum: int, timer=None):
@@ -112,7 +112,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
     def end_window():
         device_sync(device)
         res.wall_s = time.perf_counter() - wall0
-        res.cpu_other_load = other_load(load0, snapshot())
+        res.cpu_window = window(load0, snapshot())
 
     try:
         for step in range(total):
@@ -126,7 +126,8 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                 res.startup_s = process_age_s()
                 memory.reset()
                 bar.set_description("bench")
-                wall0, load0 = time.perf_counter(), snapshot()
+                load0 = snapshot()  # (its /proc scan before the clock starts)
+                wall0 = time.perf_counter()
             if step == 0:
                 t0 = time.perf_counter()
             timer.start()

@@ -1,6 +1,7 @@
 """task=bench: build the model, apply the optimizations, run the measured loop, record."""
 from __future__ import annotations
 
+import math
 import signal
 import sys
 import traceback
@@ -11,6 +12,7 @@ import torch
 from ..config import total_steps
 from ..results import fill_null_reasons, write_json_atomic
 from .flops import flops_per_token, param_counts
+from .load import other_share
 from .loop import Diverged, train_loop
 from .memory import MemoryMeter
 from .timer import iqr, median, own_process
@@ -201,8 +203,10 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
         rec["startup_s"] = res.startup_s - (rec["compile_s"] or 0.0)
     else:
         why["startup_s"] = "process not started for this run (in-process call), or no /proc"
-    rec["cpu_other_load"] = res.cpu_other_load
-    if res.cpu_other_load is None:
+    rec["cpu_other_load"] = (other_load_across_ranks(res.cpu_window, device) if world > 1
+                             else None if res.cpu_window is None
+                             else other_share(*res.cpu_window))
+    if rec["cpu_other_load"] is None:
         why["cpu_other_load"] = "no /proc to read the machine's CPU time from"
     rec.update(mem)
     why.update({k: v for k, v in mem_why.items() if mem.get(k) is None})  # (another rank's
@@ -289,6 +293,27 @@ def _padded_fallbacks(model, cfg, rec, device, world: int) -> None:
             else "no padded call ran")
 
 
+def other_load_across_ranks(w, device) -> float | None:
+    """Other processes' CPU share with several ranks: per host, the busy ticks less every
+    local rank's own (siblings are ours, whoever launched them); the busiest host's."""
+    import hashlib
+    import socket
+
+    from ..distributed import all_gather_stack, collective_device
+
+    host = int(hashlib.sha1(socket.gethostname().encode()).hexdigest()[:12], 16)  # < 2**53
+    mine = [host, *w] if w is not None else [host, math.nan, math.nan, math.nan, math.nan]
+    every = all_gather_stack(torch.tensor(mine, dtype=torch.float64,
+                                          device=collective_device(device))).tolist()
+    shares = []
+    for h in {r[0] for r in every}:
+        rows = [r for r in every if r[0] == h and not math.isnan(r[1])]
+        if rows:  # busy ticks and CPUs: the host's (every rank read them); ours: summed
+            shares.append(other_share(max(r[1] for r in rows), sum(r[2] for r in rows),
+                                      max(r[3] for r in rows), int(max(r[4] for r in rows))))
+    return max(shares) if shares else None
+
+
 def slowest_rank_steps(every: torch.Tensor, keys: list[str]) -> dict:
     """every (rank, key, step) per-step times -> {key: per step, from that step's slowest
     rank (by step_ms)}."""
@@ -299,8 +324,8 @@ def slowest_rank_steps(every: torch.Tensor, keys: list[str]) -> dict:
 
 def _across_ranks(res, tm: dict, mem: dict, device) -> None:
     """Each step's times -> those of the rank whose step was slowest (its phases with it,
-    so they add up to its step); peaks, comm and other processes' CPU load -> max; expert
-    counts -> summed; the aux losses (each rank's, on its micro-batches) -> mean over ranks."""
+    so they add up to its step); peaks and comm -> max; expert counts -> summed; the aux
+    losses (each rank's, on its micro-batches) -> mean over ranks."""
     import torch.distributed as dist
 
     from ..distributed import all_gather_stack, all_max, all_mean, collective_device
@@ -311,9 +336,9 @@ def _across_ranks(res, tm: dict, mem: dict, device) -> None:
                                           device=dev))  # (rank, key, step)
     tm.update(slowest_rank_steps(every, keys))
     mkeys = sorted(mem)  # the same keys on every rank, nulls included
-    vals = all_max([*(mem[k] for k in mkeys), res.comm_ms, res.cpu_other_load], dev)
+    vals = all_max([*(mem[k] for k in mkeys), res.comm_ms], dev)
     mem.update(zip(mkeys, vals))
-    res.comm_ms, res.cpu_other_load = vals[-2:]
+    res.comm_ms = vals[-1]
     if res.counts is not None:
         dist.all_reduce(res.counts)
     if res.balance is not None:

@@ -18,9 +18,11 @@ PHASES = ("data", "forward", "backward", "optimizer")
 
 def device_sync(device: torch.device) -> None:
     """Wait for the device's queued work: torch.<type>.synchronize() (cuda, hpu once its
-    bridge is imported, xpu, mps); nothing on CPU."""
-    if device.type != "cpu":
-        getattr(torch, device.type).synchronize()
+    bridge is imported, xpu, mps); nothing on CPU or where torch has no such module (the
+    run's device check refuses those first)."""
+    sync = getattr(getattr(torch, device.type, None), "synchronize", None)
+    if device.type != "cpu" and sync is not None:
+        sync()
 
 
 class StepTimer:

@@ -123,6 +123,12 @@ def sum_middle(t: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
     return out
 
 
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """inv with inv[order[i]] = i: where each row went (a scatter, no sort)."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(),
+                                                                   device=order.device))
+
+
 def gather_rows(x: torch.Tensor, idx: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
     """x[idx] for a row map whose inverse `back` is known (see _Gather)."""
     return _Gather.apply(x, idx, back)
@@ -303,8 +309,7 @@ class MoE(nn.Module):
         # static-shape histogram (bincount's output size is data-dependent under compile)
         counts = flat.new_zeros(self.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
         # inv[i]: where pair i = (token, choice) sits in the sorted order
-        inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(),
-                                                                      device=x.device))
+        inv = inverse_permutation(order)
         y = None
         mode = self.grouped if self.dispatch != "padded" else "padded"
         if mode == "padded" and isinstance(self.experts, Experts):  # (expert parallel's

@@ -22,8 +22,8 @@ def _fmt_s(s: float) -> str:
 
 
 def plan(config: DictConfig) -> tuple[int | None, dict]:
-    """(number of jobs, {key that varies: its values}) for the basic sweeper; (None, {}) if
-    unknown. A key swept twice (preset and command line): the command line's values."""
+    """(number of jobs, {key that varies: its values as written, quotes kept}) for the basic
+    sweeper; (None, {}) if unknown. A key swept twice (preset and command line): the command line's values."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -35,8 +35,8 @@ def plan(config: DictConfig) -> tuple[int | None, dict]:
         jobs = BasicSweeper.split_arguments(parsed, None)[0]
     except Exception:  # noqa: BLE001 - progress is a nicety; Hydra reports real errors
         return None, {}
-    varying = {o.get_key_element(): [_unquoted(v) for v in o.sweep_string_iterator()]
-               for o in parsed if o.is_sweep_override()}
+    varying = {o.get_key_element(): list(o.sweep_string_iterator())  # as written: '1e-3'
+               for o in parsed if o.is_sweep_override()}  # stays quoted (a string)
     return len(jobs), varying
 
 

@@ -43,9 +43,11 @@ def check_values(params: dict) -> None:
     """Swept values of keys with a fixed set of options (config.CHOICES)."""
     from ..config import CHOICES
 
+    from .callback import _unquoted
+
     for key, values in params.items():
         allowed = CHOICES.get(key.lstrip("+"))
-        bad = [v for v in values if allowed and str(v) not in allowed]
+        bad = [v for v in map(_unquoted, values) if allowed and str(v) not in allowed]
         if bad:
             raise SweepError(f"{key.lstrip('+')}: '{bad[0]}' is not one of: {', '.join(allowed)}")
 
@@ -78,3 +80,4 @@ def check_baseline(config: DictConfig, params: dict) -> None:
         if values and str(want) not in {str(_typed(v)) for v in values}:
             raise SweepError(f"sweep.baseline: {key}={want} is not among the swept values "
                              f"({', '.join(values)}): no row could be the baseline")
+    # (values as written: '1e-3' quoted is the string a job's table row compares)

@@ -124,8 +124,10 @@ _RUNS_HERE = 0  # runs of an in-process sweep (sweep.isolate=false) made by this
 def set_aside(job_dir: Path, h: str) -> Path | None:
     """A resumed sweep numbers its jobs anew: with other values, job_dir may hold another
     configuration's records. They move to <num>-<their config hash> beside it (the table
-    and a later resume still find them) before this job writes; returns where to."""
-    prev = read_record(job_dir / "metrics.json")
+    and a later resume still find them; the job-level record last, so a move cut short is
+    found and finished next time) before this job writes; returns where to."""
+    prev = next((r for p in [job_dir / "metrics.json", *sorted(job_dir.glob("rep*/metrics.json"))]
+                 if (r := read_record(p)) is not None), None)
     if prev is None or prev.get("config_hash") == h:
         return None
     base = f"{job_dir.name}-{prev.get('config_hash') or 'other'}"
@@ -133,7 +135,7 @@ def set_aside(job_dir: Path, h: str) -> Path | None:
     while dest.exists():
         dest, i = job_dir.parent / f"{base}-{i}", i + 1
     dest.mkdir()
-    for p in job_dir.iterdir():
+    for p in sorted(job_dir.iterdir(), key=lambda p: p.name == "metrics.json"):
         if p.name == ".hydra":  # (Hydra has written this job's over the old one's)
             continue
         if p.name == "run.log":  # Hydra's open log of this job: copied, then emptied
@@ -142,6 +144,8 @@ def set_aside(job_dir: Path, h: str) -> Path | None:
                 f.truncate(0)
             continue
         shutil.move(str(p), str(dest / p.name))
+    if (moved := read_record(dest / "metrics.json")) is not None:  # its row is named so
+        write_json_atomic(dest / "metrics.json", {**moved, "job": dest.name})
     print(f"[sweep] {job_dir} held another configuration's records: moved to {dest}",
           file=sys.stderr)
     return dest

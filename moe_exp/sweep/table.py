@@ -74,6 +74,9 @@ def combine(records: list[dict]) -> dict:
         # tokens/s means (for an even count their two medians are not each other's inverse)
         rec["step_time_ms"] = 1e3 * rec["tokens_per_step"] / rec["tokens_per_s"]
         _phases_of(rec, ok)
+    loads = [r["cpu_other_load"] for r in ok if _num(r.get("cpu_other_load")) is not None]
+    if loads:  # the most contended repeat's: its figures are in the spread
+        rec["cpu_other_load"] = max(loads)
     for k in ("tokens_per_s", "peak_mem_gib", "step_time_ms"):
         vals = [r[k] for r in ok if isinstance(r.get(k), (int, float))]
         rec[f"{k}_min"], rec[f"{k}_max"] = (min(vals), max(vals)) if vals else (None, None)
@@ -193,10 +196,13 @@ def build_table(records: list[dict], baseline: dict | None = None, by=("model",)
     _check_keys(records, baseline or {}, names[0])
     _check_keys(records, by, names[1])
     groups: dict = {}
+    # a baseline naming a size key (model.hidden_size) compares the sizes: one group
+    sized = any(_norm_key(k).startswith("model.") and _norm_key(k) != "model.dispatch"
+                for k in baseline or {})
     for r in records:
         key = tuple(_value(r, b, names[1]) for b in by)
-        if "model" in by:  # a model is its name and its size: a sweep over model.hidden_size
-            # compares each size with itself, not with another architecture
+        if "model" in by and not sized:  # a model is its name and its size: a sweep over
+            # model.hidden_size compares each size with itself, not with another architecture
             key += (r.get("params_total"), r.get("params_active"))
         groups.setdefault(tuple(str(None if v is _MISSING else v) for v in key), []).append(r)
     for rows in groups.values():
@@ -242,6 +248,8 @@ def _relative(r: dict, base: dict | None) -> None:
 def flat(df):
     """Lists and dicts as JSON strings: a table CSV and Parquet can hold."""
     out = df.copy()
+    if "job" in out and out["job"].map(lambda v: isinstance(v, str)).any():
+        out["job"] = out["job"].map(str)  # set-aside dirs (0-<hash>) beside numbered jobs
     for col in out.columns:
         if out[col].map(lambda v: isinstance(v, (list, dict))).any():
             out[col] = out[col].map(lambda v: json.dumps(v) if isinstance(v, (list, dict))
@@ -262,9 +270,14 @@ def sweep_settings(sweep_dir: Path) -> tuple[dict | None, list[str]]:
         return None, ["model"]
     from omegaconf import OmegaConf
 
-    s = OmegaConf.load(p).get("sweep") or {}
-    b, by = s.get("baseline"), s.get("baseline_by")
-    return (OmegaConf.to_container(b) if b else None), (list(by) if by else ["model"])
+    try:
+        s = OmegaConf.load(p).get("sweep") or {}
+        b, by = s.get("baseline"), s.get("baseline_by")
+        return (OmegaConf.to_container(b, resolve=True) if b else None), \
+            (["model"] if by is None else list(OmegaConf.to_container(by, resolve=True)))
+    except Exception as e:  # noqa: BLE001 - a broken file: the user's to fix, one line
+        raise ValueError(f"{p}: cannot read its sweep settings ({e}); pass --baseline and "
+                         "--by") from None
 
 
 def sweep_table(records: list[dict], baseline: dict | None, by) -> tuple:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from ...model.moe import Experts, gather_rows
+from ...model.moe import Experts, gather_rows, inverse_permutation
 
 
 class ExpertParallel(nn.Module):
@@ -42,8 +42,7 @@ class ExpertParallel(nn.Module):
         local_e = torch.arange(n, device=x.device).repeat(ep)
         seg = torch.repeat_interleave(local_e, recv_by_src.reshape(-1))
         order = torch.argsort(seg, stable=True)
-        inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(),
-                                                                      device=x.device))
+        inv = inverse_permutation(order)
         # gathers both ways (their backwards are gathers too: see moe._Gather)
         y = self.local(gather_rows(x_recv, order, inv), recv_by_src.sum(0), grouped)
         y_back = gather_rows(y, inv, order)
