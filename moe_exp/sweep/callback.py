@@ -23,7 +23,8 @@ def _fmt_s(s: float) -> str:
 
 def plan(config: DictConfig) -> tuple[int | None, dict]:
     """(number of jobs, {key that varies: its values as written, quotes kept}) for the basic
-    sweeper; (None, {}) if unknown. A key swept twice (preset and command line): the command line's values."""
+    sweeper; (None, {}) if unknown. A key swept twice (preset and command line): the command
+    line's values."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
