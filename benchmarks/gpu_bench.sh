@@ -4,6 +4,7 @@
 #   moe_layer.json    MoE layer fwd+bwd: grouped_mm vs the naive loop (tiny, small, moe_1b)
 #   compile_step.json whole train step, compiled vs eager (tiny_moe, small_moe, moe_1b)
 #   optimizer_step.json AdamW vs Muon step (small_moe, moe_1b)
+#   row_moves.json    the dispatch's row moves: autograd indexing vs gather_rows
 #   mfu/              moe_1b bf16 MFU (benchmarks/gpu_mfu.sh)
 # Same requirements as gpu_mfu.sh (hydra-core/omegaconf wheels in .whl/ where missing).
 set -euo pipefail
@@ -23,4 +24,5 @@ mkdir -p "$out"
 "$PY" benchmarks/moe_layer.py --json "$out/moe_layer.json"
 "$PY" benchmarks/compile_step.py --json "$out/compile_step.json"
 "$PY" benchmarks/optimizer_step.py --json "$out/optimizer_step.json"
+"$PY" benchmarks/row_moves.py --json "$out/row_moves.json"
 bash benchmarks/gpu_mfu.sh "$@"
