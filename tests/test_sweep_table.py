@@ -73,8 +73,7 @@ def test_default_baseline_prefers_adamw_and_a_baseline_may_name_an_override():
 
 
 def test_sweep_value_check_reads_quoted_values_as_jobs_get_them():
-    from moe_exp.sweep.callback import _unquoted
-    from moe_exp.sweep.checks import SweepError, check_values
+    from moe_exp.sweep.checks import SweepError, _unquoted, check_values
 
     check_values({"train.compile": ['"off"', "'default'"]})
     with pytest.raises(SweepError, match="train.compile: 'fast' is not one of"):

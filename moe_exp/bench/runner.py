@@ -13,6 +13,8 @@ from ..config import total_steps
 from ..results import fill_null_reasons, write_json_atomic
 from .flops import flops_per_token, param_counts
 from .load import other_share
+
+DENSE = "dense model (model.num_experts=0)"  # why its expert figures are null
 from .loop import Diverged, train_loop
 from .memory import MemoryMeter
 from .timer import iqr, median, own_process
@@ -232,14 +234,14 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
         rec["moe_padded_fallback_share"] = None
         why["moe_padded_fallback_share"] = (
             f"model.dispatch={cfg.model.dispatch}: only padded falls back"
-            if cfg.model.num_experts else "dense model (model.num_experts=0)")
+            if cfg.model.num_experts else DENSE)
     if res.counts is not None:
         rec.update(load_stats(res.counts))
         rec["aux_loss"] = res.balance
         rec["z_loss"] = res.z
     else:
         for k in ("aux_loss", "expert_load_cv", "expert_load_max_over_mean"):
-            why[k] = "dense model (model.num_experts=0)"
+            why[k] = DENSE
 
 
 def _graph_counts() -> tuple[int, int, int, int]:

@@ -20,8 +20,10 @@ def device_sync(device: torch.device) -> None:
     """Wait for the device's queued work: torch.<type>.synchronize() (cuda, hpu once its
     bridge is imported, xpu, mps); nothing on CPU or where torch has no such module (the
     run's device check refuses those first)."""
+    if device.type == "cpu":
+        return
     sync = getattr(getattr(torch, device.type, None), "synchronize", None)
-    if device.type != "cpu" and sync is not None:
+    if sync is not None:
         sync()
 
 

@@ -41,11 +41,6 @@ def plan(config: DictConfig) -> tuple[int | None, dict]:
     return len(jobs), varying
 
 
-def _unquoted(v: str) -> str:
-    """'"off"' -> 'off': what a job gets for a quoted sweep value."""
-    return v[1:-1] if len(v) >= 2 and v[0] == v[-1] and v[0] in "'\"" else v
-
-
 class SweepCallback(Callback):
     def __init__(self) -> None:
         self.total, self.varying = None, []

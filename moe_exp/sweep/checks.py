@@ -43,8 +43,6 @@ def check_values(params: dict) -> None:
     """Swept values of keys with a fixed set of options (config.CHOICES)."""
     from ..config import CHOICES
 
-    from .callback import _unquoted
-
     for key, values in params.items():
         allowed = CHOICES.get(key.lstrip("+"))
         bad = [v for v in map(_unquoted, values) if allowed and str(v) not in allowed]
@@ -52,12 +50,17 @@ def check_values(params: dict) -> None:
             raise SweepError(f"{key.lstrip('+')}: '{bad[0]}' is not one of: {', '.join(allowed)}")
 
 
+def _unquoted(v: str) -> str:
+    """'"off"' -> 'off': what a job gets for a quoted sweep value."""
+    return v[1:-1] if len(v) >= 2 and v[0] == v[-1] and v[0] in "'\"" else v
+
+
 def check_baseline(config: DictConfig, params: dict) -> None:
     """sweep.baseline / baseline_by keys: a record column (results FIELDS or EXTRAS, a key
     of its `extra` dict, task=comm's busbw_gbps_<op>, a repeats' *_min / *_max), or a key
     this sweep sets on the command line or in a preset."""
     from ..results import EXTRAS, FIELDS
-    from .table import ADDED, _norm_key
+    from .table import ADDED, _norm_key, _typed
 
     columns = {*FIELDS, *EXTRAS, *ADDED}
     overridden = {_norm_key(k) for k in [*params, *(o.split("=", 1)[0] for o in
@@ -72,12 +75,10 @@ def check_baseline(config: DictConfig, params: dict) -> None:
                 raise SweepError(f"{what}: '{key}' is not a column of the table (e.g. precision, "
                                  "compile, optim, model, extra.seed_row) nor a key this sweep "
                                  "sets")
-    from .table import _typed
-
+    # swept values as written: '1e-3' quoted is the string a job's table row compares
     swept = {_norm_key(k): v for k, v in params.items()}
     for key, want in baseline.items():  # a swept key: every row has one of its values
         values = swept.get(_norm_key(key))
         if values and str(want) not in {str(_typed(v)) for v in values}:
             raise SweepError(f"sweep.baseline: {key}={want} is not among the swept values "
                              f"({', '.join(values)}): no row could be the baseline")
-    # (values as written: '1e-3' quoted is the string a job's table row compares)

@@ -338,11 +338,13 @@ def _compact_comm(df):
 
 
 def contended(df) -> str:
-    """'job 2 (37%); ...' for rows measured under other processes' CPU load, else ''."""
+    """The note naming rows measured under other processes' CPU load, else ''."""
     if "cpu_other_load" not in df:
         return ""
     busy = df[df["cpu_other_load"].map(lambda v: _num(v) is not None and v > OTHER_LOAD_WARN)]
-    return "; ".join(f"job {r.job} ({r.cpu_other_load:.0%})" for r in busy.itertuples())
+    rows = "; ".join(f"job {r.job} ({r.cpu_other_load:.0%})" for r in busy.itertuples())
+    return rows and (f"measured while other processes used over {OTHER_LOAD_WARN:.0%} of the "
+                     f"machine's CPU (cpu_other_load; their timings are not reliable): {rows}")
 
 
 def markdown(df, title: str = "Sweep results") -> str:
@@ -356,8 +358,7 @@ def markdown(df, title: str = "Sweep results") -> str:
                      "tokens/s ranges of this row and its baseline overlap.")
     busy = contended(df)
     if busy:
-        lines.append(f"**Measured while other processes used over {OTHER_LOAD_WARN:.0%} of the "
-                     f"machine's CPU** (cpu_other_load; their timings are not reliable): {busy}.")
+        lines.append(f"**Warning**: {busy}.")
     if "task" in df and len(df) and (df["task"] == "comm").all():
         lines.append("GB/s: the peak bus bandwidth (nccl-tests convention) over the message "
                      "sizes; every size: each job's comm.csv.")
@@ -406,5 +407,4 @@ def print_table(df, title: str = "Sweep results") -> None:
     Console(width=200).print(t)
     busy = contended(df)
     if busy:
-        print(f"[sweep] warning: measured while other processes used over {OTHER_LOAD_WARN:.0%} "
-              f"of the CPU (timings not reliable): {busy}", file=sys.stderr)
+        print(f"[sweep] warning: {busy}", file=sys.stderr)
