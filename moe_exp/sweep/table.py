@@ -276,7 +276,8 @@ def sweep_settings(sweep_dir: Path) -> tuple[dict | None, list[str]]:
         return (OmegaConf.to_container(b, resolve=True) if b else None), \
             (["model"] if by is None else list(OmegaConf.to_container(by, resolve=True)))
     except Exception as e:  # noqa: BLE001 - a broken file: the user's to fix, one line
-        raise ValueError(f"{p}: cannot read its sweep settings ({e}); pass --baseline and "
+        why = " ".join(str(e).split())  # (YAML's errors span lines: one line here)
+        raise ValueError(f"{p}: cannot read its sweep settings ({why}); pass --baseline and "
                          "--by") from None
 
 
