@@ -419,3 +419,22 @@ def test_sweep_checks_fail_before_any_job(tmp_path):
         assert r.returncode == 2, r.stderr[-3000:]
         assert r.stderr.strip().startswith(f"error: {line}") and len(r.stderr.strip().splitlines()) == 1
         assert len(list(d.glob("*/metrics.json"))) == (1 if d == used else 0)
+
+
+def test_second_sweep_into_a_running_sweeps_dir_fails_before_any_job(tmp_path):
+    """Two sweeps into one dir (a resume started twice) would write the same job dirs: the
+    second one stops with one line naming the holder, exit 2, and writes nothing."""
+    d = tmp_path / "s"
+    first = _sweep_in_background(d, "+case=long")
+    try:
+        _child_of(d / "0")
+        r = sweep(d, "+case=long", "sweep.resume=true", "logger=none")
+        assert r.returncode == 2, r.stderr[-3000:]
+        line = r.stderr.strip()
+        assert line.startswith(f"error: hydra.sweep.dir: '{d}' is in use by another sweep "
+                               f"(pid {first.pid} on ") and len(line.splitlines()) == 1
+        assert "[sweep]" not in r.stdout  # no job started
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=300)
+    assert list(pd.read_csv(d / "results.csv")["status"]) == ["crashed"]  # the first's row

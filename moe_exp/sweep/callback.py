@@ -48,6 +48,7 @@ class SweepCallback(Callback):
         self.ran: list[float] = []  # durations of jobs that did run (not resumed/skipped)
         self.finished = 0
         self.active = False  # single runs call on_job_start/end too: nothing to do there
+        self.lock = None  # the sweep dir's lock file (checks.claim_dir), held to the end
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         global NO_JOB_OK
@@ -55,10 +56,11 @@ class SweepCallback(Callback):
         self.active = True
         self.total, swept = plan(config)
         self.varying = list(swept)
-        from .checks import SweepError, check_sweep
+        from .checks import SweepError, check_sweep, claim_dir
 
         try:  # before any job
             check_sweep(config, swept)
+            self.lock = claim_dir(Path(config.hydra.sweep.dir))
         except SweepError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None  # run.EXIT_INVALID (Hydra passes SystemExit on)
@@ -127,6 +129,9 @@ class SweepCallback(Callback):
                wandb_cfg=config.logger if config.logger.name == "wandb" else None,
                group=config.logger.get("group") or sweep_group(config, sweep_dir),
                title=f"Sweep {config.sweep.name or sweep_dir}")
+        if self.lock is not None:
+            self.lock.close()
+            self.lock = None
 
 
 def _is_sweep_job(config: DictConfig) -> bool:

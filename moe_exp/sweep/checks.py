@@ -39,6 +39,32 @@ def check_dir(config: DictConfig) -> None:
                          "sweep")
 
 
+def claim_dir(d: Path):
+    """Lock the sweep dir for this sweep's life (the returned file holds the lock): a second
+    sweep into it (a resume started twice, two sweeps given one dir) would write the same
+    job dirs. A filesystem without locks: unguarded."""
+    import fcntl
+    import os
+    import socket
+
+    d.mkdir(parents=True, exist_ok=True)
+    f = open(d / ".sweep.lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise SweepError(f"hydra.sweep.dir: '{d}' is in use by another sweep ({holder}): wait "
+                         "for it to end, or use a new dir") from None
+    except OSError:
+        return f
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+    f.flush()
+    return f
+
+
 def check_values(params: dict) -> None:
     """Swept values of keys with a fixed set of options (config.CHOICES)."""
     from ..config import CHOICES
