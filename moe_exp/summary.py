@@ -20,6 +20,20 @@ def _fallbacks(share) -> str:
     return f"; padded fell back on {pct} of layer calls"
 
 
+def _padding_note(r: dict) -> str | None:
+    """Compiled padded pads every expert to the busiest one (it cannot fall back): say so
+    where the per-step imbalance made that costly."""
+    from .model.moe import PAD_LIMIT
+
+    x = r.get("expert_load_step_max_over_mean")
+    if r.get("moe_dispatch") != "padded" or r.get("compile") in (None, "off") or not x \
+            or x <= PAD_LIMIT:
+        return None
+    return (f"compiled padded pads every expert to the busiest: its expert matmuls did "
+            f"{x:.2f}x the routed rows' work (eager falls back above {PAD_LIMIT}x); "
+            "model.dispatch=grouped computes only the routed rows")
+
+
 def summary_rows(r: dict) -> list[tuple[str, str]]:
     why = r.get("null_reasons", {})
     step = r["step_time_ms"] or 0.0
@@ -60,10 +74,15 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
         rows.append(("compile", f"{r['compile_s']:.1f} s (first step beyond a steady step"
                                 f"{cache})"))
     if r.get("expert_load_cv") is not None:
+        per_step = r.get("expert_load_step_max_over_mean")
         rows.append(("expert load", f"CV {r['expert_load_cv']:.3f}, max/mean "
-                                    f"{r['expert_load_max_over_mean']:.2f}, aux loss "
+                                    f"{r['expert_load_max_over_mean']:.2f}"
+                                    + (f" (per step {per_step:.2f})" if per_step else "")
+                                    + ", aux loss "
                                     f"{r['aux_loss']:.4f}"
                                     + _fallbacks(r.get("moe_padded_fallback_share"))))
+        if note := _padding_note(r):
+            rows.append(("NOTE", note))
     else:
         rows.append(("expert load", f"null: {why.get('expert_load_cv', '')}"))
     rows.append(("loss", f"{r['loss_first']:.4f} → {r['loss_last']:.4f}"))

@@ -82,6 +82,7 @@ def test_losses_after_k_steps_match_one_process(parallel, extra, single, tmp_pat
     assert rec["losses"] == pytest.approx(single["losses"], rel=2e-5)
     if parallel.startswith("expert"):  # tokens per expert summed over ranks
         assert rec["tokens_per_expert"] == single["tokens_per_expert"]
+    assert 1 <= rec["expert_load_step_max_over_mean"] <= 8  # the busiest rank's (8 experts)
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert saved["tokens_per_s"] == pytest.approx(world * saved["tokens_per_s_per_device"])
 

@@ -460,3 +460,26 @@ def test_summary_gives_the_reason_for_unmeasured_collectives():
     rows = dict(_summary_stub(summary_rows, {"parallel": "ddp", "world_size": 2,
                                              "comm_ms": 3.25, "comm_share": 0.1}))
     assert rows["parallel"] == "ddp on 2 ranks; collectives 3.2 ms/step (10%)"
+
+
+def test_per_step_expert_imbalance_is_recorded_and_noted_for_compiled_padded(tmp_path):
+    """expert_load_step_max_over_mean: per micro-step, the busiest expert / the mean; with
+    one layer, a sum of maxima is at least the maximum of the sums (the summed figure)."""
+    from moe_exp.summary import summary_rows
+
+    rec = run_inproc(["model.num_layers=1", "logger=none", "train.steps=5",
+                      "train.grad_accum_steps=2"], tmp_path)
+    assert rec["status"] == "ok", rec["error"]
+    step = rec["expert_load_step_max_over_mean"]
+    assert rec["expert_load_max_over_mean"] - 1e-9 <= step <= 8  # tiny_moe: 8 experts
+    assert f"(per step {step:.2f})" in dict(summary_rows(rec))["expert load"]
+    dense = run_inproc(["model=tiny_dense", "logger=none", "train.steps=2"], tmp_path / "d")
+    assert dense["expert_load_step_max_over_mean"] is None
+    assert "dense" in dense["null_reasons"]["expert_load_step_max_over_mean"]
+    load = {"expert_load_cv": 0.5, "expert_load_max_over_mean": 1.2, "aux_loss": 1.1,
+            "moe_dispatch": "padded", "null_reasons": {}}
+    for compile_, per_step, note in [("default", 1.9, "did 1.90x the routed rows' work"),
+                                     ("default", 1.4, None), ("off", 1.9, None)]:
+        rows = dict(_summary_stub(summary_rows, {**load, "compile": compile_,
+                                                 "expert_load_step_max_over_mean": per_step}))
+        assert (note in rows["NOTE"]) if note else "NOTE" not in rows, rows

@@ -32,6 +32,8 @@ class LoopResult:
     first_step_s: float | None = None
     wall_s: float | None = None  # the measured window, wall clock
     counts: torch.Tensor | None = None  # tokens per expert summed over measured steps
+    # per micro-step and layer, the busiest expert's tokens / the mean (rows-weighted mean)
+    step_max_over_mean: float | None = None
     balance: float | None = None  # mean load-balancing loss over measured steps
     z: float | None = None
     steps_done: int = 0
@@ -97,7 +99,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
     params = [p for g in optimizer.param_groups for p in g["params"]]
     total = total_steps(t)
     timer, res = StepTimer(device), LoopResult()
-    pending, balances, zs = [], [], []
+    pending, balances, zs, busiest = [], [], [], []
     it = iter(loader)
     tty = sys.stderr.isatty()
     bar = tqdm(total=total, desc="warmup", unit="step", disable=not progress,
@@ -143,6 +145,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                 step_loss += out.ce.detach() / t.grad_accum_steps
                 if measured and out.counts.numel():
                     res.counts = out.counts if res.counts is None else res.counts + out.counts
+                    busiest.append(out.counts.max(dim=1).values.sum())
                     balances.append(out.balance.detach())
                     zs.append(out.z.detach())
             if applied.before_step:  # gradient sync outside DDP/FSDP's hooks (expert
@@ -201,6 +204,9 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                 prof.__exit__(None, None, None)
         bar.close()
     res.timings = timer.results()
+    if busiest:  # sum over micro-steps and layers of the busiest / of the mean
+        mean_rows = res.counts.sum().double() / res.counts.shape[1]
+        res.step_max_over_mean = (torch.stack(busiest).sum().double() / mean_rows).item()
     if balances:
         res.balance = torch.stack(balances).mean().item()
         res.z = torch.stack(zs).mean().item()

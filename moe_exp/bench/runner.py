@@ -237,10 +237,13 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
             if cfg.model.num_experts else DENSE)
     if res.counts is not None:
         rec.update(load_stats(res.counts))
+        rec["expert_load_step_max_over_mean"] = res.step_max_over_mean
         rec["aux_loss"] = res.balance
         rec["z_loss"] = res.z
     else:
-        for k in ("aux_loss", "expert_load_cv", "expert_load_max_over_mean"):
+        for k in ("aux_loss", "expert_load_cv", "expert_load_max_over_mean",
+                  "expert_load_step_max_over_mean"):
+            rec[k] = None
             why[k] = DENSE
 
 
@@ -326,7 +329,8 @@ def slowest_rank_steps(every: torch.Tensor, keys: list[str]) -> dict:
 
 def _across_ranks(res, tm: dict, mem: dict, device) -> None:
     """Each step's times -> those of the rank whose step was slowest (its phases with it,
-    so they add up to its step); peaks and comm -> max; expert counts -> summed; the aux
+    so they add up to its step); peaks, comm and the per-step expert imbalance -> max;
+    expert counts -> summed; the aux
     losses (each rank's, on its micro-batches) -> mean over ranks."""
     import torch.distributed as dist
 
@@ -338,9 +342,9 @@ def _across_ranks(res, tm: dict, mem: dict, device) -> None:
                                           device=dev))  # (rank, key, step)
     tm.update(slowest_rank_steps(every, keys))
     mkeys = sorted(mem)  # the same keys on every rank, nulls included
-    vals = all_max([*(mem[k] for k in mkeys), res.comm_ms], dev)
+    vals = all_max([*(mem[k] for k in mkeys), res.comm_ms, res.step_max_over_mean], dev)
     mem.update(zip(mkeys, vals))
-    res.comm_ms = vals[-1]
+    res.comm_ms, res.step_max_over_mean = vals[-2:]
     if res.counts is not None:
         dist.all_reduce(res.counts)
     if res.balance is not None:
