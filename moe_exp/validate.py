@@ -17,11 +17,15 @@ def _get(cfg, dotted: str):
     return OmegaConf.select(cfg, dotted)
 
 
+def not_one_of(value, allowed) -> str:
+    return f"'{value}' is not one of: {', '.join(allowed)}"
+
+
 def check_choices(cfg) -> None:
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         if value not in allowed:
-            raise ConfigError(key, f"'{value}' is not one of: {', '.join(allowed)}")
+            raise ConfigError(key, not_one_of(value, allowed))
 
 
 def check_known_keys(cfg) -> None:

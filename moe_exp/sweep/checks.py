@@ -68,12 +68,13 @@ def claim_dir(d: Path):
 def check_values(params: dict) -> None:
     """Swept values of keys with a fixed set of options (config.CHOICES)."""
     from ..config import CHOICES
+    from ..validate import not_one_of
 
     for key, values in params.items():
         allowed = CHOICES.get(key.lstrip("+"))
         bad = [v for v in map(_unquoted, values) if allowed and str(v) not in allowed]
         if bad:
-            raise SweepError(f"{key.lstrip('+')}: '{bad[0]}' is not one of: {', '.join(allowed)}")
+            raise SweepError(f"{key.lstrip('+')}: {not_one_of(bad[0], allowed)}")
 
 
 def _unquoted(v: str) -> str:
