@@ -24,6 +24,7 @@ class Dist:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    launched_here: bool = False  # by run.launch, which records a rank's failure itself
 
     @property
     def main(self) -> bool:

@@ -122,7 +122,7 @@ def launch(cfg_dict: dict, out_dir: Path, overrides, choices, progress) -> dict:
 
     try:
         rec = elastic(rank_entry, cfg_dict["hardware"]["devices"], rank_main, cfg_dict,
-                      str(out_dir), overrides, choices, progress)
+                      str(out_dir), overrides, choices, progress, True)
     except ChildFailedError as e:
         (out_dir / "error.log").write_text(failure_report(e))
         msg = f"{failure_message(e)} (see {out_dir}/error.log)"
@@ -133,12 +133,15 @@ def launch(cfg_dict: dict, out_dir: Path, overrides, choices, progress) -> dict:
     return rec
 
 
-def rank_main(cfg_dict: dict, out_dir: str, overrides, choices, progress) -> dict | None:
-    """One rank: join the group, run the task, leave. Rank 0 returns the record."""
+def rank_main(cfg_dict: dict, out_dir: str, overrides, choices, progress,
+              launched_here: bool = False) -> dict | None:
+    """One rank: join the group, run the task, leave. Rank 0 returns the record.
+    launched_here: by `launch` (which records a failure), not by torchrun / SLURM."""
     from . import distributed
 
     cfg = OmegaConf.create(cfg_dict)
     d = distributed.init(cfg)
+    d.launched_here = launched_here
     try:
         rec = new_record(cfg_dict, overrides)
         if cfg.task == "comm":

@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from .bench.flops import param_counts
-from .config import CHOICES
+from .config import CHOICES, ParallelConfig
 from .hardware import CONF, ConfigError, NotReady, Unsupported
 
 
@@ -202,16 +202,35 @@ def check_parallel(cfg) -> None:
         if m.num_experts == 0:
             raise ConfigError("parallel", f"parallel={p.name} needs an MoE model "
                               f"(model={m.name} is dense: model.num_experts=0)")
-        ep = p.expert_parallel_size or n
-        if ep < 1 or n % ep:
-            raise ConfigError("parallel.expert_parallel_size", f"must divide hardware.devices="
-                              f"{n}, got {ep}")
+        if p.expert_parallel_size is not None and p.expert_parallel_size < 1:
+            raise ConfigError("parallel.expert_parallel_size", "must be >= 1 or null (all "
+                              f"ranks), got {p.expert_parallel_size}")
+        ep = p.expert_parallel_size or launched
+        if launched % ep:
+            ranks = (f"hardware.devices={n}" if launched == n else
+                     f"world size {launched} (torchrun's WORLD_SIZE)")
+            raise ConfigError("parallel.expert_parallel_size", f"must divide the {ranks}, "
+                              f"got {ep}")
         if m.num_experts % ep:
             raise ConfigError("parallel.expert_parallel_size", f"model.num_experts="
                               f"{m.num_experts} is not divisible by the expert-parallel size {ep}")
     elif p.expert_parallel_size is not None:
         raise ConfigError("parallel.expert_parallel_size", f"only for parallel=expert or "
                           f"expert_fsdp, not parallel={p.name}")
+    for keys, names in ((("bucket_cap_mb", "gradient_as_bucket_view", "static_graph"), ("ddp",)),
+                        (("reshard_after_forward", "cpu_offload"), ("fsdp", "expert_fsdp"))):
+        for key in keys:  # (elsewhere nothing reads them: a sweep row would differ in name only)
+            if p.name not in names and p[key] != getattr(ParallelConfig, key):
+                raise ConfigError(f"parallel.{key}", f"only for parallel={' or '.join(names)}, "
+                                  f"not parallel={p.name} (leave it at its default, "
+                                  f"{str(getattr(ParallelConfig, key)).lower()})")
+    if p.bucket_cap_mb <= 0:
+        raise ConfigError("parallel.bucket_cap_mb", f"must be > 0 MB, got {p.bucket_cap_mb}")
+    if p.name == "ddp" and p.static_graph and p.accum_no_sync and cfg.train.grad_accum_steps > 1:
+        raise ConfigError("parallel.static_graph", "not with train.grad_accum_steps > 1 and "
+                          "parallel.accum_no_sync=true: DDP's static graph breaks under no_sync "
+                          "(pytorch/pytorch#143580: a crash, then gradients never reduced); "
+                          "set parallel.accum_no_sync=false or static_graph=false")
     if p.prefetch < 0:
         raise ConfigError("parallel.prefetch", f"must be >= 0 (0 = FSDP2's default), got "
                           f"{p.prefetch}")

@@ -103,6 +103,16 @@ SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3"
     # the first step compiles: it cannot be a measured one
     ("train.compile=default train.warmup_steps=0", "train.warmup_steps"),
     ("model.dispatch=grouped train.compile=default", "model.dispatch"),  # grouped_mm: bf16 only
+    ("parallel=expert hardware.devices=2 parallel.expert_parallel_size=0",
+     "parallel.expert_parallel_size"),  # (0 is not "all ranks": null is)
+    ("parallel=ddp hardware.devices=2 parallel.bucket_cap_mb=-1", "parallel.bucket_cap_mb"),
+    # another strategy's key: nothing would read it
+    ("parallel=fsdp hardware.devices=2 parallel.static_graph=true", "parallel.static_graph"),
+    ("parallel=ddp hardware.devices=2 parallel.reshard_after_forward=false",
+     "parallel.reshard_after_forward"),
+    # DDP static_graph under no_sync (pytorch#143580)
+    ("parallel=ddp hardware.devices=2 parallel.static_graph=true train.grad_accum_steps=2",
+     "parallel.static_graph"),
 ])
 
 
@@ -131,6 +141,34 @@ def test_torchrun_ranks_need_a_parallel_strategy(tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "bench", lambda *a, **k: pytest.fail("work started"))
     rec = run_inproc(["logger=none"], tmp_path)
     assert rec["status"] == "invalid" and rec["error"].startswith("parallel: launched as 2 ranks")
+
+
+@pytest.mark.parametrize("extra,error", [
+    (["model.num_experts=3"], "parallel.expert_parallel_size: model.num_experts=3 is not "
+                              "divisible by the expert-parallel size 2"),
+    (["parallel.expert_parallel_size=2"], None),  # valid: 2 ranks in all, one per node
+    (["parallel.expert_parallel_size=4"], "parallel.expert_parallel_size: must divide the "
+                                          "world size 2 (torchrun's WORLD_SIZE), got 4")])
+def test_expert_parallel_checks_use_the_whole_world(extra, error, tmp_path, monkeypatch):
+    """Under torchrun on 2 nodes x 1 rank (hardware.devices=1 per node), the expert-parallel
+    size is checked against the world of 2, as the run uses it."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+
+    class Started(Exception):
+        pass
+
+    def rank_main(*a, **k):
+        raise Started
+
+    monkeypatch.setattr("moe_exp.run.rank_main", rank_main)
+    args = ["parallel=expert", "hardware.devices=1", "logger=none", *extra]
+    if error is None:
+        with pytest.raises(Started):
+            run_inproc(args, tmp_path)
+    else:
+        rec = run_inproc(args, tmp_path)
+        assert rec["status"] == "invalid" and rec["error"] == error
 
 
 def test_memory_check_counts_what_sharding_saves(monkeypatch):

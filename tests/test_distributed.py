@@ -150,6 +150,8 @@ def test_cli_expert_parallel_record(tmp_path):
     assert rec["status"] == "ok" and rec["world_size"] == 2
     assert rec["comm_ms"] > 0 and 0 < rec["comm_share"] < 1
     assert rec["measured_steps"] == 6 - 2  # the last parallel.profile_steps are not timed
+    for layer in rec["tokens_per_expert"]:  # nor counted: top_k = 2 choices per token
+        assert sum(layer) == rec["measured_steps"] * rec["tokens_per_step"] * 2
     assert rec["tokens_per_s"] == pytest.approx(2 * rec["tokens_per_s_per_device"])
     assert rec["peak_mem_gib"] > 0
     assert len(list(tmp_path.glob("**/metrics.json"))) == 1  # one output dir, one record
@@ -281,3 +283,46 @@ def test_muon_under_fsdp_orthogonalizes_each_matrix_once(model, gathered, round_
     res = launch(dist_helpers.muon_round_robin, [f"model={model}"])
     assert res["diff"] == 0.0
     assert res["calls"] == {"gathered": [gathered] * 2, "round_robin": [round_robin] * 2}
+
+
+def _torchrun(tmp_path, out, *args, fail_rank=None):
+    """`torchrun --standalone --nproc_per_node 2 -m moe_exp.run ARGS`; fail_rank: that rank's
+    micro-step raises (patched in by a sitecustomize on the path)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    inject = tmp_path / "inject"
+    inject.mkdir(exist_ok=True)
+    (inject / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == os.environ.get('FAIL_RANK'):\n"
+        "    import moe_exp.bench.loop as loop\n"
+        "    def boom(*a, **k):\n"
+        "        raise ValueError('injected failure')\n"
+        "    loop.micro_step = boom\n")
+    env = {**os.environ, "PYTHONPATH": f"{inject}:{ROOT}", "FAIL_RANK": str(fail_rank)}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", "-m", "moe_exp.run", *TINY,
+                           "parallel=ddp", "hardware.devices=2", f"hydra.run.dir={out}",
+                           *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_torchrun_ranks_record_once_and_a_failure_names_the_rank(tmp_path):
+    """Started by torchrun (as on several nodes): the app joins as a rank, rank 0 writes
+    the record; a rank that raises ends the run with a record that says so (not a null
+    error), exit non-zero."""
+    ok = _torchrun(tmp_path, tmp_path / "ok")
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    rec = json.loads((tmp_path / "ok" / "metrics.json").read_text())
+    assert rec["status"] == "ok" and rec["world_size"] == 2 and len(rec["losses"]) == 4
+    bad = _torchrun(tmp_path, tmp_path / "bad", fail_rank=0)
+    assert bad.returncode != 0
+    rec = json.loads((tmp_path / "bad" / "metrics.json").read_text())
+    assert rec["status"] == "error" and rec["world_size"] == 2
+    assert rec["error"].startswith("rank 0: ValueError: injected failure")
+    assert "injected failure" in (tmp_path / "bad" / "error.log").read_text()
+    assert f"error: run error: {rec['error']}" in bad.stderr

@@ -38,6 +38,7 @@ class LoopResult:
     z: float | None = None
     steps_done: int = 0
     comm_ms: float | None = None  # per step, from the profiled last steps (distributed only)
+    comm_share: float | None = None  # comm_ms / those profiled steps' own time
     startup_s: float | None = None  # process start -> first measured step (compile included)
     cpu_window: tuple | None = None  # CPU ticks in the window: load.window's tuple
 
@@ -124,6 +125,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                 prof = _profiler(device)
                 with _kineto_quiet():
                     prof.__enter__()
+                prof_t0 = time.perf_counter()
             if step == t.warmup_steps:
                 res.startup_s = process_age_s()
                 memory.reset()
@@ -143,7 +145,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                     out = micro_step(model, tokens, targets, autocast, scaler,
                                      t.grad_accum_steps, timer)
                 step_loss += out.ce.detach() / t.grad_accum_steps
-                if measured and out.counts.numel():
+                if measured and step < prof_from and out.counts.numel():
                     res.counts = out.counts if res.counts is None else res.counts + out.counts
                     busiest.append(out.counts.max(dim=1).values.sum())
                     balances.append(out.balance.detach())
@@ -192,11 +194,15 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
         if res.wall_s is None:
             end_window()
         if prof is not None:
+            device_sync(device)
+            prof_ms = (time.perf_counter() - prof_t0) * 1e3 / (total - prof_from)
             with _kineto_quiet():
                 prof.__exit__(None, None, None)
             from ..optimizations.parallel import comm_ms_per_step
 
             res.comm_ms = comm_ms_per_step(prof, total - prof_from)
+            if res.comm_ms is not None:  # (the same steps: the median step is not)
+                res.comm_share = res.comm_ms / prof_ms
             prof = None
     finally:
         if prof is not None:

@@ -97,20 +97,21 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
         if tracker:  # no W&B start-up for a run the user stopped
             tracker.discard()
         raise
-    except torch.OutOfMemoryError as e:
-        if d is not None:
-            raise
-        rec.update(status="oom", error=str(e).splitlines()[0][:300])
     except Exception as e:  # noqa: BLE001 - a run's failure is a status, not a crash
-        if d is not None:
-            raise
-        (out_dir / "error.log").write_text(traceback.format_exc())
+        oom = isinstance(e, torch.OutOfMemoryError)
+        rank = "" if d is None else f"rank {d.rank}: "
+        if not oom and main:
+            (out_dir / "error.log").write_text(traceback.format_exc())
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        rec.update(status="error", error=f"{type(e).__name__}: {first} (see {out_dir}/error.log)")
+        rec.update(status="oom" if oom else "error",
+                   error=rank + (first if oom else f"{type(e).__name__}: {first} (see "
+                                                   f"{out_dir}/error.log)"))
+        if d is not None:  # the launcher stops every rank (run.launch then records which
+            # failed; under torchrun this record, rank 0's, says what rank 0 saw)
+            raise
     finally:
         if main:
-            if rec["status"] != "ok" and rec["error"]:  # (none yet: a rank's error on its
-                # way to the launcher, which prints it)
+            if rec["status"] != "ok" and rec["error"] and not (d and d.launched_here):
                 print(f"error: run {rec['status']}: {rec['error']}", file=sys.stderr)
             fill_null_reasons(rec, f"not measured: run {rec['status']}")
             write_json_atomic(out_dir / "metrics.json", rec)
@@ -155,6 +156,7 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
     if d is not None:  # every rank starts from the same weights (the seed), as one process
         torch.manual_seed(t.seed + 1 + d.rank)
     rank, world = (d.rank, d.world) if d else (0, 1)
+    rec["world_size"] = world  # (a run that fails from here on has it too)
     applied = apply(model, cfg, device, world)
     optimizer, scheduler, rec["optim_impl"] = build_optimizer(applied.model, cfg, device)
     num_samples = total_steps(t) * t.grad_accum_steps * t.micro_batch_size
@@ -214,7 +216,7 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
     why.update({k: v for k, v in mem_why.items() if mem.get(k) is None})  # (another rank's
     # figure may fill a null)
     if res.comm_ms is not None:
-        rec.update(comm_ms=res.comm_ms, comm_share=res.comm_ms / step_ms)
+        rec.update(comm_ms=res.comm_ms, comm_share=res.comm_share)
     else:
         why["comm_ms"] = ("one rank: no communication" if world == 1 else
                           "parallel.profile_steps=0 or train.steps <= profile_steps")
@@ -329,7 +331,8 @@ def slowest_rank_steps(every: torch.Tensor, keys: list[str]) -> dict:
 
 def _across_ranks(res, tm: dict, mem: dict, device) -> None:
     """Each step's times -> those of the rank whose step was slowest (its phases with it,
-    so they add up to its step); peaks, comm and the per-step expert imbalance -> max;
+    so they add up to its step); peaks, comm (time and share) and the per-step expert
+    imbalance -> max;
     expert counts -> summed; the aux
     losses (each rank's, on its micro-batches) -> mean over ranks."""
     import torch.distributed as dist
@@ -342,9 +345,10 @@ def _across_ranks(res, tm: dict, mem: dict, device) -> None:
                                           device=dev))  # (rank, key, step)
     tm.update(slowest_rank_steps(every, keys))
     mkeys = sorted(mem)  # the same keys on every rank, nulls included
-    vals = all_max([*(mem[k] for k in mkeys), res.comm_ms, res.step_max_over_mean], dev)
+    vals = all_max([*(mem[k] for k in mkeys), res.comm_ms, res.comm_share,
+                    res.step_max_over_mean], dev)
     mem.update(zip(mkeys, vals))
-    res.comm_ms, res.step_max_over_mean = vals[-2:]
+    res.comm_ms, res.comm_share, res.step_max_over_mean = vals[-3:]
     if res.counts is not None:
         dist.all_reduce(res.counts)
     if res.balance is not None:
