@@ -3,6 +3,7 @@ import math
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from moe_exp.data import MarkovTokens, TokenFile, prepare, read_meta
@@ -10,25 +11,33 @@ from moe_exp.data import MarkovTokens, TokenFile, prepare, read_meta
 from conftest import ROOT, run_inproc
 
 
+def rows(ds) -> torch.Tensor:
+    """Every sample of a MarkovTokens as (n, seq_len + 1) rows."""
+    return torch.stack([torch.cat([x, y[-1:]]) for x, y in (ds[i] for i in range(len(ds)))])
+
+
 def test_markov_tokens_follow_the_chain():
     ds = MarkovTokens(vocab_size=64, seq_len=32, num_samples=50, branching=4, seed=3)
     x, y = ds[0]
     assert x.shape == y.shape == (32,) and torch.equal(x[1:], y[:-1])
     successors = {}
-    for i in range(len(ds)):
-        row = ds.data[i]
+    data = rows(ds)
+    for row in data:
         for a, b in zip(row[:-1].tolist(), row[1:].tolist()):
             successors.setdefault(a, set()).add(b)
     assert max(len(s) for s in successors.values()) <= 4  # entropy <= ln 4 << ln 64
-    assert torch.equal(MarkovTokens(64, 32, 50, 4, 3).data, ds.data)  # seeded
+    assert torch.equal(rows(MarkovTokens(64, 32, 50, 4, 3)), data)  # seeded
+    assert ds._cached[1].shape[0] == 64  # made a chunk at a time: memory is not the run's length
+    with pytest.raises(IndexError):
+        ds[50]
 
 
 def test_runs_of_any_length_see_the_same_data(tmp_path):
     """Sample i does not depend on how many samples a run draws (steps, warmup), so runs of
     different lengths start from the same batches; token-file offsets likewise."""
     short, long = MarkovTokens(64, 32, 50, 4, 3), MarkovTokens(64, 32, 500, 4, 3)
-    assert torch.equal(long.data[:50], short.data) and len(long) == 500
-    assert not torch.equal(MarkovTokens(64, 32, 50, 4, 4).data, short.data)  # the seed counts
+    assert torch.equal(rows(long)[:50], rows(short)) and len(long) == 500
+    assert not torch.equal(rows(MarkovTokens(64, 32, 50, 4, 4)), rows(short))  # the seed counts
     (tmp_path / "a.txt").write_text("abcdefghij" * 100)
     prepare([tmp_path / "a.txt"], tmp_path / "t.bin")
     assert TokenFile(tmp_path / "t.bin", 16, 500, 3).starts[:50] == \

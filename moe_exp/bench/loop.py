@@ -100,7 +100,11 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
     params = [p for g in optimizer.param_groups for p in g["params"]]
     total = total_steps(t)
     timer, res = StepTimer(device), LoopResult()
-    pending, balances, zs, busiest = [], [], [], []
+    # Per-step figures go into buffers made once: small tensors kept from every step would
+    # pin freed heap between them (on CPU the run's peak RSS grew with train.steps).
+    losses = torch.zeros(total, device=device)  # each step's loss, read at each log
+    moe_sums = torch.zeros(3, dtype=torch.float64, device=device)  # balance, z, busiest
+    moe_n, logged = 0, 0  # measured MoE micro-steps; steps whose loss has been read
     it = iter(loader)
     tty = sys.stderr.isatty()
     bar = tqdm(total=total, desc="warmup", unit="step", disable=not progress,
@@ -135,7 +139,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
             if step == 0:
                 t0 = time.perf_counter()
             timer.start()
-            step_loss = torch.zeros((), device=device)
+            step_loss = losses[step]
             for sync_ctx in applied.micro_contexts(t.grad_accum_steps):
                 tokens, targets = next(it)
                 tokens = tokens.to(device, non_blocking=True)
@@ -146,10 +150,11 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                                      t.grad_accum_steps, timer)
                 step_loss += out.ce.detach() / t.grad_accum_steps
                 if measured and step < prof_from and out.counts.numel():
-                    res.counts = out.counts if res.counts is None else res.counts + out.counts
-                    busiest.append(out.counts.max(dim=1).values.sum())
-                    balances.append(out.balance.detach())
-                    zs.append(out.z.detach())
+                    res.counts = out.counts if res.counts is None else res.counts.add_(out.counts)
+                    moe_sums[0] += out.balance.detach()
+                    moe_sums[1] += out.z.detach()
+                    moe_sums[2] += out.counts.max(dim=1).values.sum()
+                    moe_n += 1
             if applied.before_step:  # gradient sync outside DDP/FSDP's hooks (expert
                 # parallelism): backward's, as under DDP/FSDP
                 applied.before_step()
@@ -171,16 +176,15 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
             if step == 0:
                 device_sync(device)
                 res.first_step_s = time.perf_counter() - t0
-            pending.append(step_loss)
             res.steps_done = step + 1
             if (step + 1) % t.log_every == 0 or step + 1 == total:
-                losses = torch.stack(pending)
+                new = losses[logged: step + 1]
                 if dist.is_initialized():  # the global batch's loss: same on every rank
                     from ..distributed import all_mean
 
-                    losses = all_mean(losses)
-                values = losses.tolist()  # one sync per log interval
-                pending.clear()
+                    new = all_mean(new)
+                values = new.tolist()  # one sync per log interval
+                logged = step + 1
                 res.losses.extend(values)
                 bar.set_postfix(loss=f"{values[-1]:.3f}")
                 if on_log:
@@ -210,10 +214,8 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                 prof.__exit__(None, None, None)
         bar.close()
     res.timings = timer.results()
-    if busiest:  # sum over micro-steps and layers of the busiest / of the mean
-        mean_rows = res.counts.sum().double() / res.counts.shape[1]
-        res.step_max_over_mean = (torch.stack(busiest).sum().double() / mean_rows).item()
-    if balances:
-        res.balance = torch.stack(balances).mean().item()
-        res.z = torch.stack(zs).mean().item()
+    if moe_n:  # (busiest: summed over micro-steps and layers, as the mean's rows)
+        balance, z, busiest = moe_sums.tolist()
+        res.balance, res.z = balance / moe_n, z / moe_n
+        res.step_max_over_mean = busiest / (res.counts.sum().item() / res.counts.shape[1])
     return res

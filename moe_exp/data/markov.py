@@ -14,24 +14,34 @@ CHUNK = 64  # samples drawn from one generator: sample i does not depend on num_
 
 
 class MarkovTokens(Dataset):
+    """num_samples sequences of seq_len + 1 tokens, made CHUNK at a time when first read (the
+    loader reads in order): memory does not grow with the run's length."""
+
     def __init__(self, vocab_size: int, seq_len: int, num_samples: int, branching: int = 4,
                  seed: int = 0):
-        succ = torch.randint(0, vocab_size, (vocab_size, branching),
-                             generator=torch.Generator().manual_seed(seed))
-        n = -(-num_samples // CHUNK) * CHUNK
-        data = torch.empty(n, seq_len + 1, dtype=torch.long)
-        choice = torch.empty(n, seq_len, dtype=torch.long)
-        for c in range(0, n, CHUNK):  # runs of any length see the same data
-            g = torch.Generator().manual_seed(seed * 1_000_003 + c // CHUNK + 1)
-            data[c: c + CHUNK, 0] = torch.randint(0, vocab_size, (CHUNK,), generator=g)
-            choice[c: c + CHUNK] = torch.randint(0, branching, (CHUNK, seq_len), generator=g)
-        for t in range(seq_len):  # vectorised over samples
-            data[:, t + 1] = succ[data[:, t], choice[:, t]]
-        self.data = data[:num_samples]
+        self.succ = torch.randint(0, vocab_size, (vocab_size, branching),
+                                  generator=torch.Generator().manual_seed(seed))
+        self.vocab_size, self.seq_len, self.branching = vocab_size, seq_len, branching
+        self.num_samples, self.seed = num_samples, seed
+        self._cached: tuple[int, torch.Tensor] | None = None
+
+    def chunk(self, c: int) -> torch.Tensor:
+        """Samples [c * CHUNK, (c + 1) * CHUNK), from their own generator."""
+        if self._cached is None or self._cached[0] != c:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + c + 1)
+            data = torch.empty(CHUNK, self.seq_len + 1, dtype=torch.long)
+            data[:, 0] = torch.randint(0, self.vocab_size, (CHUNK,), generator=g)
+            choice = torch.randint(0, self.branching, (CHUNK, self.seq_len), generator=g)
+            for t in range(self.seq_len):  # vectorised over the chunk's samples
+                data[:, t + 1] = self.succ[data[:, t], choice[:, t]]
+            self._cached = (c, data)
+        return self._cached[1]
 
     def __len__(self) -> int:
-        return self.data.shape[0]
+        return self.num_samples
 
     def __getitem__(self, i: int):
-        row = self.data[i]
+        if not 0 <= i < self.num_samples:
+            raise IndexError(i)
+        row = self.chunk(i // CHUNK)[i % CHUNK]
         return row[:-1], row[1:]
