@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -187,6 +188,11 @@ def hydra_error_line(e: Exception) -> str:
         return f"{group}: '{name}' is not one of: {', '.join(e.options)}"
     cause = e.__cause__
     key = getattr(cause, "full_key", None) or ""
+    typ = getattr(cause, "object_type", None)
+    if key and type(cause).__name__ == "ConfigAttributeError" and dataclasses.is_dataclass(typ):
+        from .validate import no_such_key  # an unknown key (without `+`): the keys there
+
+        return f"{key}: {no_such_key(key.rpartition('.')[0], typ)}"
     # all of Hydra's lines (the second is often the fix: "use +seed_row=all"); of OmegaConf's
     # cause the first (the rest repeat the key and its type)
     lines = [x.strip().rstrip(".") for x in str(e).splitlines() if x.strip()]
@@ -194,6 +200,43 @@ def hydra_error_line(e: Exception) -> str:
         lines.append(str(cause).strip().splitlines()[0].rstrip("."))
     what = "; ".join(lines)
     return f"{key}: {what}" if key else what
+
+
+def group_override_error(args) -> str | None:
+    """Hydra takes a config group set to null (it then fails with a traceback), to a list
+    (it merges every listed config into one run) or deleted (`~model`: the schema's
+    defaults run): one line for each instead."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+
+    conf = Path(__file__).parent / "conf"
+    groups = {p.name for p in conf.iterdir() if p.is_dir() and not p.name.startswith("_")}
+    mine = [a for a in args if a.split("=", 1)[0].lstrip("+~") in groups]
+    if not mine:
+        return None
+    required = {k for d in OmegaConf.load(conf / "run.yaml").defaults if isinstance(d, DictConfig)
+                for k in d}
+    try:
+        parsed = OverridesParser.create().parse_overrides(mine)
+    except Exception:  # noqa: BLE001 - a syntax error: Hydra's own line says it
+        return None
+    for o in parsed:
+        g = o.key_or_group
+        if g not in groups:
+            continue
+        options = ", ".join(sorted(p.stem for p in (conf / g).glob("*.yaml")))
+        if o.is_delete():
+            if g not in required:  # (an optional group: Hydra's own line)
+                continue
+            return f"{g}: a run needs one option; it cannot be removed (one of: {options})"
+        value = o.value()
+        for v in value.list if isinstance(value, ChoiceSweep) else [value]:
+            if v is None:
+                return f"{g}: null is not an option (one of: {options})"
+            if isinstance(v, list):
+                return (f"{g}: one option per run, got the list {o.input_line.split('=', 1)[1]} "
+                        f"(a sweep over them: -m {g}={','.join(map(str, v))})")
+    return None
 
 
 def cli() -> None:
@@ -204,6 +247,9 @@ def cli() -> None:
 
     full = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting 1
+    if not full and (line := group_override_error(sys.argv[1:])) is not None:
+        print(f"error: {line}", file=sys.stderr)
+        sys.exit(EXIT_INVALID)
     try:
         main()
         callback = sys.modules.get("moe_exp.sweep.callback")

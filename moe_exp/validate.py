@@ -42,9 +42,16 @@ def check_known_keys(cfg) -> None:
         known = {f.name for f in dataclasses.fields(typ)}
         for key in node:
             if key not in known:
-                where = f"in {group}" if group else "at the top level"
-                raise ConfigError(f"{group}.{key}".lstrip("."), f"no such key {where} (known: "
-                                  f"{', '.join(sorted(known))})")
+                raise ConfigError(f"{group}.{key}".lstrip("."), no_such_key(group, typ))
+
+
+def no_such_key(group: str, typ) -> str:
+    """What a key not in `group` (schema dataclass typ) gets told."""
+    import dataclasses
+
+    where = f"in {group}" if group else "at the top level"
+    known = sorted(f.name for f in dataclasses.fields(typ))
+    return f"no such key {where} (known: {', '.join(known)})"
 
 
 def check_finite(cfg) -> None:

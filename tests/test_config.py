@@ -214,9 +214,9 @@ def test_cli_invalid_exits_nonzero_with_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("override,line", [
-    ("model.hiden_size=3", "error: model.hiden_size: Could not override 'model.hiden_size'; "
-                           "To append to your config use +model.hiden_size=3; "
-                           "Key 'hiden_size' not in 'ModelConfig'"),
+    ("train.stepz=3", "error: train.stepz: no such key in train (known: "
+                      "activation_checkpointing, compile, grad_accum_steps, log_every, "
+                      "micro_batch_size, seed, seq_len, steps, warmup_steps)"),
     ("seed_row=all", "error: Could not override 'seed_row'. No match in the defaults list; "
                      "To append to your default list use +seed_row=all"),
     ("train.steps=abc", "error: train.steps: Error merging override train.steps=abc; Value "
@@ -229,6 +229,26 @@ def test_cli_hydra_errors_are_one_line_exit_2(override, line, tmp_path):
     assert (p.returncode, p.stderr.strip()) == (2, line)
     full = run_cli([override], tmp_path, env={"HYDRA_FULL_ERROR": "1"})  # Hydra's own report
     assert full.returncode != 0 and "Traceback" in full.stderr
+
+
+MODELS = ("dense_1b, mixtral_8x7b, moe_1b, seed_dense, seed_moe16, seed_moe8, small_dense, "
+          "small_moe, tiny_dense, tiny_moe")
+
+
+@pytest.mark.parametrize("args,line", [
+    (["model=null"], f"model: null is not an option (one of: {MODELS})"),
+    (["-m", "precision=fp32,null"], "precision: null is not an option (one of: bf16, fp16, "
+                                    "fp32, fp8, tf32)"),
+    # Hydra would merge both configs into one run (and record the last one's name)
+    (["model=[tiny_moe,small_moe]"], "model: one option per run, got the list "
+                                     "[tiny_moe,small_moe] (a sweep over them: -m "
+                                     "model=tiny_moe,small_moe)"),
+    (["~model"], f"model: a run needs one option; it cannot be removed (one of: {MODELS})"),
+])
+def test_cli_group_set_to_null_a_list_or_removed_is_one_line(args, line, tmp_path):
+    p = run_cli([*args, "logger=none"], tmp_path, env={"HYDRA_FULL_ERROR": ""})
+    assert (p.returncode, p.stderr.strip()) == (2, f"error: {line}")
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
 
 
 def test_cli_cfg_info_help(tmp_path):
