@@ -121,6 +121,11 @@ def main(argv=None) -> int:
     except (FileNotFoundError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not entries:  # unrelated tables: a mistake, not NEW having lost every row
+        print(f"error: no configuration appears in both tables (matched by config_hash; BASE "
+              f"has {sum(o.startswith(('REG', 'only in BASE')) for o in only)}, NEW "
+              f"{sum(o.startswith('only in NEW') for o in only)})", file=sys.stderr)
+        return 2
     from rich.console import Console
     from rich.table import Table
 
@@ -139,9 +144,6 @@ def main(argv=None) -> int:
         print(line)
     bad = [e for e in entries if e["regressions"]]
     gone = [line for line in only if line.startswith("REGRESSION")]
-    if not entries:
-        print("error: no configuration appears in both tables", file=sys.stderr)
-        return 2
     print(f"{len(bad)} regression(s) in {len(entries)} matched configuration(s)"
           + (f", {len(gone)} ok configuration(s) gone" if gone else ""))
     return 1 if bad or gone else 0

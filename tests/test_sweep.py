@@ -222,6 +222,14 @@ def test_compare_flags_planted_regression_and_passes_unchanged(swept, tmp_path):
     df0.drop(columns=["config_hash"]).to_csv(odd)
     r = run_compare(d, odd)
     assert r.returncode == 2 and "no column config_hash" in r.stderr and "Traceback" not in r.stderr
+    other = tmp_path / "other.parquet"  # no configuration in common: unrelated tables
+    df2 = df0.copy()
+    df2["config_hash"] = df2["config_hash"] + "x"
+    df2.to_parquet(other)
+    r = run_compare(d, other)
+    assert r.returncode == 2 and "REGRESSION" not in r.stdout
+    assert r.stderr.strip() == ("error: no configuration appears in both tables (matched by "
+                                "config_hash; BASE has 4, NEW 4)")
 
 
 def run_compare(*args):
