@@ -285,7 +285,10 @@ def check_data(cfg) -> None:
         if not meta_path(d.path).is_file():
             raise ConfigError("data.path", f"'{d.path}' has no {meta_path(d.path).name} beside "
                               "it; make token files with python -m moe_exp.data prepare")
-        meta = read_meta(d.path)
+        try:
+            meta = read_meta(d.path)
+        except ValueError as e:
+            raise ConfigError("data.path", str(e)) from None
         vocab = meta["vocab_size"]
         if vocab > cfg.model.vocab_size:
             raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the "

@@ -64,6 +64,24 @@ def test_prepare_cli_and_token_source_run(tmp_path):
     assert rec["loss_last"] < rec["loss_first"]
 
 
+@pytest.mark.parametrize("sidecar,says", [
+    ("{not json", "is not a token file's JSON sidecar (JSONDecodeError"),
+    ('{"dtype": "float32", "vocab_size": 256, "num_tokens": 500}', "lacks an integer dtype"),
+    ('{"dtype": "uint8", "vocab_size": 256, "num_tokens": 5000}',
+     "holds 500 bytes, but t.bin.json says 5000 uint8 tokens (5000 bytes)")])
+def test_a_sidecar_that_does_not_describe_its_token_file_fails_before_any_work(
+        sidecar, says, tmp_path, monkeypatch):
+    import moe_exp.bench.runner as runner
+
+    (tmp_path / "t.bin").write_bytes(bytes(range(100)) * 5)
+    (tmp_path / "t.bin.json").write_text(sidecar)
+    monkeypatch.setattr(runner, "bench", lambda *a, **k: pytest.fail("work started"))
+    rec = run_inproc(["logger=none", "data=tokens", f"data.path={tmp_path / 't.bin'}"],
+                     tmp_path / "run")
+    assert rec["status"] == "invalid" and rec["error"].startswith("data.path: ")
+    assert says in rec["error"] and "\n" not in rec["error"]
+
+
 def test_prepare_cli_rejects_missing_input(tmp_path):
     p = subprocess.run([sys.executable, "-m", "moe_exp.data", "prepare", "nope.txt",
                         str(tmp_path / "o.bin")], capture_output=True, text=True, cwd=ROOT)

@@ -19,7 +19,29 @@ def meta_path(path: str | Path) -> Path:
 
 
 def read_meta(path: str | Path) -> dict:
-    return json.loads(meta_path(path).read_text())
+    """The token file's sidecar, checked against the file: ValueError (one line) if it does
+    not describe it."""
+    mp = meta_path(path)
+    try:
+        meta = json.loads(mp.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{mp} is not a token file's JSON sidecar ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}); remake it with "
+                         "python -m moe_exp.data prepare") from None
+    try:
+        dtype = np.dtype(meta["dtype"])
+        ok = dtype.kind in "ui" and int(meta["vocab_size"]) > 0 and int(meta["num_tokens"]) >= 0
+    except (TypeError, KeyError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{mp} lacks an integer dtype, vocab_size and num_tokens; remake it "
+                         "with python -m moe_exp.data prepare")
+    size = Path(path).stat().st_size
+    if size != meta["num_tokens"] * dtype.itemsize:
+        raise ValueError(f"{path} holds {size} bytes, but {mp.name} says {meta['num_tokens']} "
+                         f"{dtype.name} tokens ({meta['num_tokens'] * dtype.itemsize} bytes): "
+                         "remake them together with python -m moe_exp.data prepare")
+    return meta
 
 
 def prepare(inputs: Iterable[str | Path], out: str | Path) -> dict:
