@@ -101,10 +101,17 @@ def check_model(m) -> None:
             raise ConfigError(f"model.{key}", f"must be > 0, got {m[key]}")
 
 
+MAX_STEPS = 10_000_000
+
+
 def check_train(cfg) -> None:
     for key, low in (("train.steps", 1), ("train.warmup_steps", 0), ("train.micro_batch_size", 1),
                      ("train.grad_accum_steps", 1), ("train.seq_len", 1), ("train.log_every", 1)):
         _at_least(cfg, key, low)
+    for key in ("train.steps", "train.warmup_steps"):  # (a benchmark, not a long training run:
+        # past this the run's per-step buffers, and its duration, are no longer sensible)
+        if _get(cfg, key) > MAX_STEPS:
+            raise ConfigError(key, f"must be <= {MAX_STEPS:,}, got {_get(cfg, key):,}")
     if cfg.train.compile != "off" and cfg.train.warmup_steps < 1:
         raise ConfigError("train.warmup_steps", f"must be >= 1 with train.compile="
                           f"{cfg.train.compile} (the first step compiles: it must not be measured)")

@@ -120,6 +120,9 @@ def test_resume_with_other_values_keeps_every_finished_row(swept, tmp_path):
     df = pd.read_parquet(d / "results.parquet")
     assert sorted(df["config_hash"]) == sorted(old["config_hash"])
     assert set(df["status"]) == {"ok", "invalid", "diverged"}
+    done = next(ln for ln in r.stdout.splitlines() if ln.startswith("[sweep] done"))
+    assert done.startswith("[sweep] done: 1 jobs in ") and "(the table: 4 rows, with the " \
+        "sweep dir's other configurations)" in done, done  # one job ran; the table: all
 
 
 def _child_of(job_dir: Path, timeout=120):
@@ -347,6 +350,7 @@ def test_job_timeout_kills_the_job_as_crashed(tmp_path):
     df = pd.read_csv(d / "results.csv")
     assert list(df["status"]) == ["crashed"]
     assert "sweep.job_timeout_s=8" in df.loc[0, "error"]
+    assert f"[sweep] job #0: crashed: {df.loc[0, 'error']}" in r.stderr  # said as it happened
 
 
 def test_in_process_sweep_nulls_what_a_later_job_cannot_measure(tmp_path):

@@ -109,16 +109,19 @@ class SweepCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from ..report import report
         from .job import sweep_group
-        from .table import job_dirs, read_record
+        from .table import collect
 
         sweep_dir = Path(config.hydra.sweep.dir)
         counts: dict[str, int] = {}
-        # every job's record (its callbacks may have run in another process)
-        records = [read_record(d / "metrics.json") or {} for d in job_dirs(sweep_dir)]
+        # the table's records (a job's callbacks may have run in another process)
+        records = collect(sweep_dir)
         for r in records:
             counts[r.get("status", "?")] = counts.get(r.get("status", "?"), 0) + 1
         summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-        print(f"[sweep] done: {len(records)} jobs in {_fmt_s(time.time() - self.t0)}"
+        jobs = self.total or len(records)
+        rows = "" if jobs == len(records) else f" (the table: {len(records)} rows, with the " \
+            "sweep dir's other configurations)"
+        print(f"[sweep] done: {jobs} jobs in {_fmt_s(time.time() - self.t0)}{rows}"
               f"{': ' + summary if summary else ''}", flush=True)
         if records and not counts.get("ok"):
             global NO_JOB_OK

@@ -102,6 +102,8 @@ def _repeats(cfg, cfg_dict: dict, job_dir: Path, sweep_dir: Path, overrides, cho
         if s.isolate:
             rec = run_child(cfg_dict, overrides, choices, rdir, s)
             log_record(rec)  # into this job's run.log (the child has no log file)
+            if rec["status"] == "crashed":  # (a child that ran to its end said so itself)
+                print(f"[sweep] job #{num}: crashed: {rec['error']}", file=sys.stderr)
         else:
             from ..run import distributed_run, run
 
