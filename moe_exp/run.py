@@ -43,7 +43,7 @@ def prepare(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, dict | N
     OmegaConf.set_struct(cfg, False)
     try:
         resolve(cfg)
-        validate(cfg)
+        validate(cfg, overrides)
     except ConfigError as e:
         status = "skipped" if isinstance(e, Unsupported) else \
             "error" if isinstance(e, NotReady) else "invalid"
@@ -205,7 +205,8 @@ def hydra_error_line(e: Exception) -> str:
 def group_override_error(args) -> str | None:
     """Hydra takes a config group set to null (it then fails with a traceback), to a list
     (it merges every listed config into one run) or deleted (`~model`: the schema's
-    defaults run): one line for each instead."""
+    defaults run), and a sweep preset without -m (one default run): one line for each
+    instead."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ChoiceSweep
 
@@ -230,6 +231,9 @@ def group_override_error(args) -> str | None:
                 continue
             return f"{g}: a run needs one option; it cannot be removed (one of: {options})"
         value = o.value()
+        if g == "sweep" and isinstance(value, str) and not {"-m", "--multirun"} & set(args):
+            return (f"sweep: +sweep={value} is a sweep preset: run it with -m (python -m "
+                    f"moe_exp.run -m +sweep={value})")
         for v in value.list if isinstance(value, ChoiceSweep) else [value]:
             if v is None:
                 return f"{g}: null is not an option (one of: {options})"

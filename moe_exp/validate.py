@@ -453,9 +453,24 @@ def check_logger(cfg) -> None:
                        "`wandb login` or set WANDB_API_KEY, or use logger.mode=offline")
 
 
-def validate(cfg) -> None:
+def check_model_label(overrides) -> None:
+    """model.name labels a custom model; another preset's name would label these sizes as
+    that preset's in every table."""
+    items = dict(o.lstrip("+").split("=", 1) for o in overrides if "=" in o)
+    name = items.get("model.name")
+    if name is None or not (CONF / "model" / f"{name}.yaml").is_file():
+        return
+    chosen = items.get("model") or next(d["model"] for d in OmegaConf.load(CONF / "run.yaml")
+                                        .defaults if "model" in d)
+    if name != chosen:
+        raise ConfigError("model.name", f"'{name}' is another preset's name; these are "
+                          f"model={chosen}'s sizes: pick model={name}, or name them anew")
+
+
+def validate(cfg, overrides=()) -> None:
     """Raise ConfigError on the first problem. Run after hardware.resolve()."""
     check_known_keys(cfg)
+    check_model_label(overrides)
     check_finite(cfg)
     check_choices(cfg)
     check_model(cfg.model)

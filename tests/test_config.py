@@ -245,11 +245,27 @@ MODELS = ("dense_1b, mixtral_8x7b, moe_1b, seed_dense, seed_moe16, seed_moe8, sm
                                      "[tiny_moe,small_moe] (a sweep over them: -m "
                                      "model=tiny_moe,small_moe)"),
     (["~model"], f"model: a run needs one option; it cannot be removed (one of: {MODELS})"),
+    (["+sweep=optimizations"], "sweep: +sweep=optimizations is a sweep preset: run it with "
+                               "-m (python -m moe_exp.run -m +sweep=optimizations)"),
 ])
 def test_cli_group_set_to_null_a_list_or_removed_is_one_line(args, line, tmp_path):
     p = run_cli([*args, "logger=none"], tmp_path, env={"HYDRA_FULL_ERROR": ""})
     assert (p.returncode, p.stderr.strip()) == (2, f"error: {line}")
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
+
+
+def test_cli_model_name_of_another_preset_is_refused(tmp_path):
+    """model.name labels a custom model; small_moe on tiny_moe's sizes would mislabel every
+    table row. The preset's own name, or a new one, is fine."""
+    p = run_cli(["model.name=small_moe", "logger=none"], tmp_path)
+    assert (p.returncode, p.stderr.strip()) == (2, "error: model.name: 'small_moe' is another "
+                                                   "preset's name; these are model=tiny_moe's "
+                                                   "sizes: pick model=small_moe, or name them "
+                                                   "anew")
+    from moe_exp.validate import check_model_label
+
+    check_model_label(["model=small_moe", "model.name=small_moe"])
+    check_model_label(["model.name=my_moe"])
 
 
 def test_cli_cfg_info_help(tmp_path):

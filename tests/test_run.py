@@ -3,6 +3,7 @@ import datetime as dt
 import glob
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -498,3 +499,15 @@ def test_per_step_expert_imbalance_is_recorded_and_noted_for_compiled_padded(tmp
         rows = dict(_summary_stub(summary_rows, {**load, "compile": compile_,
                                                  "expert_load_step_max_over_mean": per_step}))
         assert (note in rows["NOTE"]) if note else "NOTE" not in rows, rows
+
+
+def test_readme_names_every_record_field():
+    """The record's contract (results.FIELDS and EXTRAS) is documented, field by field."""
+    import re
+
+    from moe_exp.results import EXTRAS, FIELDS
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### The result record", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"[a-z_0-9]+", " ".join(re.findall(r"`([^`]+)`", section))))
+    assert [k for k in (*FIELDS, *EXTRAS) if k not in named] == []

@@ -217,9 +217,11 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
     # figure may fill a null)
     if res.comm_ms is not None:
         rec.update(comm_ms=res.comm_ms, comm_share=res.comm_share)
-    else:
-        why["comm_ms"] = ("one rank: no communication" if world == 1 else
-                          "parallel.profile_steps=0 or train.steps <= profile_steps")
+    else:  # (present as nulls: a sweep's table has the columns for every row)
+        rec.update(comm_ms=None, comm_share=None)
+        why["comm_ms"] = why["comm_share"] = (
+            "one rank: no communication" if world == 1 else
+            "parallel.profile_steps=0 or train.steps <= profile_steps")
     rec["world_size"] = world
     fpt = rec["flops_per_token"]
     rec["tflops_per_device"] = fpt * rec["tokens_per_s_per_device"] / 1e12
