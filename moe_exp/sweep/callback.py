@@ -159,7 +159,8 @@ def update_table(sweep_dir: Path, sweep: DictConfig) -> None:
             fcntl.flock(lock, fcntl.LOCK_EX)  # (a bad baseline key: the report at the end
             # says so)
             df, _ = sweep_table(collect(sweep_dir), baseline_of(sweep), sweep.baseline_by)
-            write_tables(df, sweep_dir)
+            write_tables(df, sweep_dir, title=f"Sweep {sweep.name or sweep_dir}")  # (the
+            # report's title at the end)
     except Exception as e:  # noqa: BLE001
         print(f"[sweep] could not update the table yet: {e}", flush=True)
 
