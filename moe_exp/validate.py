@@ -461,7 +461,7 @@ def check_model_label(overrides) -> None:
     if name is None or not (CONF / "model" / f"{name}.yaml").is_file():
         return
     chosen = items.get("model") or next(d["model"] for d in OmegaConf.load(CONF / "run.yaml")
-                                        .defaults if "model" in d)
+                                        .defaults if not isinstance(d, str) and "model" in d)
     if name != chosen:
         raise ConfigError("model.name", f"'{name}' is another preset's name; these are "
                           f"model={chosen}'s sizes: pick model={name}, or name them anew")

@@ -150,7 +150,9 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                                      t.grad_accum_steps, timer)
                 step_loss += out.ce.detach() / t.grad_accum_steps
                 if measured and step < prof_from and out.counts.numel():
-                    res.counts = out.counts if res.counts is None else res.counts.add_(out.counts)
+                    res.counts = (out.counts.clone() if res.counts is None  # (a CUDA
+                                  # graph's output is overwritten by its next replay)
+                                  else res.counts.add_(out.counts))
                     moe_sums[0] += out.balance.detach()
                     moe_sums[1] += out.z.detach()
                     moe_sums[2] += out.counts.max(dim=1).values.sum()

@@ -334,9 +334,8 @@ def slowest_rank_steps(every: torch.Tensor, keys: list[str]) -> dict:
 def _across_ranks(res, tm: dict, mem: dict, device) -> None:
     """Each step's times -> those of the rank whose step was slowest (its phases with it,
     so they add up to its step); peaks, comm (time and share) and the per-step expert
-    imbalance -> max;
-    expert counts -> summed; the aux
-    losses (each rank's, on its micro-batches) -> mean over ranks."""
+    imbalance -> max; expert counts -> summed; the aux losses (each rank's, on its
+    micro-batches) -> mean over ranks."""
     import torch.distributed as dist
 
     from ..distributed import all_gather_stack, all_max, all_mean, collective_device

@@ -29,18 +29,19 @@ def read_meta(path: str | Path) -> dict:
                          f"{str(e).splitlines()[0] if str(e) else ''}); remake it with "
                          "python -m moe_exp.data prepare") from None
     try:
-        dtype = np.dtype(meta["dtype"])
-        ok = dtype.kind in "ui" and int(meta["vocab_size"]) > 0 and int(meta["num_tokens"]) >= 0
+        dtype, n = np.dtype(meta["dtype"]), meta["num_tokens"]
+        ok = dtype.kind in "ui" and isinstance(n, int) and n >= 0 \
+            and isinstance(meta["vocab_size"], int) and meta["vocab_size"] > 0
     except (TypeError, KeyError, ValueError):
         ok = False
     if not ok:
         raise ValueError(f"{mp} lacks an integer dtype, vocab_size and num_tokens; remake it "
                          "with python -m moe_exp.data prepare")
     size = Path(path).stat().st_size
-    if size != meta["num_tokens"] * dtype.itemsize:
-        raise ValueError(f"{path} holds {size} bytes, but {mp.name} says {meta['num_tokens']} "
-                         f"{dtype.name} tokens ({meta['num_tokens'] * dtype.itemsize} bytes): "
-                         "remake them together with python -m moe_exp.data prepare")
+    if size != n * dtype.itemsize:
+        raise ValueError(f"{path} holds {size} bytes, but {mp.name} says {n} {dtype.name} "
+                         f"tokens ({n * dtype.itemsize} bytes): remake them together with "
+                         "python -m moe_exp.data prepare")
     return meta
 
 
