@@ -8,9 +8,25 @@ Choices among strings (e.g. `train.compile`) are checked in `validate.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
+
+CONF = Path(__file__).parent / "conf"  # the config groups' option files, and run.yaml
+
+
+def group_options(group: str) -> List[str]:
+    """The options of a config group (its files under conf/)."""
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def default_choices() -> Dict[str, str]:
+    """{group: option} of run.yaml's defaults list: the groups every run has."""
+    from omegaconf import OmegaConf
+
+    return {k: v for d in OmegaConf.load(CONF / "run.yaml").defaults if not isinstance(d, str)
+            for k, v in d.items()}
 
 # Allowed values of string-valued keys, checked by validate.py (one place, one message).
 CHOICES: Dict[str, List[str]] = {

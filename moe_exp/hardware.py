@@ -4,12 +4,12 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
-from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
-CONF = Path(__file__).parent / "conf"
+from .config import CONF
+
 # CUDA device name -> profile, first match wins (the PCIe and NVL parts peak lower than SXM)
 GPU_PROFILES = {"H100 PCIe": "h100_pcie", "H100 NVL": "h100_nvl", "H200 NVL": "h200_nvl",
                 "H200": "h200", "H100": "h100", "A100": "a100"}

@@ -210,13 +210,12 @@ def group_override_error(args) -> str | None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ChoiceSweep
 
-    conf = Path(__file__).parent / "conf"
-    groups = {p.name for p in conf.iterdir() if p.is_dir() and not p.name.startswith("_")}
+    from .config import CONF, default_choices, group_options
+
+    groups = {p.name for p in CONF.iterdir() if p.is_dir() and not p.name.startswith("_")}
     mine = [a for a in args if a.split("=", 1)[0].lstrip("+~") in groups]
     if not mine:
         return None
-    required = {k for d in OmegaConf.load(conf / "run.yaml").defaults if isinstance(d, DictConfig)
-                for k in d}
     try:
         parsed = OverridesParser.create().parse_overrides(mine)
     except Exception:  # noqa: BLE001 - a syntax error: Hydra's own line says it
@@ -225,9 +224,9 @@ def group_override_error(args) -> str | None:
         g = o.key_or_group
         if g not in groups:
             continue
-        options = ", ".join(sorted(p.stem for p in (conf / g).glob("*.yaml")))
+        options = ", ".join(group_options(g))
         if o.is_delete():
-            if g not in required:  # (an optional group: Hydra's own line)
+            if g not in default_choices():  # (an optional group: Hydra's own line)
                 continue
             return f"{g}: a run needs one option; it cannot be removed (one of: {options})"
         value = o.value()

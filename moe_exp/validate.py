@@ -9,8 +9,8 @@ import torch
 from omegaconf import OmegaConf
 
 from .bench.flops import param_counts
-from .config import CHOICES, ParallelConfig
-from .hardware import CONF, ConfigError, NotReady, Unsupported
+from .config import CHOICES, CONF, ParallelConfig, default_choices, group_options
+from .hardware import ConfigError, NotReady, Unsupported
 
 
 def _get(cfg, dotted: str):
@@ -458,10 +458,9 @@ def check_model_label(overrides) -> None:
     that preset's in every table."""
     items = dict(o.lstrip("+").split("=", 1) for o in overrides if "=" in o)
     name = items.get("model.name")
-    if name is None or not (CONF / "model" / f"{name}.yaml").is_file():
+    if name is None or name not in group_options("model"):
         return
-    chosen = items.get("model") or next(d["model"] for d in OmegaConf.load(CONF / "run.yaml")
-                                        .defaults if not isinstance(d, str) and "model" in d)
+    chosen = items.get("model") or default_choices()["model"]
     if name != chosen:
         raise ConfigError("model.name", f"'{name}' is another preset's name; these are "
                           f"model={chosen}'s sizes: pick model={name}, or name them anew")

@@ -222,7 +222,6 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
         why["comm_ms"] = why["comm_share"] = (
             "one rank: no communication" if world == 1 else
             "parallel.profile_steps=0 or train.steps <= profile_steps")
-    rec["world_size"] = world
     fpt = rec["flops_per_token"]
     rec["tflops_per_device"] = fpt * rec["tokens_per_s_per_device"] / 1e12
     peak = cfg.hardware.peak_flops.get(cfg.precision.name)
