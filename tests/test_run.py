@@ -3,6 +3,7 @@ import datetime as dt
 import glob
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -339,6 +340,10 @@ def test_ctrl_c_leaves_a_record_that_says_so(tmp_path):
     rec = json.loads((out / "metrics.json").read_text())
     assert rec["status"] == "crashed" and rec["error"].startswith("interrupted")
     assert not (out / "wandb").exists()
+    done = int(re.search(r"at step (\d+) of \d+", rec["error"]).group(1))
+    assert done > 0 and len(rec["losses"]) == done  # every step done, logged or not
+    assert rec["loss_first"] == rec["losses"][0] and rec["loss_last"] == rec["losses"][-1]
+    assert all(math.isfinite(v) for v in rec["losses"])
 
 
 def test_ctrl_c_on_a_distributed_run_is_an_interrupt(monkeypatch):

@@ -210,6 +210,11 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
             if res.comm_ms is not None:  # (the same steps: the median step is not)
                 res.comm_share = res.comm_ms / prof_ms
             prof = None
+    except KeyboardInterrupt as e:  # the record keeps the loss of every step done
+        if not dist.is_initialized():  # (ranks: only the logged, global, losses)
+            res.losses.extend(losses[logged: res.steps_done].tolist())
+        e.losses, e.steps = res.losses, (res.steps_done, total)
+        raise
     finally:
         if prof is not None:
             with _kineto_quiet():

@@ -89,9 +89,13 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
         rec.update(status="diverged", error=str(e), losses=e.losses)
         if e.losses:
             rec["loss_first"] = e.losses[0]
-    except KeyboardInterrupt:  # Ctrl-C: a record that says so (a resumed sweep reruns it)
-        rec.update(status="crashed", error="interrupted (Ctrl-C / SIGINT) before the run "
-                                           "finished")
+    except KeyboardInterrupt as e:  # Ctrl-C: a record that says so (a resumed sweep
+        # reruns it), with the losses of the steps done
+        done, total = getattr(e, "steps", (None, None))
+        at = f" at step {done} of {total}" if done is not None else " before the run finished"
+        rec.update(status="crashed", error=f"interrupted (Ctrl-C / SIGINT){at}")
+        if losses := getattr(e, "losses", None):
+            rec.update(losses=losses, loss_first=losses[0], loss_last=losses[-1])
         held = _hold_sigint()  # a second SIGINT (ranks get one from the agent too) must
         # not stop the record's write below
         if tracker:  # no W&B start-up for a run the user stopped
