@@ -88,6 +88,16 @@ def test_prepare_cli_rejects_missing_input(tmp_path):
     assert p.returncode == 2 and "no such file: nope.txt" in p.stderr
 
 
+def test_prepare_cli_rejects_inputs_with_no_text(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    out = tmp_path / "o.bin"
+    p = subprocess.run([sys.executable, "-m", "moe_exp.data", "prepare", str(empty), str(out)],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 2 and p.stderr.startswith("error: the inputs hold no text")
+    assert not out.exists()
+
+
 def test_prepare_cli_never_overwrites_an_input(tmp_path):
     text = tmp_path / "a.txt"
     text.write_text("keep me")

@@ -21,6 +21,10 @@ def main(argv=None) -> int:
     if missing:
         print(f"error: no such file: {', '.join(missing)}", file=sys.stderr)
         return 2
+    if not any(Path(f).stat().st_size for f in args.inputs):  # (the file would hold only
+        # separators, every window of which is the same token)
+        print(f"error: the inputs hold no text: {', '.join(args.inputs)}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     clash = [f for f in args.inputs
              if Path(f).resolve() in (out.resolve(), meta_path(out).resolve())]
