@@ -408,4 +408,4 @@ def print_table(df, title: str = "Sweep results") -> None:
     Console(width=200).print(t)
     busy = contended(df)
     if busy:
-        print(f"[sweep] warning: {busy}", file=sys.stderr)
+        print(f"warning: {busy}", file=sys.stderr)
