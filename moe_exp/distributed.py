@@ -61,9 +61,14 @@ def finish() -> None:
 
 
 def _no_failure_dump(record: logging.LogRecord) -> bool:
-    """The agent logs a failed rank's whole traceback (tens of lines of stderr); the run
-    prints one line (failure_message) and keeps every traceback in its error.log."""
-    return not str(record.msg).startswith("failed (exitcode")
+    """The agent logs a failed rank's whole traceback (tens of lines of stderr) and a line
+    per rank it then stops; the run prints one line (failure_message) and keeps every
+    traceback in its error.log."""
+    return not str(record.msg).startswith(("failed (exitcode", "Sending process",
+                                           "Terminating process"))
+
+
+AGENT_LOGS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
 
 
 def launch(entry, n: int, *args, run_id: str | None = None):
@@ -81,8 +86,8 @@ def launch(entry, n: int, *args, run_id: str | None = None):
     # put the process's own back afterwards, so a later Ctrl-C is an interrupt again
     saved = {s: signal.getsignal(s)
              for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
-    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    agent_log.addFilter(_no_failure_dump)
+    for name in AGENT_LOGS:
+        logging.getLogger(name).addFilter(_no_failure_dump)
     try:
         return elastic_launch(lc, entry)(*args)[0]
     except SignalException as e:  # the agent stopped the ranks on a signal: Ctrl-C is an
@@ -90,7 +95,8 @@ def launch(entry, n: int, *args, run_id: str | None = None):
             raise KeyboardInterrupt from None
         raise
     finally:
-        agent_log.removeFilter(_no_failure_dump)
+        for name in AGENT_LOGS:
+            logging.getLogger(name).removeFilter(_no_failure_dump)
         for s, handler in saved.items():
             if handler is not None:
                 try:

@@ -165,21 +165,25 @@ def test_rank_failure_ends_job_naming_the_rank():
 
     from moe_exp.distributed import failure_message
 
+    from moe_exp.distributed import AGENT_LOGS
+
     seen = []  # what the agent logs (torch's loggers print to stderr themselves)
-    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     handler = logging.Handler()
     handler.emit = seen.append
-    agent_log.addHandler(handler)
+    for name in AGENT_LOGS:
+        logging.getLogger(name).addHandler(handler)
     t0 = time.time()
     try:
         with pytest.raises(ChildFailedError) as err:
             launch(dist_helpers.fail_on_rank_1, ["parallel=ddp", "hardware.devices=2"])
     finally:
-        agent_log.removeHandler(handler)
+        for name in AGENT_LOGS:
+            logging.getLogger(name).removeHandler(handler)
     assert time.time() - t0 < 60  # rank 0 sat in a barrier: the agent stopped it
     # the agent's dump of the traceback (tens of lines) is not on the terminal: the run
     # prints one line and writes the traceback to its error.log
     assert not [r for r in seen if str(r.msg).startswith("failed (exitcode")]
+    assert not [r for r in seen if "SIGTERM" in str(r.msg)]  # nor rank 0's stop
     assert failure_message(err.value) == "rank 1 failed: ValueError: boom on purpose"
     from moe_exp.distributed import failure_report
 
