@@ -193,6 +193,22 @@ def test_auto_dispatch_choice():
     assert resolve_dispatch("auto", "cuda", torch.bfloat16, sizes=(1028, 256)) == "loop"
 
 
+@pytest.mark.parametrize("capability,dtype,want", [
+    ((9, 0), torch.bfloat16, "grouped"), ((10, 0), torch.bfloat16, "grouped"),
+    ((9, 0), torch.float32, "loop"), ((9, 0), torch.float16, "loop"),
+    ((8, 0), torch.bfloat16, "loop")])
+def test_auto_dispatch_on_cuda_takes_grouped_only_where_it_has_a_kernel(
+        monkeypatch, capability, dtype, want):
+    """grouped_mm's CUDA kernel is bf16 on sm90/sm100; elsewhere torch loops over the
+    experts after a host sync per call: auto takes the loop (one sync per layer)."""
+    from moe_exp.model import moe
+
+    monkeypatch.setattr(moe, "grouped_mm_supported", lambda device, dtype: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert moe.resolve_dispatch("auto", "cuda", dtype, sizes=(1024, 1152)) == want
+    assert moe.resolve_dispatch("grouped", "cuda", dtype, sizes=(1024, 1152)) == "grouped"
+
+
 def test_padded_fallback_with_unaligned_sizes_runs_the_loop():
     """ffn 252 in bf16 is off grouped_mm's 16-byte grid: unbalanced routing falls back to
     the loop, not to grouped_mm (which raised "strides should be multiple of 16 bytes")."""

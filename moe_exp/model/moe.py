@@ -60,6 +60,16 @@ def grouped_aligned(dtype: torch.dtype, *sizes: int) -> bool:
     return all(n * dtype.itemsize % 16 == 0 for n in sizes)
 
 
+def grouped_fast(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether grouped_mm has its own kernel here. On CUDA only bf16 on sm90/sm100 does
+    (CUTLASS); anything else runs torch's fallback: a matmul per expert after copying the
+    group ends to the host (a sync per call, 9 per MoE layer and step)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return True
+    return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
 def grouped_compiles(dtype: torch.dtype) -> bool:
     """grouped_mm lowers under torch.compile in bf16 only."""
     return dtype == torch.bfloat16
@@ -70,7 +80,8 @@ def resolve_dispatch(dispatch: str, device: torch.device | str, dtype: torch.dty
     """The expert kernel to use for `dispatch` on this device, matmul dtype and mode.
 
     auto, from benchmarks/moe_layer.py and compile_step.py (see benchmarks/README.md):
-    GPUs: grouped (grouped_mm; under torch.compile it lowers in bf16 only, else loop).
+    GPUs: grouped where grouped_mm has its own kernel (bf16 on sm90/sm100, see
+    grouped_fast), else loop.
     CPU: bf16 -> padded (one bmm per weight: oneDNN/AMX batched matmuls beat per-expert
     matmuls, eager and compiled; eager falls back to grouped on unbalanced routing, see
     PAD_LIMIT); fp32 -> grouped eager, loop compiled.
@@ -82,7 +93,7 @@ def resolve_dispatch(dispatch: str, device: torch.device | str, dtype: torch.dty
     if dispatch == "auto":
         if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
             return "padded"
-        return "grouped" if grouped_ok else "loop"
+        return "grouped" if grouped_ok and grouped_fast(device, dtype) else "loop"
     if dispatch == "grouped" and not grouped_ok:
         return "loop"
     return dispatch
