@@ -77,3 +77,23 @@ def test_muon_on_cuda_matches_torch_muon_and_trains(tmp_path):
                      tmp_path)
     assert rec["status"] == "ok", rec["error"]
     assert rec["loss_last"] < rec["loss_first"]
+
+
+def test_fp32_grouped_heads_take_the_memory_efficient_kernel():
+    """CUDA runs grouped k/v heads in flash (fp16/bf16) or the math kernel only; fp32 repeats
+    them so SDPA takes the memory-efficient kernel, same values as the math kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from moe_exp.model.transformer import causal_attention
+
+    q = torch.randn(2, 16, 512, 64, device="cuda")
+    k = torch.randn(2, 4, 512, 64, device="cuda")
+    v = torch.randn(2, 4, 512, 64, device="cuda")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        y = causal_attention(q, k, v)
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::_scaled_dot_product_efficient_attention" in ops, sorted(ops)
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                               enable_gqa=True)
+    torch.testing.assert_close(y, ref, rtol=2e-3, atol=2e-3)  # (TF32 may be on)

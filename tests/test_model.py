@@ -297,3 +297,22 @@ def test_compiled_dispatch_hints_its_data_dependent_sizes(dispatch, monkeypatch)
     # .item() not traced: the graph breaks there, and the second token count makes the
     # sizes backed symbols (automatic dynamic shapes), which take no hint: no crash, none
     assert _hints_seen(moe, xs, False, monkeypatch) == []
+
+
+def test_repeated_kv_heads_give_grouped_attention(monkeypatch):
+    """fp32 on CUDA repeats k/v heads (so SDPA can take its memory-efficient kernel): the
+    same outputs and gradients as grouped heads, checked here by forcing that path."""
+    from moe_exp.model import transformer
+
+    q = torch.randn(2, 4, 16, 8, requires_grad=True)
+    k = torch.randn(2, 2, 16, 8, requires_grad=True)
+    v = torch.randn(2, 2, 16, 8, requires_grad=True)
+    assert not transformer.repeat_kv_heads(q)  # CPU: grouped heads as they are
+    outs = {}
+    for repeat in (False, True):
+        monkeypatch.setattr(transformer, "repeat_kv_heads", lambda q: repeat)
+        y = transformer.causal_attention(q, k, v)
+        outs[repeat] = (y, *torch.autograd.grad(y, [q, k, v], torch.ones_like(y)))
+    assert outs[True][2].shape == k.shape  # gradients summed back over the repeated heads
+    for a, b in zip(outs[False], outs[True]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -46,6 +46,23 @@ def apply_rope(x, cos, sin):
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def repeat_kv_heads(q: torch.Tensor) -> bool:
+    """Whether SDPA needs k/v repeated to q's heads for a fast kernel. On CUDA, grouped k/v
+    heads run in flash attention (fp16/bf16) or the math kernel only (torch's SDPA docs):
+    in fp32 that is math, which keeps each (S, S) score matrix; repeated heads take the
+    memory-efficient kernel. CPU's flash kernel takes grouped heads in every dtype."""
+    return q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16)
+
+
+def causal_attention(q, k, v):
+    """SDPA of q (B, h, S, D) over k, v (B, h_kv, S, D), h a multiple of h_kv."""
+    gqa = k.shape[1] != q.shape[1]
+    if gqa and repeat_kv_heads(q):
+        r = q.shape[1] // k.shape[1]
+        k, v, gqa = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1), False
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -63,8 +80,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           enable_gqa=self.n_kv != self.n_heads)
+        y = causal_attention(q, k, v)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 
