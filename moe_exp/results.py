@@ -30,7 +30,8 @@ EXTRAS = (
     "tokens_per_s_wall", "data_share", "startup_s", "comm_ms", "comm_share", "comm",
     "comm_backend", "z_loss", "tokens_per_expert", "expert_load_cv_per_layer",
     "expert_load_max_over_mean_per_layer", "expert_load_step_max_over_mean", "moe_dispatch", "moe_padded_fallback_share",
-    "optim_impl", "peak_flops", "compile_cache_hit_share", "cpu_other_load", "job",
+    "optim_impl", "peak_flops", "compile_cache_hit_share", "cudagraph_skips", "cpu_other_load",
+    "job",
     "repeat", "repeats",
     "repeats_ok", "combined", "resumed_from",
 )

@@ -73,6 +73,10 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                  f", warm inductor cache: {share:.0%} of graphs from it")
         rows.append(("compile", f"{r['compile_s']:.1f} s (first step beyond a steady step"
                                 f"{cache})"))
+        if r.get("cudagraph_skips"):
+            rows.append(("NOTE", f"{r['cudagraph_skips']} compiled graph(s) ran without the "
+                                 f"CUDA graphs train.compile={r['compile']} asks for "
+                                 "(why: TORCH_LOGS=cudagraphs)"))
     if r.get("expert_load_cv") is not None:
         per_step = r.get("expert_load_step_max_over_mean")
         rows.append(("expert load", f"CV {r['expert_load_cv']:.3f}, max/mean "

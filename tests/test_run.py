@@ -12,7 +12,7 @@ import torch
 from moe_exp.results import EXTRAS, FIELDS
 from moe_exp.tracking import read_offline_run
 
-from conftest import run_cli, run_inproc
+from conftest import compose, run_cli, run_inproc
 
 
 @pytest.fixture(scope="module")
@@ -516,3 +516,24 @@ def test_readme_names_every_record_field():
     section = readme.split("### The result record", 1)[1].split("\n## ", 1)[0]
     named = set(re.findall(r"[a-z_0-9]+", " ".join(re.findall(r"`([^`]+)`", section))))
     assert [k for k in (*FIELDS, *EXTRAS) if k not in named] == []
+
+
+def test_cudagraph_skips_counted_where_cuda_graphs_were_asked_for():
+    """reduce-overhead / max-autotune on CUDA: graphs inductor ran without CUDA graphs are
+    counted (the loop dispatch's data-dependent shapes skip them) and the summary says so;
+    elsewhere the field is null with the reason."""
+    from moe_exp.bench.runner import _cudagraph_skips
+    from moe_exp.summary import summary_rows
+
+    cases = {("reduce-overhead", "cuda"): 3, ("max-autotune", "cuda"): 0,
+             ("reduce-overhead", "cpu"): None, ("default", "cuda"): None}
+    for (mode, dev), want in cases.items():
+        cfg = compose([f"train.compile={mode}"])
+        rec = {"null_reasons": {}}
+        _cudagraph_skips(rec, cfg, torch.device(dev), 3 if want is None else want)
+        assert rec["cudagraph_skips"] == want, (mode, dev)
+        assert ("cudagraph_skips" in rec["null_reasons"]) == (want is None), (mode, dev)
+    rows = _summary_stub(summary_rows, {"compile": "reduce-overhead", "compile_s": 20.0,
+                                        "cudagraph_skips": 3, "null_reasons": {}})
+    assert any(k == "NOTE" and "3 compiled graph(s) ran without the CUDA graphs" in v
+               for k, v in rows)

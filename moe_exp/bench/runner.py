@@ -179,7 +179,7 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
     rec["flops_per_token"] = flops_per_token(cfg.model, t.seq_len)  # analytic: known now
     cached = _graph_counts()
     res = train_loop(cfg, applied, optimizer, scheduler, loader, device, memory, on_log, progress)
-    _compile_cache(rec, cfg, cached)
+    _compile_cache(rec, cfg, device, cached)
 
     tokens_per_step = t.micro_batch_size * t.grad_accum_steps * t.seq_len
     tm = res.timings
@@ -254,23 +254,28 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
             why[k] = DENSE
 
 
-def _graph_counts() -> tuple[int, int, int, int]:
+def _graph_counts() -> tuple[int, int, int, int, int]:
     """(graphs dynamo captured, graphs inductor took from its cache, compiled and stored,
-    compiled bypassing the cache) in this process so far."""
+    compiled bypassing the cache, run without the CUDA graphs their mode asked for) in this
+    process so far."""
     from torch._dynamo.utils import counters
 
     c = counters["inductor"]
     return (counters["stats"]["unique_graphs"], c["fxgraph_cache_hit"],
-            c["fxgraph_cache_miss"], c["fxgraph_cache_bypass"])
+            c["fxgraph_cache_miss"], c["fxgraph_cache_bypass"], c["cudagraph_skips"])
 
 
-def _compile_cache(rec: dict, cfg, before: tuple) -> None:
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that use them
+
+
+def _compile_cache(rec: dict, cfg, device: torch.device, before: tuple) -> None:
     """compile_cache_hit_share: of the graphs this run needed compiled, the share that came
     from a cache (a warm one makes compile_s a fraction of a cold compile): inductor's on
     disk, or, where dynamo captured no new graph, this process's earlier compile of the same
-    model (an in-process sweep's later job)."""
+    model (an in-process sweep's later job). Also cudagraph_skips."""
     key, why = "compile_cache_hit_share", None
-    graphs, hit, miss, bypass = (a - b for a, b in zip(_graph_counts(), before))
+    graphs, hit, miss, bypass, skips = (a - b for a, b in zip(_graph_counts(), before))
+    _cudagraph_skips(rec, cfg, device, skips)
     if cfg.train.compile == "off":
         why = "train.compile=off"
     elif graphs and not hit + miss + bypass:
@@ -278,6 +283,20 @@ def _compile_cache(rec: dict, cfg, before: tuple) -> None:
     rec[key] = None if why else hit / (hit + miss + bypass) if graphs else 1.0
     if why:
         rec["null_reasons"][key] = why
+
+
+def _cudagraph_skips(rec: dict, cfg, device: torch.device, skips: int) -> None:
+    """cudagraph_skips: compiled graphs inductor ran without CUDA graphs under a mode that
+    asks for them (e.g. data-dependent shapes: the loop dispatch's per-expert sizes)."""
+    if cfg.train.compile not in CUDAGRAPH_MODES:
+        why = f"train.compile={cfg.train.compile} uses no CUDA graphs"
+    elif device.type != "cuda":
+        why = f"no CUDA graphs on {device.type}"
+    else:
+        rec["cudagraph_skips"] = skips
+        return
+    rec["cudagraph_skips"] = None
+    rec["null_reasons"]["cudagraph_skips"] = why
 
 
 def _padded_fallbacks(model, cfg, rec, device, world: int) -> None:
