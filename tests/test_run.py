@@ -387,7 +387,8 @@ def test_gradient_sync_before_the_step_counts_as_backward(tmp_path, monkeypatch)
     monkeypatch.setattr(opt, "apply", with_slow_sync)
     rec = run_inproc(["logger=none", "train.steps=3", "train.warmup_steps=1"], tmp_path)
     assert rec["status"] == "ok", rec["error"]
-    assert rec["backward_ms"] >= 100 and rec["optimizer_ms"] < 100, rec
+    # (the sleep in the optimizer's phase would make it the longer: robust to a loaded CPU)
+    assert rec["backward_ms"] >= 100 and rec["optimizer_ms"] < rec["backward_ms"] - 50, rec
 
 
 def test_other_accelerators_sync_at_each_boundary_and_read_their_allocator(monkeypatch):
