@@ -65,7 +65,7 @@ def _no_failure_dump(record: logging.LogRecord) -> bool:
     per rank it then stops; the run prints one line (failure_message) and keeps every
     traceback in its error.log."""
     return not str(record.msg).startswith(("failed (exitcode", "Sending process",
-                                           "Terminating process"))
+                                           "Closing process", "Terminating process"))
 
 
 AGENT_LOGS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
