@@ -41,6 +41,7 @@ class LoopResult:
     comm_share: float | None = None  # comm_ms / those profiled steps' own time
     startup_s: float | None = None  # process start -> first measured step (compile included)
     cpu_window: tuple | None = None  # CPU ticks in the window: load.window's tuple
+    memory: tuple = ({}, {})  # MemoryMeter.read() at the window's end (before any profiler)
 
 
 def micro_step(model, tokens, targets, autocast, scaler, accum: int, timer=None):
@@ -120,6 +121,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
         device_sync(device)
         res.wall_s = time.perf_counter() - wall0
         res.cpu_window = window(load0, snapshot())
+        res.memory = memory.read()  # (the profiler's own memory is not the run's)
 
     try:
         for step in range(total):

@@ -184,7 +184,7 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
     tokens_per_step = t.micro_batch_size * t.grad_accum_steps * t.seq_len
     tm = res.timings
     step_ms = median(tm["step_ms"])
-    mem, mem_why = memory.read()
+    mem, mem_why = res.memory
     if world > 1:  # the slowest rank sets the pace; the largest peak is what must fit
         _across_ranks(res, tm, mem, device)
         step_ms = median(tm["step_ms"])
