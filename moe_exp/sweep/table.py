@@ -16,7 +16,7 @@ from ..results import FIELDS
 # Finished outcomes that a re-run would repeat: resume keeps them (error/crashed re-run).
 DONE = ("ok", "oom", "diverged", "invalid", "skipped")
 ADDED = ("job", "label", "repeats", "tokens_per_s_min", "tokens_per_s_max", "baseline",
-         "speedup", "speedup_significant", "mem_saved_pct")
+         "baseline_job", "speedup", "speedup_significant", "mem_saved_pct")
 # What counts as "an optimization on" when choosing the default baseline (fewest on).
 _OFF = {"precision": "fp32", "activation_checkpointing": "none", "compile": "off",
         "parallel": "none", "optim": "adamw"}
@@ -219,6 +219,7 @@ def build_table(records: list[dict], baseline: dict | None = None, by=("model",)
         base = cands[0] if cands else None
         for r in rows:
             r["baseline"] = r is base
+            r["baseline_job"] = None if base is None else base.get("job")
             _relative(r, base)
     df = pd.DataFrame.from_records(records)
     for col in (*FIELDS, *ADDED):
@@ -342,10 +343,23 @@ def contended(df) -> str:
     """The note naming rows measured under other processes' CPU load, else ''."""
     if "cpu_other_load" not in df:
         return ""
-    busy = df[df["cpu_other_load"].map(lambda v: _num(v) is not None and v > OTHER_LOAD_WARN)]
+    is_busy = df["cpu_other_load"].map(lambda v: _num(v) is not None and v > OTHER_LOAD_WARN)
+    busy = df[is_busy]
     rows = "; ".join(f"job {r.job} ({r.cpu_other_load:.0%})" for r in busy.itertuples())
-    return rows and (f"measured while other processes used over {OTHER_LOAD_WARN:.0%} of the "
-                     f"machine's CPU (cpu_other_load; their timings are not reliable): {rows}")
+    if not rows:
+        return ""
+    note = (f"measured while other processes used over {OTHER_LOAD_WARN:.0%} of the "
+            f"machine's CPU (cpu_other_load; their timings are not reliable): {rows}")
+    if "baseline_job" in df:  # a quiet row's speedup over a contended baseline is not either
+        on_busy = df[~is_busy & df["baseline_job"].isin(set(busy["job"]))
+                     & df["speedup"].map(lambda v: _num(v) is not None)]
+        on_busy = on_busy[on_busy["baseline"] != True]  # noqa: E712 - pandas mask
+        if len(on_busy):
+            jobs = [str(j) for j in on_busy["job"]]
+            note += (f"; the speedup{'s' * (len(jobs) > 1)} of job{'s' * (len(jobs) > 1)} "
+                     f"{', '.join(jobs)} {'are' if len(jobs) > 1 else 'is'} against a "
+                     "contended baseline")
+    return note
 
 
 def markdown(df, title: str = "Sweep results") -> str:
