@@ -129,3 +129,15 @@ def test_muon_fsdp_benchmark_rows(tmp_path):
     assert all(v > 0 for v in row["median_ms"].values())
     assert row["speedup"] == pytest.approx(row["median_ms"]["gathered"] /
                                            row["median_ms"]["round-robin"])
+
+
+@pytest.mark.slow
+def test_pad_multiple_benchmark_rows(tmp_path):
+    """Each multiple runs as its own training run; same losses (padding changes no math)."""
+    out = tmp_path / "pad.json"
+    stdout = bench("pad_multiple.py", "--rounds", "1", "--compile", "off", "--json", str(out),
+                   "precision=bf16", "train.steps=3", "train.warmup_steps=1", "logger=none")
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["multiple"] for r in rows] == [1, 16] and "×" in stdout
+    assert all(r["tokens_per_s"] > 0 and r["peak_mem_gib"] > 0 for r in rows)
+    assert rows[0]["loss_last"] == rows[1]["loss_last"]

@@ -316,3 +316,22 @@ def test_repeated_kv_heads_give_grouped_attention(monkeypatch):
     assert outs[True][2].shape == k.shape  # gradients summed back over the repeated heads
     for a, b in zip(outs[False], outs[True]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_pad_capacity_rounds_up_and_judges_balance_on_the_real_rows():
+    """Capacity: the largest group rounded up to PAD_MULTIPLE rows (fewer distinct matmul
+    shapes: on CPU in bf16 each new one builds oneDNN kernels); whether to fall back is
+    judged on the real largest group, not the rounded one."""
+    from moe_exp.model.moe import PAD_LIMIT, PAD_MULTIPLE, pad_capacity
+
+    for top in (2, 17, 33, 100):
+        counts = torch.tensor([top, 1, 1, 1])
+        cap = pad_capacity(counts, int(counts.sum()) * 100)  # balanced enough
+        assert cap % PAD_MULTIPLE == 0 and top <= cap < top + PAD_MULTIPLE
+    # largest 65 of 300 rows: 8 * 65 = 520 <= PAD_LIMIT * 300 + 128 = 578 pads, though the
+    # rounded 8 * 80 = 640 would not
+    counts = torch.tensor([65, 35, 35, 35, 35, 35, 35, 25])
+    assert int(counts.sum()) == 300 and 8 * 80 > PAD_LIMIT * 300 + 16 * 8
+    assert pad_capacity(counts, 300) == 80
+    skew = torch.tensor([80, 35, 35, 35, 35, 35, 35, 10])  # 8 * 80 > 578: falls back
+    assert pad_capacity(skew, int(skew.sum())) is None

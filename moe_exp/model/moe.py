@@ -155,7 +155,8 @@ class Router(nn.Module):
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
 
     def forward(self, x: torch.Tensor):
-        logits = self.gate(x).float()  # (T, E), router math in fp32
+        # (T, E): softmax, top-k and aux losses in fp32; the gate matmul in autocast's dtype
+        logits = self.gate(x).float()
         probs = logits.softmax(dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)  # (T, k)
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -167,10 +168,16 @@ DISPATCHES = ("grouped", "padded", "loop")
 # CPU in bf16 it is 1.24x faster than grouped at max/mean load 1.0, even at 1.55 and
 # slower at 1.87 (benchmarks/moe_layer.py --skew; see benchmarks/README.md)
 PAD_LIMIT = 1.5
+# padded capacity is rounded up to a multiple of this many rows: fewer distinct matmul
+# shapes over a run. On CPU in bf16 each new shape builds (JIT) and caches oneDNN kernels:
+# with the exact largest group, tiny_moe's 40-step run was 1.33x slower eager, 1.5x
+# compiled, and its peak RSS grew with the run (0.34 GiB against 0.13; benchmarks/README.md)
+PAD_MULTIPLE = 16
 
 
 def pad_capacity(counts: torch.Tensor, rows: int) -> int | None:
-    """Rows per expert once padded to the largest group; None where padded should not run:
+    """Rows per expert once padded to the largest group (rounded up to PAD_MULTIPLE); None
+    where padded should not run:
     eager, with no rows (an expert-parallel rank can get none) or unbalanced routing
     (padding past PAD_LIMIT: grouped/loop cost only the real rows). Compiled code cannot
     branch on the counts, so it always pads."""
@@ -183,7 +190,7 @@ def pad_capacity(counts: torch.Tensor, rows: int) -> int | None:
     if not torch.compiler.is_compiling() and (
             rows == 0 or num_experts * cap > PAD_LIMIT * rows + 16 * num_experts):
         return None
-    return cap
+    return (cap + PAD_MULTIPLE - 1) // PAD_MULTIPLE * PAD_MULTIPLE
 
 
 # inductor's own guess for a data-dependent size (torch._inductor.config.unbacked_symint_fallback)
