@@ -170,8 +170,8 @@ DISPATCHES = ("grouped", "padded", "loop")
 PAD_LIMIT = 1.5
 # padded capacity is rounded up to a multiple of this many rows: fewer distinct matmul
 # shapes over a run. On CPU in bf16 each new shape builds (JIT) and caches oneDNN kernels:
-# with the exact largest group, tiny_moe's 40-step run was 1.33x slower eager, 1.5x
-# compiled, and its peak RSS grew with the run (0.34 GiB against 0.13; benchmarks/README.md)
+# with the exact largest group, tiny_moe's 40-step bf16 run was 1.26-1.29x slower and its
+# peak RSS, growing with the run, 0.35 GiB against 0.14 (benchmarks/pad_multiple.py)
 PAD_MULTIPLE = 16
 
 
