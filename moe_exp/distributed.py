@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import signal
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -139,11 +140,22 @@ def failure_report(err) -> str:
     return "\n\n".join(parts) + "\n"
 
 
+PEER_GRACE_S = 3.0  # a rank that lost a peer waits this long before it fails
+
+
 @record
 def rank_entry(fn, *args):
     """What each launched rank runs: errors land in the agent's error file (then the
-    parent names the rank)."""
-    return fn(*args)
+    parent names the rank). A rank whose error is a peer's lost connection waits first, so
+    the agent sees the peer's own failure before this one: else, on a loaded machine, the
+    peer could still be exiting when the agent stops every rank, and the run would name
+    the connection, not the cause."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        if any(s in str(e) for s in _SECONDARY):
+            time.sleep(PEER_GRACE_S)
+        raise
 
 
 def collective_device(device: torch.device):

@@ -206,6 +206,30 @@ def test_rank_failure_ends_job_naming_the_rank():
     assert "== rank 1" in report and "Traceback" in report and "boom on purpose" in report
 
 
+def test_a_rank_that_lost_its_peer_fails_after_the_peer(monkeypatch):
+    """rank_entry holds back a lost-connection error (PEER_GRACE_S), so the agent sees the
+    failed peer's own error first: under load, torch 2.11's agent once stopped the ranks
+    with only rank 0's 'Connection closed by peer' recorded, and the run named that."""
+    from moe_exp import distributed
+
+    waits = []
+    monkeypatch.setattr(distributed.time, "sleep", waits.append)
+
+    def lost():
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:547] Connection closed by peer")
+
+    def cause():
+        raise ValueError("boom")
+
+    with pytest.raises(RuntimeError):
+        distributed.rank_entry(lost)
+    assert waits == [distributed.PEER_GRACE_S]
+    with pytest.raises(ValueError):
+        distributed.rank_entry(cause)
+    assert waits == [distributed.PEER_GRACE_S]  # the cause itself fails at once
+    assert distributed.rank_entry(lambda x: x + 1, 1) == 2
+
+
 def test_failure_message_names_the_cause_not_the_peer_that_lost_it():
     # Rank 0 can record its lost gloo connection before rank 1 records the error itself.
     from types import SimpleNamespace as NS
