@@ -154,9 +154,10 @@ def test_cpu_peak_memory_counts_no_module_imports(extra):
 
 def test_cpu_peak_memory_does_not_grow_with_the_runs_length(tmp_path):
     """Peak memory is the model's working set, not the run's length: a run 20x longer (its
-    losses read once, at the end) peaks within 10% of a short one. Before: small tensors
-    kept from every step pinned freed heap (+70% at 600 steps), and the markov data was
-    made for every step up front."""
+    losses read once, at the end) peaks within 20% of a short one (run-to-run spread is
+    ~10%: torch 2.11 gave 0.113 / 0.123 / 0.119 GiB at 20 / 400 / 1000 steps). Before:
+    small tensors kept from every step pinned freed heap (2.2x at 400 steps), and the
+    markov data was made for every step up front."""
     peaks = {}
     for steps in (20, 400):
         d = tmp_path / str(steps)
@@ -164,7 +165,7 @@ def test_cpu_peak_memory_does_not_grow_with_the_runs_length(tmp_path):
                      f"hydra.run.dir={d}"], tmp_path)
         assert p.returncode == 0, p.stderr[-3000:]
         peaks[steps] = json.loads((d / "metrics.json").read_text())["peak_mem_gib"]
-    assert peaks[400] <= 1.1 * peaks[20], peaks
+    assert peaks[400] <= 1.2 * peaks[20], peaks
 
 
 def test_wandb_offline_run_holds_config_and_metrics_and_is_finished(tmp_path, monkeypatch):
