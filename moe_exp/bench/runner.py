@@ -179,7 +179,9 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
     rec["flops_per_token"] = flops_per_token(cfg.model, t.seq_len)  # analytic: known now
     cached = _graph_counts()
     res = train_loop(cfg, applied, optimizer, scheduler, loader, device, memory, on_log, progress)
-    _compile_cache(rec, cfg, device, cached)
+    graphs = [a - b for a, b in zip(_graph_counts(), cached)]  # this run's
+    _compile_cache(rec, cfg, *graphs[:4])
+    _cudagraph_skips(rec, cfg, device, graphs[4])
 
     tokens_per_step = t.micro_batch_size * t.grad_accum_steps * t.seq_len
     tm = res.timings
@@ -268,14 +270,12 @@ def _graph_counts() -> tuple[int, int, int, int, int]:
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that use them
 
 
-def _compile_cache(rec: dict, cfg, device: torch.device, before: tuple) -> None:
+def _compile_cache(rec: dict, cfg, graphs: int, hit: int, miss: int, bypass: int) -> None:
     """compile_cache_hit_share: of the graphs this run needed compiled, the share that came
     from a cache (a warm one makes compile_s a fraction of a cold compile): inductor's on
     disk, or, where dynamo captured no new graph, this process's earlier compile of the same
-    model (an in-process sweep's later job). Also cudagraph_skips."""
+    model (an in-process sweep's later job). The counts: this run's _graph_counts."""
     key, why = "compile_cache_hit_share", None
-    graphs, hit, miss, bypass, skips = (a - b for a, b in zip(_graph_counts(), before))
-    _cudagraph_skips(rec, cfg, device, skips)
     if cfg.train.compile == "off":
         why = "train.compile=off"
     elif graphs and not hit + miss + bypass:
