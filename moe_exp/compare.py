@@ -1,18 +1,21 @@
-"""Compare two sweep tables row by row (matched by config hash) and fail on a regression.
+"""Compare two sweep tables row by row and fail on a regression.
 
     python -m moe_exp.compare BASE NEW [--threshold 5]
 
-BASE and NEW are sweep dirs or results.csv/.parquet files. Exit 1 when a configuration's
-tokens/s fell, or its peak memory grew, by more than the threshold percent plus the noise
-its repeats measured (half the min-max range of each side), when a run that was ok is no
-longer ok (or no longer measures one of them), or when an ok configuration is missing from
-NEW; exit 0 otherwise; exit 2 on bad input.
+BASE and NEW are sweep dirs or results.csv/.parquet files; rows are matched by config hash
+and `extra` labels. Exit 1 when a configuration's tokens/s (task=comm: a collective's bus
+bandwidth) fell, or its peak memory grew, by more than the threshold percent plus the
+noise its repeats measured (half the min-max range of each side), when a run that was ok
+is no longer ok (or no longer measures one of them), or when an ok configuration is
+missing from NEW; exit 0 otherwise; exit 2 on bad input.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+
+from .results import row_key
 
 
 def load(path: Path):
@@ -31,7 +34,8 @@ def load(path: Path):
     if path.suffix == ".parquet":
         return pd.read_parquet(path)
     if path.suffix == ".csv":
-        return pd.read_csv(path)
+        # (a hash of digits, or digits and one e, would read as a number)
+        return pd.read_csv(path, dtype={"config_hash": str})
     raise FileNotFoundError(f"{path}: not a sweep dir, .csv or .parquet file")
 
 
@@ -62,10 +66,10 @@ def _rows(df, side: str) -> dict:
         raise ValueError(f"{side}: not a moe_exp results table (no column {', '.join(missing)})")
     rows = {}
     for r in df.to_dict("records"):
-        if r["config_hash"] in rows:
+        if row_key(r) in rows:
             print(f"warning: {side} has {r.get('label') or r['config_hash']} more than once; "
                   "its last row is compared", file=sys.stderr)
-        rows[r["config_hash"]] = r
+        rows[row_key(r)] = r
     return rows
 
 
@@ -73,12 +77,17 @@ def compare(base, new, threshold: float = 5.0) -> tuple[list[dict], list[str]]:
     """(one entry per matched configuration, configurations found on one side only; an ok
     one that NEW lacks is a regression, marked "REGRESSION" there)."""
     b_rows, n_rows = _rows(base, "BASE"), _rows(new, "NEW")
+    metrics = [("tokens_per_s", -1, "tokens/s"), ("peak_mem_gib", 1, "peak mem")]
+    # task=comm rows: bus bandwidth per collective (higher is better)
+    metrics += [(c, -1, c[len("busbw_gbps_"):] + " GB/s") for c in base.columns
+                if c.startswith("busbw_gbps_") and not c.endswith(("_min", "_max"))
+                and c in new.columns]
     out = []
     for h in [h for h in b_rows if h in n_rows]:
         b, n = b_rows[h], n_rows[h]
-        e = {"config": n.get("label") or h, "base_status": b["status"],
+        e = {"config": n.get("label") or h[0], "base_status": b["status"],
              "new_status": n["status"], "regressions": []}
-        for key, worse, name in (("tokens_per_s", -1, "tokens/s"), ("peak_mem_gib", 1, "peak mem")):
+        for key, worse, name in metrics:
             bv, nv = _val(b, key), _val(n, key)
             e[key] = (bv, nv)
             if bv and nv is not None:
@@ -93,9 +102,9 @@ def compare(base, new, threshold: float = 5.0) -> tuple[list[dict], list[str]]:
             e["regressions"].append(f"status ok -> {n['status']}: {n.get('error')}")
         out.append(e)
     only = [("REGRESSION: ok in BASE, absent from NEW: " if r["status"] == "ok" else
-             "only in BASE: ") + str(r.get("label") or h)
+             "only in BASE: ") + str(r.get("label") or h[0])
             for h, r in b_rows.items() if h not in n_rows]
-    only += [f"only in NEW: {r.get('label') or h}" for h, r in n_rows.items() if h not in b_rows]
+    only += [f"only in NEW: {r.get('label') or h[0]}" for h, r in n_rows.items() if h not in b_rows]
     return out, only
 
 
@@ -122,8 +131,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not entries:  # unrelated tables: a mistake, not NEW having lost every row
-        print(f"error: no configuration appears in both tables (matched by config_hash; BASE "
-              f"has {sum(o.startswith(('REG', 'only in BASE')) for o in only)}, NEW "
+        print(f"error: no configuration appears in both tables (matched by config_hash and "
+              f"extra; BASE has {sum(o.startswith(('REG', 'only in BASE')) for o in only)}, NEW "
               f"{sum(o.startswith('only in NEW') for o in only)})", file=sys.stderr)
         return 2
     from rich.console import Console

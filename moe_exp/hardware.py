@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import sys
 
 import torch
 from omegaconf import OmegaConf
@@ -156,7 +157,22 @@ def setup_backends(cfg) -> None:
 
     if cfg.hardware.get("malloc_retain") and not malloc_retain():
         raise Unsupported("hardware.malloc_retain", "glibc refused the mallopt settings")
+    det = bool(cfg.hardware.deterministic)
     if cfg.hardware.device == "cuda":
-        torch.backends.cudnn.benchmark = cfg.hardware.cudnn_benchmark and not cfg.hardware.deterministic
-    if cfg.hardware.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = cfg.hardware.cudnn_benchmark and not det
+        if det:  # cuBLAS is deterministic only with a fixed workspace (read at first matmul)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    set_deterministic(det)
+
+
+def set_deterministic(on: bool) -> None:
+    """hardware.deterministic: torch's deterministic algorithms (ops that have none warn),
+    also where torch.compile lowers (inductor then falls back to eager's index_put instead
+    of its atomic adds, e.g. in the embedding's backward, and picks kernels without timing
+    them). Set both ways: a job in a shared process must not inherit the last one's."""
+    torch.use_deterministic_algorithms(on, warn_only=True)
+    inductor = sys.modules.get("torch._inductor.config")
+    if on and inductor is None:
+        import torch._inductor.config as inductor
+    if inductor is not None and hasattr(inductor, "deterministic"):
+        inductor.deterministic = on or os.environ.get("TORCHINDUCTOR_DETERMINISTIC") == "1"

@@ -60,18 +60,77 @@ def report(sweep_dir: Path, baseline: dict | None = None, by=("model",), wandb_c
     if wandb_cfg is not None:
         from .tracking import log_sweep
 
-        log_sweep(df, sweep_dir, wandb_cfg, group or f"report-{sweep_dir.name}", pngs)
+        log_sweep(df, sweep_dir, wandb_cfg, group or own_group(sweep_dir)
+                  or f"report-{sweep_dir.resolve().name}", pngs)
     print(f"[report] {', '.join(str(p) for p in paths.values())}")
     return paths
 
 
+def own_group(sweep_dir: Path) -> str | None:
+    """The W&B group the sweep's own runs went to (its multirun.yaml), if it has one."""
+    from omegaconf import OmegaConf
+
+    from .sweep.job import sweep_group
+
+    p = Path(sweep_dir) / "multirun.yaml"
+    try:
+        cfg = OmegaConf.load(p)
+        return cfg.logger.get("group") or sweep_group(cfg, Path(sweep_dir).resolve())
+    except Exception:  # noqa: BLE001 - no such file, or not a sweep's: the report's own name
+        return None
+
+
+def find_sweep_dir(sweep_dir=None, start: Path | None = None) -> Path:
+    """The notebook's SWEEP_DIR: None -> the newest multirun/<date>/<time> in `start` (the
+    cwd) or a parent; a relative path -> the first of start, its parents that has it
+    (Jupyter runs in notebooks/, a sweep prints its dir relative to where it ran)."""
+    start = Path(start or Path.cwd()).resolve()
+    here = (start, *start.parents)
+    if sweep_dir is None:
+        runs = [p for d in here for p in (d / "multirun").glob("*/*") if p.is_dir()]
+        if not runs:
+            raise FileNotFoundError(f"no multirun/<date>/<time> in {start} or a parent dir: "
+                                    "set SWEEP_DIR")
+        return max(runs, key=lambda p: p.stat().st_mtime)
+    p = Path(sweep_dir).expanduser()
+    found = p if p.is_absolute() else next((d / p for d in here if (d / p).is_dir()), None)
+    if found is None or not found.is_dir():
+        raise FileNotFoundError(f"SWEEP_DIR: no directory {sweep_dir}"
+                                + ("" if p.is_absolute() else f" in {start} or a parent dir"))
+    return found
+
+
+def notebook_table(sweep_dir=None, baseline: dict | None = None):
+    """(the sweep dir, its table) for notebooks/results.ipynb: baseline None = the sweep's
+    own (as its results.md); a dict = that one, an error where no finished row matches."""
+    from .sweep.table import build_table, collect, sweep_settings, sweep_table
+
+    d = find_sweep_dir(sweep_dir)
+    records = collect(d)
+    if not records:
+        raise FileNotFoundError(f"no job records (*/metrics.json) under {d}")
+    own, by = sweep_settings(d)
+    if baseline is None:
+        df, bad = sweep_table(records, own, by)
+        if bad:
+            print(f"{bad}: the default baseline instead")
+        return d, df
+    df = build_table(records, baseline, by, ("BASELINE", "sweep.baseline_by"))
+    if baseline and not df["baseline"].any():
+        want = " ".join(f"{k}={v}" for k, v in baseline.items())
+        raise KeyError(f"BASELINE {want}: no finished (status ok) row matches")
+    return d, df
+
+
 def _pairs(items: list[str]) -> dict | None:
+    from .sweep.table import _typed
+
     out = {}
     for item in items or []:
         if "=" not in item:
             raise SystemExit(f"error: --baseline: '{item}' is not key=value")
         k, v = item.split("=", 1)
-        out[k] = v
+        out[k] = _typed(v)  # as Hydra typed the swept value (1e-3 -> 0.001, true -> True)
     return out or None
 
 

@@ -47,6 +47,21 @@ MUON_ONLY = ("momentum", "nesterov", "ns_steps")
 ADDED_AT_DEFAULT = {("parallel", "prefetch"): 0}
 
 
+def row_key(rec: dict) -> tuple:
+    """What makes a row of a sweep table its own: the measured configuration and its free
+    labels (runs that differ only in `extra` are one configuration, two rows). A table's
+    `extra` is JSON text (sweep.table.flat)."""
+    extra = rec.get("extra")
+    if isinstance(extra, str):
+        try:
+            extra = json.loads(extra)
+        except ValueError:
+            pass
+    if not isinstance(extra, (dict, str)):  # none, or a table's NaN
+        extra = {}
+    return rec.get("config_hash"), json.dumps(extra, sort_keys=True, default=str)
+
+
 def config_hash(cfg_dict: dict) -> str:
     keep = {k: v for k, v in cfg_dict.items() if k not in HASH_EXCLUDE}
     optim = keep.get("optim")

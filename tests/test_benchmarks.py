@@ -141,3 +141,22 @@ def test_pad_multiple_benchmark_rows(tmp_path):
     assert [r["multiple"] for r in rows] == [1, 16] and "×" in stdout
     assert all(r["tokens_per_s"] > 0 and r["peak_mem_gib"] > 0 for r in rows)
     assert rows[0]["loss_last"] == rows[1]["loss_last"]
+
+
+def test_ab_runs_benchmark_rows(tmp_path):
+    """Variants interleaved as whole runs; eager runs repeat their losses bit for bit."""
+    out = tmp_path / "ab.json"
+    stdout = bench("ab_runs.py", "--rounds", "2", "--variant", "a:", "--variant",
+                   "ckpt:train.activation_checkpointing=full", "--json", str(out),
+                   "--", "train.steps=2", "train.warmup_steps=1", "logger=none")
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["a", "ckpt"] and "×" in stdout
+    assert all(r["runs"] + r["dropped"] == 2 and r["tokens_per_s"] > 0 for r in rows)
+    assert [r["distinct_losses"] for r in rows] == [1, 1]
+    assert rows[0]["loss_last"] == rows[1]["loss_last"]  # checkpointing changes no math
+
+
+def test_ab_runs_rejects_a_variant_without_a_name():
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab_runs.py"), "--variant",
+                        "precision=bf16", "--variant", "b:"], capture_output=True, text=True)
+    assert p.returncode != 0 and "NAME:override" in p.stderr

@@ -1,4 +1,6 @@
 """The model: forward/backward, dropless dispatch against a naive per-token reference."""
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -207,6 +209,17 @@ def test_auto_dispatch_on_cuda_takes_grouped_only_where_it_has_a_kernel(
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     assert moe.resolve_dispatch("auto", "cuda", dtype, sizes=(1024, 1152)) == want
     assert moe.resolve_dispatch("grouped", "cuda", dtype, sizes=(1024, 1152)) == "grouped"
+    # an explicit grouped runs as asked, with a warning where auto would not take it
+    from moe_exp.bench.runner import _resolve_dispatch
+
+    cfg = compose(["model.dispatch=grouped", "precision="
+                   + {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _resolve_dispatch(cfg, torch.device("cuda"))
+    assert cfg.model.dispatch == "grouped"
+    said = [str(w.message) for w in caught if "model.dispatch=grouped" in str(w.message)]
+    assert len(said) == (want == "loop") and all("auto picks loop" in m for m in said)
 
 
 def test_padded_fallback_with_unaligned_sizes_runs_the_loop():

@@ -200,3 +200,35 @@ def test_tf32_switch_keeps_legacy_and_new_flags_in_step():
     finally:
         torch.set_float32_matmul_precision(saved[0])
         torch.backends.cudnn.allow_tf32 = saved[1]
+
+
+@pytest.mark.slow
+def test_deterministic_makes_the_compiled_embedding_backward_repeat_eagers():
+    """hardware.deterministic reaches inductor: without it the compiled embedding backward
+    adds rows with atomics across threads (order, so bits, vary from call to call: compiled
+    bf16 runs ended at different losses); with it, every call gives eager's gradient."""
+    import torch.nn.functional as F
+
+    from moe_exp.hardware import setup_backends
+
+    cfg = compose(["hardware=cpu", "hardware.deterministic=true"])
+    torch.manual_seed(0)
+    w = torch.randn(64, 128, requires_grad=True)
+    idx = torch.randint(0, 64, (8, 1024))  # every row picked ~128 times
+    g = torch.randn(8, 1024, 128)
+    (ref,) = torch.autograd.grad(F.embedding(idx, w), w, g)
+    try:
+        setup_backends(cfg)
+        assert torch.are_deterministic_algorithms_enabled()
+        torch._dynamo.reset()
+        f = torch.compile(lambda w, idx: F.embedding(idx, w))
+        for _ in range(10):
+            (gw,) = torch.autograd.grad(f(w, idx), w, g)
+            assert torch.equal(gw, ref)
+    finally:
+        cfg.hardware.deterministic = False
+        setup_backends(cfg)  # and back: a later job in this process must not inherit it
+        torch._dynamo.reset()
+    import torch._inductor.config as inductor
+
+    assert not torch.are_deterministic_algorithms_enabled() and not inductor.deterministic

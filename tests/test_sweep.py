@@ -141,9 +141,9 @@ def _child_of(job_dir: Path, timeout=120):
     raise TimeoutError(f"no process for {job_dir}")
 
 
-def _sweep_in_background(d: Path, cases: str) -> subprocess.Popen:
+def _sweep_in_background(d: Path, cases: str, *args) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "moe_exp.run", "-m", CASES,
-                             f"hydra.sweep.dir={d}", cases, "logger=none"], cwd=d.parent,
+                             f"hydra.sweep.dir={d}", cases, "logger=none", *args], cwd=d.parent,
                             env={**os.environ, "PYTHONPATH": str(ROOT)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -177,6 +177,25 @@ def test_ctrl_c_stops_the_sweep_and_keeps_the_running_job_as_a_row(tmp_path):
     df = pd.read_csv(d / "results.csv")
     assert list(df["status"]) == ["ok", "crashed"]
     assert "interrupted" in df.loc[1, "error"] and df.loc[1, "config_hash"]
+
+
+def test_ctrl_c_in_an_in_process_sweep_keeps_the_runs_own_record(tmp_path):
+    """sweep.isolate=false: the run itself wrote what it did (its steps' losses, "at step N
+    of M"); the row is that record, not a blank "interrupted" one."""
+    d = tmp_path / "s"
+    proc = _sweep_in_background(d, "+case=fast,long", "sweep.isolate=false")
+    end = time.time() + 120
+    while not (d / "1").is_dir() and time.time() < end:
+        time.sleep(0.2)
+    time.sleep(6)  # into its steps
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    rec = json.loads((d / "1" / "metrics.json").read_text())
+    assert rec["status"] == "crashed" and " at step " in rec["error"], rec["error"]
+    assert len(rec["losses"]) > 0 and rec["job"] == 1
+    df = pd.read_csv(d / "results.csv")
+    assert list(df["status"]) == ["ok", "crashed"] and " at step " in df.loc[1, "error"]
 
 
 def test_repeats_report_median_and_spread(tmp_path):
@@ -232,7 +251,7 @@ def test_compare_flags_planted_regression_and_passes_unchanged(swept, tmp_path):
     r = run_compare(d, other)
     assert r.returncode == 2 and "REGRESSION" not in r.stdout
     assert r.stderr.strip() == ("error: no configuration appears in both tables (matched by "
-                                "config_hash; BASE has 4, NEW 4)")
+                                "config_hash and extra; BASE has 4, NEW 4)")
 
 
 def run_compare(*args):
@@ -411,7 +430,7 @@ def test_sweep_checks_fail_before_any_job(tmp_path):
     """One line and exit 2, no job run: a sweep dir that holds another sweep's records (its
     rows would mix into this table), a baseline key or swept value no row can have (found
     only at the end before), a value the key does not allow, a bad sweep.* setting (a row
-    per job before)."""
+    per job before), a swept sweep.* key, a sweep whose every job is invalid."""
     used = tmp_path / "used"
     (used / "0").mkdir(parents=True)
     (used / "0" / "metrics.json").write_text("{}")
@@ -426,7 +445,14 @@ def test_sweep_checks_fail_before_any_job(tmp_path):
             (tmp_path / "e", ["+case=fp32", "train.activation_checkpointing=none,full",
                               "sweep.repeats=0"], "sweep.repeats: must be >= 1, got 0"),
             (tmp_path / "f", ["+case=fp32,bf16", "sweep.job_timeout_s=-1"],
-             "sweep.job_timeout_s: must be > 0 seconds or null, got -1")]:
+             "sweep.job_timeout_s: must be > 0 seconds or null, got -1"),
+            (tmp_path / "h", ["+case=fp32", "+train.stepz=1,2"],  # (two invalid rows before)
+             "train.stepz: no such key in train"),
+            (tmp_path / "i", ["+case=fp32,bf16", "train.steps=-1"],
+             "train.steps: must be >= 1, got -1 (every job of the sweep is invalid)"),
+            (tmp_path / "g", ["+case=fp32", "sweep.repeats=1,2"],  # (one row before)
+             "sweep.repeats: a setting of the sweep or its logging, not of what a job "
+             "measures: give it one value (got 1, 2)")]:
         r = sweep(d, *args, "logger=none")
         assert r.returncode == 2, r.stderr[-3000:]
         assert r.stderr.strip().startswith(f"error: {line}") and len(r.stderr.strip().splitlines()) == 1

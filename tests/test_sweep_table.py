@@ -217,8 +217,8 @@ def test_presets_compose_and_count_jobs():
                     "params": OmegaConf.load(
                         CONF / "sweep" / "optimizations.yaml").hydra.sweeper.params},
         "overrides": {"task": ["+sweep=optimizations", "model=small_moe,tiny_moe"]}}})
-    n, varying = plan(hydra_cfg)
-    assert n == 5 * 3 * 2 * 2
+    jobs, varying = plan(hydra_cfg)
+    assert len(jobs) == 5 * 3 * 2 * 2 and "model=tiny_moe" in jobs[-1]
     assert set(varying) == {"precision", "train.activation_checkpointing", "train.compile",
                             "model"}
 
@@ -371,8 +371,8 @@ def test_set_aside_moves_another_configurations_repeats(tmp_path):
     (job / "rep0").mkdir(parents=True)
     (job / "rep0" / "metrics.json").write_text(json.dumps({"config_hash": "old", "status": "ok"}))
     (job / "run.log").write_text("old log\n")
-    assert set_aside(job, "old") is None  # the same configuration: left for resume
-    dest = set_aside(job, "new")
+    assert set_aside(job, ("old", "{}")) is None  # the same configuration: left for resume
+    dest = set_aside(job, ("new", "{}"))
     assert dest == tmp_path / "0-old"
     assert json.loads((dest / "rep0" / "metrics.json").read_text())["config_hash"] == "old"
     assert (dest / "run.log").read_text() == "old log\n" and (job / "run.log").read_text() == ""
@@ -393,3 +393,102 @@ def test_sweep_settings_read_as_the_sweep_had_them(tmp_path):
     with pytest.raises(ValueError, match="cannot read its sweep settings") as e:
         sweep_settings(tmp_path)
     assert "\n" not in str(e.value)  # one error line
+
+
+def _write_jobs(d, records):
+    import json
+
+    for i, r in enumerate(records):
+        (d / str(i)).mkdir(parents=True)
+        (d / str(i) / "metrics.json").write_text(json.dumps({**r, "job": i}))
+
+
+def test_rows_differing_only_in_extra_labels_stay_two_rows(tmp_path):
+    """extra.* is left out of config_hash (free labels); a sweep over it used to keep one
+    row (collect deduplicated by hash) and a resume matched either record to both jobs."""
+    from moe_exp.results import row_key
+    from moe_exp.sweep.job import finished_records
+    from moe_exp.sweep.table import collect
+
+    a, b = rec(0, 1.0, 1.0, extra={"tag": "a"}), rec(1, 2.0, 1.0, extra={"tag": "b"})
+    b["config_hash"] = a["config_hash"]
+    _write_jobs(tmp_path, [a, b, {**b, "job": 2}])  # a resume's copy of b: still one row
+    assert [r["extra"]["tag"] for r in collect(tmp_path)] == ["a", "b"]
+    found = finished_records(tmp_path, row_key(b), tmp_path / "1")
+    assert [p.parent.name for p, _ in found] == ["1", "2"]
+    # a table's extra is JSON text: the same key
+    assert row_key({**b, "extra": '{"tag": "b"}'}) == row_key(b) != row_key(a)
+
+
+def test_seed_memory_table_with_null_peak_says_dash_not_nan():
+    """An in-process sweep's later CPU rows are ok with a null peak (NaN in the table)."""
+    from moe_exp.sweep.seed import seed_tables
+
+    rows = [rec(0, 100.0, None, extra={"seed_row": "baseline"}, params_total=10**6),
+            rec(1, 120.0, 1.0, extra={"seed_row": "mem_checkpointing"}, params_total=10**6)]
+    md = seed_tables(build_table(rows))
+    assert "nan" not in md
+    assert "| Baseline | 0.004 GiB | — | — |" in md
+    assert "| + Gradient Checkpointing | 0.004 GiB | 1.000 GiB | - |" in md  # no base to save on
+
+
+def test_notebook_table_finds_relative_dirs_and_rejects_what_matches_nothing(tmp_path,
+                                                                              monkeypatch):
+    from moe_exp.report import find_sweep_dir, notebook_table
+
+    sweep = tmp_path / "multirun" / "2026-01-01" / "10-00-00"
+    _write_jobs(sweep, [rec(0, 1.0, 1.0), rec(1, 2.0, 1.0, precision="bf16")])
+    (tmp_path / "notebooks").mkdir()
+    monkeypatch.chdir(tmp_path / "notebooks")  # where Jupyter starts
+    rel = "multirun/2026-01-01/10-00-00"  # as the sweep printed it
+    assert find_sweep_dir(rel) == sweep.resolve() == find_sweep_dir(None)
+    d, df = notebook_table(rel, {"precision": "bf16"})
+    assert d == sweep.resolve() and list(df["baseline"]) == [False, True]
+    with pytest.raises(FileNotFoundError, match="SWEEP_DIR: no directory multirun/typo"):
+        find_sweep_dir("multirun/typo")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no job records"):
+        notebook_table(tmp_path / "empty")
+    with pytest.raises(KeyError, match="BASELINE precision=fp8: no finished"):
+        notebook_table(rel, {"precision": "fp8"})
+
+
+def test_report_baseline_values_are_typed_as_hydra_typed_the_sweep():
+    from moe_exp.report import _pairs
+
+    assert _pairs(["optim.lr=1e-3", "data.pin_memory=false", "precision=bf16"]) == \
+        {"optim.lr": 0.001, "data.pin_memory": False, "precision": "bf16"}
+
+
+def test_compare_reads_csv_hashes_as_text_and_compares_bus_bandwidth(tmp_path, capsys):
+    """A hash of digits (or digits and one e) read back from CSV stays the hash; task=comm
+    tables compare their bus bandwidth (they have no tokens/s)."""
+    import pandas as pd
+
+    from moe_exp.compare import compare, load
+
+    base = pd.DataFrame([{"config_hash": "0123456e7890", "status": "ok", "tokens_per_s": None,
+                          "peak_mem_gib": None, "busbw_gbps_all_reduce": 10.0},
+                         {"config_hash": "123456789012", "status": "ok", "tokens_per_s": None,
+                          "peak_mem_gib": None, "busbw_gbps_all_reduce": 10.0}])
+    new = base.assign(busbw_gbps_all_reduce=[9.9, 5.0])
+    for df, name in ((base, "base.csv"), (new, "new.csv")):
+        df.to_csv(tmp_path / name, index=False)
+    b, n = load(tmp_path / "base.csv"), load(tmp_path / "new.csv")
+    assert list(b["config_hash"]) == ["0123456e7890", "123456789012"]
+    entries, only = compare(b, n, 5.0)
+    assert not only and [bool(e["regressions"]) for e in entries] == [False, True]
+    assert "all_reduce GB/s -50.0%" in entries[1]["regressions"][0]
+
+
+def test_report_wandb_group_is_the_sweeps_own(tmp_path):
+    """`report --wandb` logs its summary beside the sweep's runs (it was `report-<dir>`)."""
+    from moe_exp.report import own_group
+
+    d = tmp_path / "2026-01-01" / "10-00-00"
+    d.mkdir(parents=True)
+    assert own_group(d) is None  # not a sweep's dir: report names its own group
+    (d / "multirun.yaml").write_text("sweep: {name: optimizations}\nlogger: {group: null}\n")
+    assert own_group(d) == "optimizations-2026-01-01_10-00-00"
+    (d / "multirun.yaml").write_text("sweep: {name: null}\nlogger: {group: mine}\n")
+    assert own_group(d) == "mine"

@@ -5,6 +5,7 @@ import math
 import signal
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -26,15 +27,20 @@ def _tags(choices: dict, cfg) -> list[str]:
 
 
 def _resolve_dispatch(cfg, device: torch.device) -> None:
-    from ..model.moe import resolve_dispatch
+    from ..model.moe import grouped_fast, resolve_dispatch
     from ..optimizations.precision import DTYPES
 
     m = cfg.model
+    dtype = DTYPES.get(cfg.precision.autocast_dtype, torch.float32)
     if m.dispatch == "auto":
-        dtype = DTYPES.get(cfg.precision.autocast_dtype, torch.float32)
         m.dispatch = resolve_dispatch("auto", device, dtype, cfg.train.compile != "off",
                                       (m.hidden_size, m.ffn_hidden_size)) \
             if m.num_experts else "loop"
+    elif m.dispatch == "grouped" and m.num_experts and not grouped_fast(device, dtype):
+        warnings.warn(f"model.dispatch=grouped at precision={cfg.precision.name}: torch's "
+                      "grouped_mm has no kernel for it on this GPU and runs its fallback (a "
+                      "host sync and a matmul per expert, 9 per MoE layer and step); "
+                      "model.dispatch=auto picks loop here", stacklevel=2)
 
 
 def shared_process(rec: dict, device: str) -> None:

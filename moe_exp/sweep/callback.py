@@ -21,10 +21,10 @@ def _fmt_s(s: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
-def plan(config: DictConfig) -> tuple[int | None, dict]:
-    """(number of jobs, {key that varies: its values as written, quotes kept}) for the basic
-    sweeper; (None, {}) if unknown. A key swept twice (preset and command line): the command
-    line's values."""
+def plan(config: DictConfig) -> tuple[list[list[str]] | None, dict]:
+    """(each job's overrides, {key that varies: its values as written, quotes kept}) for the
+    basic sweeper; (None, {}) if unknown. A key swept twice (preset and command line): the
+    command line's values."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -38,7 +38,7 @@ def plan(config: DictConfig) -> tuple[int | None, dict]:
         return None, {}
     varying = {o.get_key_element(): list(o.sweep_string_iterator())  # as written: '1e-3'
                for o in parsed if o.is_sweep_override()}  # stays quoted (a string)
-    return len(jobs), varying
+    return jobs, varying
 
 
 class SweepCallback(Callback):
@@ -54,12 +54,16 @@ class SweepCallback(Callback):
         global NO_JOB_OK
         NO_JOB_OK = False
         self.active = True
-        self.total, swept = plan(config)
+        jobs, swept = plan(config)
+        self.total = len(jobs) if jobs is not None else None
         self.varying = list(swept)
-        from .checks import SweepError, check_sweep, claim_dir
+        from .checks import SweepError, check_some_job_runs, check_sweep, claim_dir
 
+        launcher = str(config.hydra.launcher.get("_target_", ""))
         try:  # before any job
             check_sweep(config, swept)
+            if jobs and "submitit" not in launcher:  # (submitit: jobs resolve their hardware
+                check_some_job_runs(config, jobs)  # where they run)
             self.lock = claim_dir(Path(config.hydra.sweep.dir))
         except SweepError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
@@ -67,7 +71,6 @@ class SweepCallback(Callback):
         self.t0 = time.time()
         n = f"{self.total} jobs" if self.total else "jobs"
         print(f"[sweep] {n} -> {config.hydra.sweep.dir}", flush=True)
-        launcher = str(config.hydra.launcher.get("_target_", ""))
         if "submitit" in launcher:  # jobs run elsewhere: their callbacks too
             print("[sweep] submitit launcher: each job's progress is in its own log "
                   "(hydra.launcher.submitit_folder); the table is updated as jobs finish",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 
 class SweepError(Exception):
@@ -23,8 +23,34 @@ def check_sweep(config: DictConfig, params: dict) -> None:
     except ConfigError as e:
         raise SweepError(str(e)) from None
     check_dir(config)
+    check_measured(params)
     check_values(params)
     check_baseline(config, params)
+
+
+def check_some_job_runs(config: DictConfig, jobs: list[list[str]]) -> None:
+    """Every job invalid (a `+` key no group has, a value every combination rejects): one
+    line, the first job's error, before any work. Jobs are composed and validated in order
+    until one is not invalid (usually the first). Invalid combinations among valid ones are
+    rows (README: Nothing lost)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from ..run import prepare
+
+    loader = GlobalHydra.instance().hydra.config_loader  # as the launcher composes a job
+    first = None
+    for overrides in jobs:
+        try:
+            cfg = loader.load_sweep_config(config, list(overrides))
+        except Exception:  # noqa: BLE001 - Hydra reports it at this job, as it would have
+            return
+        with open_dict(cfg):  # (a job's config: Hydra's own node left out)
+            del cfg["hydra"]
+        _, rec = prepare(cfg, [o for o in overrides if not o.startswith("hydra.")])
+        if rec is None or rec["status"] != "invalid":
+            return
+        first = first or rec["error"]
+    raise SweepError(f"{first} (every job of the sweep is invalid)")
 
 
 def check_dir(config: DictConfig) -> None:
@@ -63,6 +89,16 @@ def claim_dir(d: Path):
     f.write(f"pid {os.getpid()} on {socket.gethostname()}")
     f.flush()
     return f
+
+
+def check_measured(params: dict) -> None:
+    """A swept key must change what is measured or label it (`extra.*`): sweep.* and logger
+    settings are left out of the config hash, so their values would give one row."""
+    for key, values in params.items():
+        k = key.lstrip("+")
+        if k.split(".")[0] in ("sweep", "logger") and len(values) > 1:
+            raise SweepError(f"{k}: a setting of the sweep or its logging, not of what a job "
+                             f"measures: give it one value (got {', '.join(values)})")
 
 
 def check_values(params: dict) -> None:

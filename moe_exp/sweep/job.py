@@ -16,13 +16,14 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from collections import deque
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from ..results import config_hash, failed_record, write_json_atomic
+from ..results import config_hash, failed_record, row_key, write_json_atomic
 from .table import DONE, combine, read_record
 
 
@@ -61,20 +62,23 @@ def _run_job(cfg, job_dir: Path, sweep_dir: Path, overrides, choices, num: int) 
 
     s = cfg.sweep
     cfg, rec = prepare(cfg, overrides)
-    set_aside(job_dir, rec["config_hash"] if rec is not None else config_hash(_container(cfg)))
+    set_aside(job_dir, row_key(rec if rec is not None else _key_record(_container(cfg))))
     if rec is not None:  # invalid or skipped: no process started
         print(f"[sweep] job #{num}: {rec['status']}: {rec['error']}", file=sys.stderr)
         log_record(rec)
         return rec
     cfg_dict = _container(cfg)
+    t0 = time.time()
     try:
         return _repeats(cfg, cfg_dict, job_dir, sweep_dir, overrides, choices, num)
     except KeyboardInterrupt:  # Ctrl-C: the sweep stops; this job is a row that says so
         from .callback import update_table
 
-        rec = failed_record(cfg_dict, overrides, "crashed",
-                            "interrupted (Ctrl-C): the sweep stopped during this job",
-                            "not measured: interrupted")
+        # the run's own record where it wrote one (in this process: the steps it did)
+        rec = _interrupted_record(job_dir, t0) or failed_record(
+            cfg_dict, overrides, "crashed",
+            "interrupted (Ctrl-C): the sweep stopped during this job",
+            "not measured: interrupted")
         rec["job"] = num
         write_json_atomic(job_dir / "metrics.json", rec)
         update_table(sweep_dir, s)
@@ -87,14 +91,16 @@ def _repeats(cfg, cfg_dict: dict, job_dir: Path, sweep_dir: Path, overrides, cho
     from ..run import log_record
 
     s = cfg.sweep
-    pool = finished_records(sweep_dir, config_hash(cfg_dict), job_dir) if s.resume else []
+    pool = finished_records(sweep_dir, row_key(_key_record(cfg_dict)), job_dir) \
+        if s.resume else []
     reps = []
     for i in range(s.repeats):
         rdir = job_dir / f"rep{i}" if s.repeats > 1 else job_dir
         if pool:
             path, prev = pool.pop(0)
             if path != rdir / "metrics.json":
-                write_json_atomic(rdir / "metrics.json", {**prev, "resumed_from": str(path)})
+                prev = {**prev, "resumed_from": str(path)}
+                write_json_atomic(rdir / "metrics.json", prev)
             print(f"[sweep] job #{num}: already done ({prev['status']}, {path}); skipped by "
                   "sweep.resume", file=sys.stderr)
             reps.append(prev)
@@ -123,14 +129,30 @@ def _repeats(cfg, cfg_dict: dict, job_dir: Path, sweep_dir: Path, overrides, cho
 _RUNS_HERE = 0  # runs of an in-process sweep (sweep.isolate=false) made by this process
 
 
-def set_aside(job_dir: Path, h: str) -> Path | None:
+def _interrupted_record(job_dir: Path, since: float) -> dict | None:
+    """The newest record a run of this job wrote on Ctrl-C (crashed: interrupted ...) after
+    `since`."""
+    found = [(p.stat().st_mtime, r) for p in [job_dir / "metrics.json",
+                                              *job_dir.glob("rep*/metrics.json")]
+             if p.is_file() and p.stat().st_mtime >= since
+             and (r := read_record(p)) is not None and r.get("status") == "crashed"
+             and "interrupted" in str(r.get("error"))]
+    return max(found, key=lambda x: x[0])[1] if found else None
+
+
+def _key_record(cfg_dict: dict) -> dict:
+    """The parts of a record row_key reads, from a job's config."""
+    return {"config_hash": config_hash(cfg_dict), "extra": dict(cfg_dict.get("extra") or {})}
+
+
+def set_aside(job_dir: Path, key: tuple) -> Path | None:
     """A resumed sweep numbers its jobs anew: with other values, job_dir may hold another
     configuration's records. They move to <num>-<their config hash> beside it (the table
     and a later resume still find them; the job-level record last, so a move cut short is
     found and finished next time) before this job writes; returns where to."""
     prev = next((r for p in [job_dir / "metrics.json", *sorted(job_dir.glob("rep*/metrics.json"))]
                  if (r := read_record(p)) is not None), None)
-    if prev is None or prev.get("config_hash") == h:
+    if prev is None or row_key(prev) == key:
         return None
     base = f"{job_dir.name}-{prev.get('config_hash') or 'other'}"
     dest, i = job_dir.parent / base, 2
@@ -153,13 +175,14 @@ def set_aside(job_dir: Path, h: str) -> Path | None:
     return dest
 
 
-def finished_records(sweep_dir: Path, h: str, job_dir: Path) -> list[tuple[Path, dict]]:
-    """Per-run records with config hash h and a finished status, this job's own first."""
+def finished_records(sweep_dir: Path, key: tuple, job_dir: Path) -> list[tuple[Path, dict]]:
+    """Per-run records of this row (results.row_key) with a finished status, this job's own
+    first."""
     found = []
     for p in sorted(Path(sweep_dir).glob("*/metrics.json")) + \
             sorted(Path(sweep_dir).glob("*/rep*/metrics.json")):
         rec = read_record(p)
-        if rec and rec.get("config_hash") == h and rec.get("status") in DONE \
+        if rec and row_key(rec) == key and rec.get("status") in DONE \
                 and not rec.get("combined"):
             found.append((p, rec))
     found.sort(key=lambda pr: job_dir not in pr[0].parents)

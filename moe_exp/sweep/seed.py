@@ -89,11 +89,13 @@ def seed_tables(df) -> str:
         rows = []
         for key, label, claim in MEMORY_ROWS:
             r = at.get((key, m))
-            ok = r is not None and r["status"] == "ok" and r["peak_mem_gib"] is not None
+            # (a table's missing value is NaN: e.g. CPU peak memory in an in-process sweep)
+            ok = r is not None and r["status"] == "ok" and pd.notna(r["peak_mem_gib"])
             saved = "-"
-            if ok and key != "baseline" and base is not None and base["status"] == "ok":
+            if ok and key != "baseline" and base is not None and base["status"] == "ok" \
+                    and pd.notna(base["peak_mem_gib"]):
                 saved = f"{100 * (1 - r['peak_mem_gib'] / base['peak_mem_gib']):.0f}%"
-            rows.append([label, weights, _cell(r, f"{r['peak_mem_gib']:.3f} GiB" if ok else ""),
+            rows.append([label, weights, _cell(r, f"{r['peak_mem_gib']:.3f} GiB" if ok else "—"),
                          saved if ok else "—", claim])
         out += [f"**{size(m)}**", "",
                 _md(["Optimization", "Model Size (fp32 weights)", "Peak Memory", "Memory Saved",

@@ -41,13 +41,16 @@ def job_dirs(sweep_dir: Path) -> list[Path]:
 
 
 def collect(sweep_dir: Path) -> list[dict]:
-    """Job-level records, in job order; one per configuration (resume may copy a record)."""
+    """Job-level records, in job order; one per row (configuration and labels: resume may
+    copy a record, see results.row_key)."""
+    from ..results import row_key
+
     out, seen = [], set()
     for d in job_dirs(sweep_dir):
         rec = read_record(d / "metrics.json")
-        if rec is None or rec.get("config_hash") in seen:
+        if rec is None or row_key(rec) in seen:
             continue
-        seen.add(rec.get("config_hash"))
+        seen.add(row_key(rec))
         rec.setdefault("job", int(d.name) if d.name.isdigit() else d.name)
         out.append(rec)
     return out
