@@ -418,12 +418,13 @@ def test_submitit_launcher_sweep_counts_and_tables(tmp_path):
 
 
 def test_sweep_with_no_finished_job_says_so_and_exits_1(tmp_path):
+    """Jobs that ran but none finished ok (a sweep of invalid jobs only fails up front)."""
     d = tmp_path / "s"
-    r = sweep(d, "+case=invalid", "logger=none")
+    r = sweep(d, "+case=diverge", "logger=none")
     assert r.returncode == 1, r.stderr[-3000:]
-    assert "[sweep] done: 1 jobs" in r.stdout and ": 1 invalid" in r.stdout
+    assert "[sweep] done: 1 jobs" in r.stdout and ": 1 diverged" in r.stdout
     assert "no job finished ok" in r.stderr
-    assert list(pd.read_csv(d / "results.csv")["status"]) == ["invalid"]
+    assert list(pd.read_csv(d / "results.csv")["status"]) == ["diverged"]
 
 
 def test_sweep_checks_fail_before_any_job(tmp_path):
