@@ -3,7 +3,7 @@
     python -m moe_exp.compare BASE NEW [--threshold 5]
 
 BASE and NEW are sweep dirs or results.csv/.parquet files; rows are matched by config hash
-and `extra` labels. Exit 1 when a configuration's tokens/s (task=comm: a collective's bus
+and `extra` labels (by the hash alone where it is one row on each side). Exit 1 when a configuration's tokens/s (task=comm: a collective's bus
 bandwidth) fell, or its peak memory grew, by more than the threshold percent plus the
 noise its repeats measured (half the min-max range of each side), when a run that was ok
 is no longer ok (or no longer measures one of them), or when an ok configuration is
@@ -83,9 +83,10 @@ def compare(base, new, threshold: float = 5.0) -> tuple[list[dict], list[str]]:
                 if c.startswith("busbw_gbps_") and not c.endswith(("_min", "_max"))
                 and c in new.columns]
     out = []
-    for h in [h for h in b_rows if h in n_rows]:
-        b, n = b_rows[h], n_rows[h]
-        e = {"config": n.get("label") or h[0], "base_status": b["status"],
+    pairs = _pairs(list(b_rows), list(n_rows))
+    for kb, kn in pairs:
+        b, n = b_rows[kb], n_rows[kn]
+        e = {"config": n.get("label") or kn[0], "base_status": b["status"],
              "new_status": n["status"], "regressions": []}
         for key, worse, name in metrics:
             bv, nv = _val(b, key), _val(n, key)
@@ -101,11 +102,26 @@ def compare(base, new, threshold: float = 5.0) -> tuple[list[dict], list[str]]:
         if b["status"] == "ok" and n["status"] != "ok":
             e["regressions"].append(f"status ok -> {n['status']}: {n.get('error')}")
         out.append(e)
+    paired_b, paired_n = {kb for kb, _ in pairs}, {kn for _, kn in pairs}
     only = [("REGRESSION: ok in BASE, absent from NEW: " if r["status"] == "ok" else
              "only in BASE: ") + str(r.get("label") or h[0])
-            for h, r in b_rows.items() if h not in n_rows]
-    only += [f"only in NEW: {r.get('label') or h[0]}" for h, r in n_rows.items() if h not in b_rows]
+            for h, r in b_rows.items() if h not in paired_b]
+    only += [f"only in NEW: {r.get('label') or h[0]}" for h, r in n_rows.items()
+             if h not in paired_n]
     return out, only
+
+
+def _pairs(base: list[tuple], new: list[tuple]) -> list[tuple]:
+    """Rows matched by (config_hash, extra); then, of those left, by config_hash where it is
+    one row on each side (labels changed between the runs: +extra.note=before / after)."""
+    pairs = [(k, k) for k in base if k in new]
+    left_b, left_n = [k for k in base if k not in new], [k for k in new if k not in base]
+    for kb in left_b:
+        same_b = [k for k in left_b if k[0] == kb[0]]
+        same_n = [k for k in left_n if k[0] == kb[0]]
+        if len(same_b) == len(same_n) == 1:
+            pairs.append((kb, same_n[0]))
+    return pairs
 
 
 def _pct(e, key):

@@ -21,6 +21,14 @@ def group_options(group: str) -> List[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
+def override_texts(node) -> List[str]:
+    """Hydra's overrides (hydra.overrides.task) as written: a `${...}` in one is the value's,
+    for the job to resolve, not resolved (and maybe failing) where the list is read."""
+    from omegaconf import OmegaConf
+
+    return [str(o) for o in OmegaConf.to_container(node, resolve=False)]
+
+
 def default_choices() -> Dict[str, str]:
     """{group: option} of run.yaml's defaults list: the groups every run has."""
     from omegaconf import OmegaConf

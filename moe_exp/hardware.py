@@ -80,9 +80,17 @@ def resolve(cfg) -> None:
         hw.memory_gib = device_memory_gib(hw.device)
 
 
-def env_for(env) -> dict:
-    """hardware.env's variables that the environment does not set already (it wins)."""
-    return {k: str(v) for k, v in (env or {}).items() if k not in os.environ}
+# cuBLAS is deterministic only with a fixed workspace, read when cuBLAS starts in a process
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def env_for(hw) -> dict:
+    """The run's variables that the environment does not set already (it wins):
+    hardware.env, and with hardware.deterministic on CUDA, DETERMINISTIC_ENV."""
+    env = dict(hw.get("env") or {})
+    if hw.get("deterministic") and hw.get("device") == "cuda":
+        env = {**DETERMINISTIC_ENV, **env}
+    return {k: str(v) for k, v in env.items() if k not in os.environ}
 
 
 @contextlib.contextmanager
@@ -91,7 +99,7 @@ def hardware_env(hw):
     in-process sweep's next job does not. Variables read when a library is imported
     (OMP_NUM_THREADS by torch) act only in processes started with them: sweep jobs in their
     own process (sweep.isolate=true) and the ranks."""
-    added = env_for(hw.env)
+    added = env_for(hw)
     os.environ.update(added)
     try:
         yield
@@ -160,16 +168,15 @@ def setup_backends(cfg) -> None:
     det = bool(cfg.hardware.deterministic)
     if cfg.hardware.device == "cuda":
         torch.backends.cudnn.benchmark = cfg.hardware.cudnn_benchmark and not det
-        if det:  # cuBLAS is deterministic only with a fixed workspace (read at first matmul)
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    set_deterministic(det)
+    set_deterministic(det)  # (and DETERMINISTIC_ENV: see env_for)
 
 
 def set_deterministic(on: bool) -> None:
-    """hardware.deterministic: torch's deterministic algorithms (ops that have none warn),
-    also where torch.compile lowers (inductor then falls back to eager's index_put instead
-    of its atomic adds, e.g. in the embedding's backward, and picks kernels without timing
-    them). Set both ways: a job in a shared process must not inherit the last one's."""
+    """hardware.deterministic: torch's deterministic algorithms (ops that have none warn;
+    inductor reads them when it lowers: eager's index_put instead of its atomic adds, e.g.
+    in the embedding's backward), and inductor's own deterministic mode (kernels picked
+    without timing them). Set both ways: a job in a shared process must not inherit the
+    last one's."""
     torch.use_deterministic_algorithms(on, warn_only=True)
     inductor = sys.modules.get("torch._inductor.config")
     if on and inductor is None:

@@ -75,7 +75,12 @@ def own_group(sweep_dir: Path) -> str | None:
     p = Path(sweep_dir) / "multirun.yaml"
     try:
         cfg = OmegaConf.load(p)
-        return cfg.logger.get("group") or sweep_group(cfg, Path(sweep_dir).resolve())
+        # the dir as the sweep named it (its jobs' group came from that); an interpolation
+        # (the default multirun/${now:...}): this dir's own <date>/<time>
+        raw = OmegaConf.to_container(cfg, resolve=False).get("hydra", {}).get("sweep", {}) \
+            .get("dir")
+        d = Path(raw) if isinstance(raw, str) and "${" not in raw else Path(sweep_dir).resolve()
+        return cfg.logger.get("group") or sweep_group(cfg, d)
     except Exception:  # noqa: BLE001 - no such file, or not a sweep's: the report's own name
         return None
 

@@ -13,6 +13,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from . import config as _config  # noqa: F401  (registers the schemas)
+from .config import override_texts
 from .hardware import ConfigError
 from .results import failed_record, new_record, write_json_atomic
 
@@ -28,7 +29,7 @@ def _hydra_info() -> tuple[Path | None, list[str], dict, bool]:
         return None, [], {}, False
     hc = HydraConfig.get()
     choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")}
-    return (Path(hc.runtime.output_dir), list(hc.overrides.task), choices,
+    return (Path(hc.runtime.output_dir), override_texts(hc.overrides.task), choices,
             hc.mode == RunMode.MULTIRUN)
 
 

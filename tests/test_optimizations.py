@@ -1,6 +1,7 @@
 """Optimizations applied from outside: grad accumulation, compile."""
 import contextlib
 import json
+import os
 
 import pytest
 import torch
@@ -219,7 +220,9 @@ def test_deterministic_makes_the_compiled_embedding_backward_repeat_eagers():
     (ref,) = torch.autograd.grad(F.embedding(idx, w), w, g)
     try:
         setup_backends(cfg)
-        assert torch.are_deterministic_algorithms_enabled()
+        import torch._inductor.config as inductor
+
+        assert torch.are_deterministic_algorithms_enabled() and inductor.deterministic
         torch._dynamo.reset()
         f = torch.compile(lambda w, idx: F.embedding(idx, w))
         for _ in range(10):
@@ -229,6 +232,21 @@ def test_deterministic_makes_the_compiled_embedding_backward_repeat_eagers():
         cfg.hardware.deterministic = False
         setup_backends(cfg)  # and back: a later job in this process must not inherit it
         torch._dynamo.reset()
-    import torch._inductor.config as inductor
-
     assert not torch.are_deterministic_algorithms_enabled() and not inductor.deterministic
+
+
+def test_deterministic_cuda_runs_get_a_fixed_cublas_workspace(monkeypatch):
+    """Set for the run and its ranks (hardware_env, a sweep job's process), not left behind;
+    the shell's own value wins."""
+    from moe_exp.hardware import env_for, hardware_env
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    gpu = {"device": "cuda", "deterministic": True, "env": {"A_B": 1}}
+    assert env_for(gpu) == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "A_B": "1"}
+    assert env_for({**gpu, "deterministic": False}) == env_for({**gpu, "device": "cpu"}) \
+        == {"A_B": "1"}
+    with hardware_env(compose(["hardware.device=cuda", "hardware.deterministic=true"]).hardware):
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    assert "CUBLAS_WORKSPACE_CONFIG" not in env_for(gpu)

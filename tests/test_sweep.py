@@ -187,7 +187,7 @@ def test_ctrl_c_in_an_in_process_sweep_keeps_the_runs_own_record(tmp_path):
     end = time.time() + 120
     while not (d / "1").is_dir() and time.time() < end:
         time.sleep(0.2)
-    time.sleep(6)  # into its steps
+    time.sleep(10)  # into its steps (job 0 and job 1's start take about 5 s)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err[-3000:]
@@ -458,6 +458,17 @@ def test_sweep_checks_fail_before_any_job(tmp_path):
         assert r.returncode == 2, r.stderr[-3000:]
         assert r.stderr.strip().startswith(f"error: {line}") and len(r.stderr.strip().splitlines()) == 1
         assert len(list(d.glob("*/metrics.json"))) == (1 if d == used else 0)
+
+
+def test_a_job_check_that_raises_leaves_the_sweep_to_its_jobs(tmp_path):
+    """An error in composing or checking a job up front is the job's to report (as before
+    the check): the callback goes on and still locks the sweep dir."""
+    d = tmp_path / "s"
+    r = sweep(d, "+case=fp32", "train.steps=${oc.env:NOPE_NOT_SET}",
+              "train.micro_batch_size=1,2", "logger=none")
+    assert "on_multirun_start raised" not in r.stderr, r.stderr[-3000:]
+    assert (d / ".sweep.lock").is_file() and "[sweep] 2 jobs" in r.stdout
+    assert r.returncode == 1 and len(list(d.glob("*/metrics.json"))) == 2
 
 
 def test_second_sweep_into_a_running_sweeps_dir_fails_before_any_job(tmp_path):

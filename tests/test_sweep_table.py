@@ -479,6 +479,14 @@ def test_compare_reads_csv_hashes_as_text_and_compares_bus_bandwidth(tmp_path, c
     entries, only = compare(b, n, 5.0)
     assert not only and [bool(e["regressions"]) for e in entries] == [False, True]
     assert "all_reduce GB/s -50.0%" in entries[1]["regressions"][0]
+    # relabelled between the runs (+extra.note=before / after): still matched by the hash
+    before, after = b.assign(extra='{"note": "before"}'), n.assign(extra='{"note": "after"}')
+    entries, only = compare(before, after, 5.0)
+    assert len(entries) == 2 and not only
+    # two rows per hash told apart only by labels: matched by labels, never across them
+    two = pd.concat([b.iloc[:1].assign(extra='{"t": "a"}'), b.iloc[:1].assign(extra='{"t": "b"}')])
+    entries, only = compare(two, two.iloc[:1], 5.0)
+    assert len(entries) == 1 and only == ["REGRESSION: ok in BASE, absent from NEW: 0123456e7890"]
 
 
 def test_report_wandb_group_is_the_sweeps_own(tmp_path):
@@ -492,3 +500,7 @@ def test_report_wandb_group_is_the_sweeps_own(tmp_path):
     assert own_group(d) == "optimizations-2026-01-01_10-00-00"
     (d / "multirun.yaml").write_text("sweep: {name: null}\nlogger: {group: mine}\n")
     assert own_group(d) == "mine"
+    # the dir as the sweep named it (hydra.sweep.dir=runs/s): its jobs' group
+    (d / "multirun.yaml").write_text("hydra: {sweep: {dir: runs/s}}\nsweep: {name: null}\n"
+                                     "logger: {group: null}\n")
+    assert own_group(d) == "sweep-runs_s"

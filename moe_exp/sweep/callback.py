@@ -11,6 +11,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from ..config import override_texts
+
 
 # set at the end of a multirun where no job finished ok: `python -m moe_exp.run -m` exits 1
 NO_JOB_OK = False
@@ -32,7 +34,8 @@ def plan(config: DictConfig) -> tuple[list[list[str]] | None, dict]:
         return None, {}
     params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
     try:
-        parsed = OverridesParser.create().parse_overrides(params + list(config.hydra.overrides.task))
+        parsed = OverridesParser.create().parse_overrides(
+            params + override_texts(config.hydra.overrides.task))
         jobs = BasicSweeper.split_arguments(parsed, None)[0]
     except Exception:  # noqa: BLE001 - progress is a nicety; Hydra reports real errors
         return None, {}
@@ -85,7 +88,8 @@ class SweepCallback(Callback):
             return
         self.job_t0 = time.time()
         num = config.hydra.job.num
-        items = dict(o.split("=", 1) for o in config.hydra.overrides.task if "=" in o)
+        items = dict(o.split("=", 1) for o in override_texts(config.hydra.overrides.task)
+                     if "=" in o)
         combo = " ".join(f"{k}={items[k]}" for k in self.varying if k in items) or "(no sweep)"
         elapsed = time.time() - self.t0
         left = self.total - self.finished if self.total else None

@@ -42,11 +42,11 @@ def check_some_job_runs(config: DictConfig, jobs: list[list[str]]) -> None:
     for overrides in jobs:
         try:
             cfg = loader.load_sweep_config(config, list(overrides))
-        except Exception:  # noqa: BLE001 - Hydra reports it at this job, as it would have
-            return
-        with open_dict(cfg):  # (a job's config: Hydra's own node left out)
-            del cfg["hydra"]
-        _, rec = prepare(cfg, [o for o in overrides if not o.startswith("hydra.")])
+            with open_dict(cfg):  # (a job's config: Hydra's own node left out)
+                del cfg["hydra"]
+            _, rec = prepare(cfg, [o for o in overrides if not o.startswith("hydra.")])
+        except Exception:  # noqa: BLE001 - the job reports it, as it would have (an error
+            return  # escaping the callback would skip the rest of the sweep's start)
         if rec is None or rec["status"] != "invalid":
             return
         first = first or rec["error"]
@@ -122,12 +122,13 @@ def check_baseline(config: DictConfig, params: dict) -> None:
     """sweep.baseline / baseline_by keys: a record column (results FIELDS or EXTRAS, a key
     of its `extra` dict, task=comm's busbw_gbps_<op>, a repeats' *_min / *_max), or a key
     this sweep sets on the command line or in a preset."""
+    from ..config import override_texts
     from ..results import EXTRAS, FIELDS
     from .table import ADDED, _norm_key, _typed
 
     columns = {*FIELDS, *EXTRAS, *ADDED}
-    overridden = {_norm_key(k) for k in [*params, *(o.split("=", 1)[0] for o in
-                                                    config.hydra.overrides.task if "=" in o)]}
+    overridden = {_norm_key(k) for k in [*params, *(o.split("=", 1)[0] for o in override_texts(
+        config.hydra.overrides.task) if "=" in o)]}
     baseline = OmegaConf.to_container(config.sweep.baseline) if config.sweep.baseline else {}
     for what, keys in (("sweep.baseline", list(baseline)),
                        ("sweep.baseline_by", list(config.sweep.baseline_by))):

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from ..config import override_texts
 from ..results import config_hash, failed_record, row_key, write_json_atomic
 from .table import DONE, combine, read_record
 
@@ -38,7 +39,7 @@ def run_job(cfg) -> dict:
 
     hc = HydraConfig.get()
     job_dir, sweep_dir = Path(hc.runtime.output_dir), Path(hc.sweep.dir)
-    overrides = list(hc.overrides.task)
+    overrides = override_texts(hc.overrides.task)
     choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")}
     cfg = cfg.copy()
     OmegaConf.set_struct(cfg, False)
@@ -207,7 +208,7 @@ def run_child(cfg_dict: dict, overrides, choices, out_dir: Path, s) -> dict:
                              "progress": sys.stderr.isatty()})
     from ..hardware import env_for
 
-    env = {**os.environ, **env_for(cfg_dict["hardware"].get("env"))}  # set from its start
+    env = {**os.environ, **env_for(cfg_dict["hardware"])}  # set from its start
     cache = None
     if s.fresh_compile_cache:  # this job's compile time is its own, not a cache hit
         cache = tempfile.mkdtemp(prefix="moe_exp_compile_")
