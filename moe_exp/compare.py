@@ -3,11 +3,12 @@
     python -m moe_exp.compare BASE NEW [--threshold 5]
 
 BASE and NEW are sweep dirs or results.csv/.parquet files; rows are matched by config hash
-and `extra` labels (by the hash alone where it is one row on each side). Exit 1 when a configuration's tokens/s (task=comm: a collective's bus
-bandwidth) fell, or its peak memory grew, by more than the threshold percent plus the
-noise its repeats measured (half the min-max range of each side), when a run that was ok
-is no longer ok (or no longer measures one of them), or when an ok configuration is
-missing from NEW; exit 0 otherwise; exit 2 on bad input.
+and `extra` labels (by the hash alone where it is one row on each side). Exit 1 when a
+configuration's tokens/s (task=comm: a collective's bus bandwidth) fell, or its peak
+memory grew, by more than the threshold percent plus the noise its repeats measured (half
+the min-max range of each side), when a run that was ok is no longer ok (or no longer
+measures one of them), or when an ok configuration is missing from NEW; exit 0 otherwise;
+exit 2 on bad input.
 """
 from __future__ import annotations
 

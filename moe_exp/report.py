@@ -17,27 +17,11 @@ def report(sweep_dir: Path, baseline: dict | None = None, by=("model",), wandb_c
            group: str | None = None, title: str | None = None, plots: bool = True,
            strict: bool = False) -> dict:
     """Rebuild everything from the job records in sweep_dir; returns the output paths."""
-    from .sweep.table import (build_table, collect, markdown, print_table, sweep_table,
-                              write_tables)
+    from .sweep.table import markdown, print_table, write_tables
 
     sweep_dir = Path(sweep_dir)
     title = title or f"Sweep {sweep_dir}"
-    records = collect(sweep_dir)
-    if not records:
-        raise FileNotFoundError(f"no job records (*/metrics.json) under {sweep_dir}")
-    if strict:  # `report --baseline/--by`: a bad key is the user's error, now
-        df = build_table(records, baseline, by, ("--baseline", "--by"))
-    else:  # a sweep's own settings: its table and report still come, with the default
-        df, bad = sweep_table(records, baseline, by)
-        if bad:
-            print(f"[sweep] {bad}: the default baseline per model instead", file=sys.stderr)
-            baseline = None
-    if baseline and not df["baseline"].any():  # before the tables are rewritten
-        want = " ".join(f"{k}={v}" for k, v in baseline.items())
-        if strict:  # `report --baseline`: the user asked for it, now
-            raise KeyError(f"--baseline {want}: no finished (status ok) row matches")
-        print(f"[sweep] sweep.baseline {want} matches no finished (status ok) row: no "
-              "speedups", file=sys.stderr)
+    df = sweep_df(sweep_dir, baseline, by, strict)  # (before the tables are rewritten)
     paths = write_tables(df, sweep_dir, title)
     print_table(df, title)
     pngs = {}
@@ -64,6 +48,32 @@ def report(sweep_dir: Path, baseline: dict | None = None, by=("model",), wandb_c
                   or f"report-{sweep_dir.resolve().name}", pngs)
     print(f"[report] {', '.join(str(p) for p in paths.values())}")
     return paths
+
+
+def sweep_df(sweep_dir: Path, baseline: dict | None, by, strict: bool,
+             names=("--baseline", "--by")):
+    """The table of sweep_dir's job records. strict (the user named baseline / by, as
+    `names`): a key no row has, or a baseline no finished row matches, is an error; else
+    (the sweep's own settings) the table still comes, with a note and the default."""
+    from .sweep.table import build_table, collect, sweep_table
+
+    records = collect(sweep_dir)
+    if not records:
+        raise FileNotFoundError(f"no job records (*/metrics.json) under {sweep_dir}")
+    if strict:
+        df = build_table(records, baseline, by, names)
+    else:
+        df, bad = sweep_table(records, baseline, by)
+        if bad:
+            print(f"[sweep] {bad}: the default baseline per model instead", file=sys.stderr)
+            baseline = None
+    if baseline and not df["baseline"].any():
+        want = " ".join(f"{k}={v}" for k, v in baseline.items())
+        if strict:
+            raise KeyError(f"{names[0]} {want}: no finished (status ok) row matches")
+        print(f"[sweep] sweep.baseline {want} matches no finished (status ok) row: no "
+              "speedups", file=sys.stderr)
+    return df
 
 
 def own_group(sweep_dir: Path) -> str | None:
@@ -108,23 +118,13 @@ def find_sweep_dir(sweep_dir=None, start: Path | None = None) -> Path:
 def notebook_table(sweep_dir=None, baseline: dict | None = None):
     """(the sweep dir, its table) for notebooks/results.ipynb: baseline None = the sweep's
     own (as its results.md); a dict = that one, an error where no finished row matches."""
-    from .sweep.table import build_table, collect, sweep_settings, sweep_table
+    from .sweep.table import sweep_settings
 
     d = find_sweep_dir(sweep_dir)
-    records = collect(d)
-    if not records:
-        raise FileNotFoundError(f"no job records (*/metrics.json) under {d}")
     own, by = sweep_settings(d)
-    if baseline is None:
-        df, bad = sweep_table(records, own, by)
-        if bad:
-            print(f"{bad}: the default baseline instead")
-        return d, df
-    df = build_table(records, baseline, by, ("BASELINE", "sweep.baseline_by"))
-    if baseline and not df["baseline"].any():
-        want = " ".join(f"{k}={v}" for k, v in baseline.items())
-        raise KeyError(f"BASELINE {want}: no finished (status ok) row matches")
-    return d, df
+    strict = baseline is not None
+    return d, sweep_df(d, baseline if strict else own, by, strict,
+                       ("BASELINE", "sweep.baseline_by"))
 
 
 def _pairs(items: list[str]) -> dict | None:

@@ -133,9 +133,8 @@ _RUNS_HERE = 0  # runs of an in-process sweep (sweep.isolate=false) made by this
 def _interrupted_record(job_dir: Path, since: float) -> dict | None:
     """The newest record a run of this job wrote on Ctrl-C (crashed: interrupted ...) after
     `since`."""
-    found = [(p.stat().st_mtime, r) for p in [job_dir / "metrics.json",
-                                              *job_dir.glob("rep*/metrics.json")]
-             if p.is_file() and p.stat().st_mtime >= since
+    found = [(t, r) for p in [job_dir / "metrics.json", *job_dir.glob("rep*/metrics.json")]
+             if p.is_file() and (t := p.stat().st_mtime) >= since
              and (r := read_record(p)) is not None and r.get("status") == "crashed"
              and "interrupted" in str(r.get("error"))]
     return max(found, key=lambda x: x[0])[1] if found else None

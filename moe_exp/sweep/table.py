@@ -48,9 +48,10 @@ def collect(sweep_dir: Path) -> list[dict]:
     out, seen = [], set()
     for d in job_dirs(sweep_dir):
         rec = read_record(d / "metrics.json")
-        if rec is None or row_key(rec) in seen:
+        key = rec and row_key(rec)
+        if rec is None or key in seen:
             continue
-        seen.add(row_key(rec))
+        seen.add(key)
         rec.setdefault("job", int(d.name) if d.name.isdigit() else d.name)
         out.append(rec)
     return out
