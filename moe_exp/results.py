@@ -114,6 +114,24 @@ def write_json_atomic(path: str | Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def hold_sigint():
+    """Ignore SIGINT for now, while an interrupted run's record and table are written (a
+    second Ctrl-C cut them short); returns the handler to put back (None: not ours)."""
+    import signal
+
+    try:
+        return signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        return None
+
+
+def release_sigint(held) -> None:
+    if held is not None:
+        import signal
+
+        signal.signal(signal.SIGINT, held)
+
+
 def fill_null_reasons(rec: dict, default: str) -> None:
     """Every null measurement gets a reason (kept ones stay)."""
     for k in FIELDS[FIELDS.index("tokens_per_s"):]:

@@ -427,6 +427,30 @@ def test_sweep_with_no_finished_job_says_so_and_exits_1(tmp_path):
     assert list(pd.read_csv(d / "results.csv")["status"]) == ["diverged"]
 
 
+def test_second_ctrl_c_while_the_interrupted_job_is_saved_is_held(tmp_path, monkeypatch):
+    """A second Ctrl-C used to cut short the interrupted job's record or the table's write
+    (the sweep ended with no results.*): SIGINT is ignored until both are written."""
+    from conftest import compose
+
+    from moe_exp.sweep import callback, job
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    def update_table(*args):
+        seen.append(signal.getsignal(signal.SIGINT))
+
+    seen = []
+    before = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(job, "_repeats", interrupted)
+    monkeypatch.setattr(callback, "update_table", update_table)
+    with pytest.raises(KeyboardInterrupt):
+        job._run_job(compose(["logger=none"]), tmp_path / "0", tmp_path, [], {}, 0)
+    assert seen == [signal.SIG_IGN] and signal.getsignal(signal.SIGINT) is before
+    rec = json.loads((tmp_path / "0" / "metrics.json").read_text())
+    assert rec["status"] == "crashed" and "interrupted" in rec["error"] and rec["job"] == 0
+
+
 def test_sweep_checks_fail_before_any_job(tmp_path):
     """One line and exit 2, no job run: a sweep dir that holds another sweep's records (its
     rows would mix into this table), a baseline key or swept value no row can have (found
@@ -453,11 +477,17 @@ def test_sweep_checks_fail_before_any_job(tmp_path):
              "train.steps: must be >= 1, got -1 (every job of the sweep is invalid)"),
             (tmp_path / "g", ["+case=fp32", "sweep.repeats=1,2"],  # (one row before)
              "sweep.repeats: a setting of the sweep or its logging, not of what a job "
-             "measures: give it one value (got 1, 2)")]:
+             "measures: give it one value (got 1, 2)"),
+            (tmp_path / "j", ["+case=fp32", "precision=bf16,bogus"],  # (Hydra's line, after
+             "precision: 'bogus' is not one of: bf16, fp16, fp32, fp8, tf32"),  # multirun.yaml)
+            (tmp_path / "k", ["+case=fp32,bf16", "+extra.tag=a", "sweep.baseline_by=[extra.tagg]"],
+             "sweep.baseline_by: 'extra.tagg' is a label no job of this sweep has (its labels: "
+             "extra.tag)")]:  # (found after every job ran, before)
         r = sweep(d, *args, "logger=none")
         assert r.returncode == 2, r.stderr[-3000:]
         assert r.stderr.strip().startswith(f"error: {line}") and len(r.stderr.strip().splitlines()) == 1
         assert len(list(d.glob("*/metrics.json"))) == (1 if d == used else 0)
+        assert not (d / "multirun.yaml").exists()
 
 
 def test_a_job_check_that_raises_leaves_the_sweep_to_its_jobs(tmp_path):

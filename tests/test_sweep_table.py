@@ -99,6 +99,49 @@ def test_baseline_value_check_types_swept_values_as_the_table_does():
         check({"optim.lr": 0.002}, ["1e-3", "3e-3"], "optim.lr")
 
 
+def test_baseline_extra_label_checked_before_the_jobs():
+    """An extra.* key no job will have (a typo) fails up front; labels come from the
+    composed config, the command line, and the swept seed_row options."""
+    from omegaconf import OmegaConf
+
+    from moe_exp.sweep.checks import SweepError, check_baseline
+
+    def check(by, params, extra=None):
+        cfg = OmegaConf.create({"sweep": {"baseline": None, "baseline_by": by},
+                                "extra": extra or {}, "hydra": {"overrides": {"task": []}}})
+        check_baseline(cfg, params)
+
+    rows = {"+seed_row": ["baseline", "all"]}
+    check(["extra.seed_row"], rows)
+    check(["extra.note"], {}, extra={"note": "x"})
+    with pytest.raises(SweepError, match="'extra.seed_rwo' is a label no job of this sweep "
+                                         r"has \(its labels: extra.seed_row\)"):
+        check(["extra.seed_rwo"], rows)
+    with pytest.raises(SweepError, match="its labels: none"):
+        check(["extra.tag"], {"precision": ["fp32", "bf16"]})
+
+    def check_baseline_value(value):
+        cfg = OmegaConf.create({"sweep": {"baseline": {"extra.seed_row": value},
+                                          "baseline_by": []},
+                                "hydra": {"overrides": {"task": []}}})
+        check_baseline(cfg, rows)
+
+    check_baseline_value("all")
+    with pytest.raises(SweepError, match="extra.seed_row=baselin is not a value any job has "
+                                         r"\(all, baseline\)"):
+        check_baseline_value("baselin")
+
+
+def test_swept_group_option_checked_before_the_jobs():
+    from moe_exp.sweep.checks import SweepError, check_values
+
+    check_values({"model": ["tiny_moe", "small_moe"], "+seed_row": ["all"]})
+    with pytest.raises(SweepError, match="precision: 'bogus' is not one of: bf16, fp16"):
+        check_values({"precision": ["bf16", "bogus"]})
+    with pytest.raises(SweepError, match="seed_row: 'al' is not one of"):
+        check_values({"+seed_row": ["al"]})
+
+
 def test_chosen_baseline_and_unknown_key():
     rows = [rec(0, 100.0, 1.0), rec(1, 200.0, 1.0, precision="bf16")]
     df = build_table(rows, baseline={"precision": "bf16"})
@@ -221,6 +264,21 @@ def test_presets_compose_and_count_jobs():
     assert len(jobs) == 5 * 3 * 2 * 2 and "model=tiny_moe" in jobs[-1]
     assert set(varying) == {"precision", "train.activation_checkpointing", "train.compile",
                             "model"}
+
+
+def test_plan_counts_a_glob_over_a_group():
+    """model=glob(tiny*): the options it matches (before: no count, no checks)."""
+    from hydra import initialize_config_module
+
+    from moe_exp.sweep.callback import plan
+
+    cfg = OmegaConf.create({"hydra": {
+        "sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"},
+        "overrides": {"task": ["model=glob(tiny*)", "precision=fp32,bf16"]}}})
+    with initialize_config_module(config_module="moe_exp.conf", version_base="1.3"):
+        jobs, varying = plan(cfg)
+    assert varying == {"model": ["tiny_dense", "tiny_moe"], "precision": ["fp32", "bf16"]}
+    assert len(jobs) == 4 and ["model=tiny_moe", "precision=bf16"] in jobs
 
 
 @pytest.mark.distributed

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import signal
 import sys
 import traceback
 import warnings
@@ -11,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..config import total_steps
-from ..results import fill_null_reasons, write_json_atomic
+from ..results import fill_null_reasons, hold_sigint, release_sigint, write_json_atomic
 from .flops import flops_per_token, param_counts
 from .load import other_share
 
@@ -56,14 +55,6 @@ def shared_process(rec: dict, device: str) -> None:
             rec.setdefault("null_reasons", {})[key] = reason
 
 
-def _hold_sigint():
-    """Ignore SIGINT for now; returns the handler to put back (None: not ours to change)."""
-    try:
-        return signal.signal(signal.SIGINT, signal.SIG_IGN)
-    except ValueError:  # not the main thread
-        return None
-
-
 def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress: bool,
           d=None, shared: bool = False) -> dict:
     """One measured run. Single process: never raises (the status says what went wrong).
@@ -102,7 +93,7 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
         rec.update(status="crashed", error=f"interrupted (Ctrl-C / SIGINT){at}")
         if losses := getattr(e, "losses", None):
             rec.update(losses=losses, loss_first=losses[0], loss_last=losses[-1])
-        held = _hold_sigint()  # a second SIGINT (ranks get one from the agent too) must
+        held = hold_sigint()  # a second SIGINT (ranks get one from the agent too) must
         # not stop the record's write below
         if tracker:  # no W&B start-up for a run the user stopped
             tracker.discard()
@@ -128,8 +119,7 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
         if tracker:
             tracker.summary(rec)
             tracker.finish(ok=rec["status"] == "ok")
-        if held is not None:
-            signal.signal(signal.SIGINT, held)
+        release_sigint(held)
     if not main:
         return rec
     if rec["status"] == "ok":

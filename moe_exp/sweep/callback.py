@@ -28,13 +28,16 @@ def plan(config: DictConfig) -> tuple[list[list[str]] | None, dict]:
     basic sweeper; (None, {}) if unknown. A key swept twice (preset and command line): the
     command line's values."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     if "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", "")):
         return None, {}
     params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
-    try:
-        parsed = OverridesParser.create().parse_overrides(
+    try:  # (the config loader lists a group's options for glob(...), as the sweeper's does)
+        loader = GlobalHydra.instance().hydra.config_loader if GlobalHydra.instance(
+        ).is_initialized() else None
+        parsed = OverridesParser.create(config_loader=loader).parse_overrides(
             params + override_texts(config.hydra.overrides.task))
         jobs = BasicSweeper.split_arguments(parsed, None)[0]
     except Exception:  # noqa: BLE001 - progress is a nicety; Hydra reports real errors

@@ -102,15 +102,17 @@ def check_measured(params: dict) -> None:
 
 
 def check_values(params: dict) -> None:
-    """Swept values of keys with a fixed set of options (config.CHOICES)."""
-    from ..config import CHOICES
+    """Swept values of keys with a fixed set of options (config.CHOICES) and of config
+    groups (their files: Hydra would say so only after writing multirun.yaml)."""
+    from ..config import CHOICES, CONF, group_options
     from ..validate import not_one_of
 
     for key, values in params.items():
-        allowed = CHOICES.get(key.lstrip("+"))
+        k = key.lstrip("+~")
+        allowed = CHOICES.get(k) or ((CONF / k).is_dir() and group_options(k))
         bad = [v for v in map(_unquoted, values) if allowed and str(v) not in allowed]
         if bad:
-            raise SweepError(f"{key.lstrip('+')}: {not_one_of(bad[0], allowed)}")
+            raise SweepError(f"{k}: {not_one_of(bad[0], allowed)}")
 
 
 def _unquoted(v: str) -> str:
@@ -130,12 +132,18 @@ def check_baseline(config: DictConfig, params: dict) -> None:
     overridden = {_norm_key(k) for k in [*params, *(o.split("=", 1)[0] for o in override_texts(
         config.hydra.overrides.task) if "=" in o)]}
     baseline = OmegaConf.to_container(config.sweep.baseline) if config.sweep.baseline else {}
+    extras = None
     for what, keys in (("sweep.baseline", list(baseline)),
                        ("sweep.baseline_by", list(config.sweep.baseline_by))):
         for key in keys:
             k = _norm_key(key)
-            if k not in columns and k not in overridden and not k.startswith("extra.") \
-                    and not k.startswith("busbw_gbps_") and not k.endswith(("_min", "_max")):
+            if k.startswith("extra.") and k not in overridden:
+                extras = extras if extras is not None else _extra_labels(config, params)
+                if k not in extras:
+                    raise SweepError(f"{what}: '{key}' is a label no job of this sweep has "
+                                     f"(its labels: {', '.join(sorted(extras)) or 'none'})")
+            elif k not in columns and k not in overridden and \
+                    not k.startswith("busbw_gbps_") and not k.endswith(("_min", "_max")):
                 raise SweepError(f"{what}: '{key}' is not a column of the table (e.g. precision, "
                                  "compile, optim, model, extra.seed_row) nor a key this sweep "
                                  "sets")
@@ -146,3 +154,29 @@ def check_baseline(config: DictConfig, params: dict) -> None:
         if values and str(want) not in {str(_typed(v)) for v in values}:
             raise SweepError(f"sweep.baseline: {key}={want} is not among the swept values "
                              f"({', '.join(values)}): no row could be the baseline")
+        labels = (extras or {}).get(_norm_key(key)) if not values else None
+        if labels and str(want) not in labels:  # a label the swept options set (seed_row)
+            raise SweepError(f"sweep.baseline: {key}={want} is not a value any job has "
+                             f"({', '.join(sorted(labels))}): no row could be the baseline")
+
+
+def _extra_labels(config: DictConfig, params: dict) -> dict[str, set[str]]:
+    """{extra.KEY: the values it can have} for the labels a job of this sweep can have: the
+    composed config's (run.yaml, presets, the command line) and those the options of a swept
+    group set (seed_row)."""
+    from ..config import CONF
+
+    labels: dict[str, set[str]] = {}
+
+    def add(extra) -> None:
+        for k, v in (extra or {}).items():
+            labels.setdefault(f"extra.{k}", set()).add(str(v))
+
+    add(config.get("extra"))
+    for key, values in params.items():
+        group = CONF / key.lstrip("+~")
+        for v in values if group.is_dir() else []:
+            f = group / f"{_unquoted(v)}.yaml"
+            if f.is_file() and "@package _global_" in f.read_text():
+                add(OmegaConf.load(f).get("extra"))
+    return labels
