@@ -70,7 +70,17 @@ def config_hash(cfg_dict: dict) -> str:
     for (group, key), default in ADDED_AT_DEFAULT.items():
         if isinstance(keep.get(group), dict) and keep[group].get(key) == default:
             keep[group] = {k: v for k, v in keep[group].items() if k != key}
+    if keep.get("task", "bench") == "bench" and "comm" in keep:  # (read by task=comm only:
+        keep["comm"] = _comm_defaults()  # hashed at its defaults, as bench records had)
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _comm_defaults() -> dict:
+    import dataclasses
+
+    from .config import CommConfig
+
+    return dataclasses.asdict(CommConfig())
 
 
 def new_record(cfg_dict: dict, overrides: list[str]) -> dict:

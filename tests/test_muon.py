@@ -117,6 +117,8 @@ def test_new_knobs_keep_older_config_hashes():
 
     assert h() == h("optim.ns_steps=3") == h("optim.momentum=0.5")
     assert h() == "86eee63098e3"  # the default run's hash before optim=muon (056edc5)
+    # comm.* (task=comm's settings) change nothing a bench run measures; a comm run's do
+    assert h() == h("comm.iters=3") and h("task=comm") != h("task=comm", "comm.iters=3")
     assert h("parallel=fsdp") != h("parallel=fsdp", "parallel.prefetch=1")
     assert "ns_steps" in MUON_ONLY
     assert h("optim=muon") != h("optim=muon", "optim.ns_steps=3")
