@@ -132,6 +132,17 @@ def test_baseline_extra_label_checked_before_the_jobs():
         check_baseline_value("baselin")
 
 
+def test_swept_comm_keys_need_a_comm_task():
+    """comm.* is hashed at its defaults for task=bench: swept there it would give one row."""
+    from moe_exp.sweep.checks import SweepError, check_measured
+
+    check_measured({"comm.iters": ["3", "5"]}, task="comm")
+    check_measured({"comm.iters": ["3", "5"], "task": ["bench", "comm"]})
+    check_measured({"comm.iters": ["3"]})
+    with pytest.raises(SweepError, match="comm.iters: read by task=comm only"):
+        check_measured({"comm.iters": ["3", "5"]})
+
+
 def test_swept_group_option_checked_before_the_jobs():
     from moe_exp.sweep.checks import SweepError, check_values
 

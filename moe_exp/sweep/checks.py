@@ -23,7 +23,7 @@ def check_sweep(config: DictConfig, params: dict) -> None:
     except ConfigError as e:
         raise SweepError(str(e)) from None
     check_dir(config)
-    check_measured(params)
+    check_measured(params, config.get("task", "bench"))
     check_values(params)
     check_baseline(config, params)
 
@@ -91,14 +91,19 @@ def claim_dir(d: Path):
     return f
 
 
-def check_measured(params: dict) -> None:
+def check_measured(params: dict, task: str = "bench") -> None:
     """A swept key must change what is measured or label it (`extra.*`): sweep.* and logger
-    settings are left out of the config hash, so their values would give one row."""
+    settings are left out of the config hash, as comm.* is from a bench run's, so their
+    values would give one row."""
     for key, values in params.items():
         k = key.lstrip("+")
         if k.split(".")[0] in ("sweep", "logger") and len(values) > 1:
             raise SweepError(f"{k}: a setting of the sweep or its logging, not of what a job "
                              f"measures: give it one value (got {', '.join(values)})")
+        if k.startswith("comm.") and task == "bench" and "task" not in params \
+                and len(values) > 1:
+            raise SweepError(f"{k}: read by task=comm only, not by this sweep's task=bench: "
+                             f"give it one value (got {', '.join(values)}), or add task=comm")
 
 
 def check_values(params: dict) -> None:
