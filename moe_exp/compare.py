@@ -16,27 +16,40 @@ import argparse
 import sys
 from pathlib import Path
 
+from .bench.load import OTHER_LOAD_WARN
 from .results import row_key
 
 
 def load(path: Path):
+    """A sweep dir's table, from its job records (results.* may be older than they are:
+    a sweep still running, an edited record), else its results.parquet; or a table file."""
     import pandas as pd
 
     path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or directory")
     if path.is_dir():
+        from .sweep.table import build_table, collect, job_dirs
+
+        if job_dirs(path):
+            records = collect(path)
+            if not records:
+                raise FileNotFoundError(f"{path}: no readable job record (see the warnings)")
+            return build_table(records, by=())
         if (path / "results.parquet").is_file():
             return pd.read_parquet(path / "results.parquet")
-        from .sweep.table import build_table, collect
-
-        records = collect(path)
-        if not records:
-            raise FileNotFoundError(f"{path}: no results.parquet and no job records")
-        return build_table(records)
-    if path.suffix == ".parquet":
-        return pd.read_parquet(path)
-    if path.suffix == ".csv":
-        # (a hash of digits, or digits and one e, would read as a number)
-        return pd.read_csv(path, dtype={"config_hash": str})
+        single = " (a single run's dir: compare takes sweep dirs and tables)" \
+            if (path / ".hydra").is_dir() else ""
+        raise FileNotFoundError(f"{path}: no job records and no results.parquet{single}")
+    try:
+        if path.suffix == ".parquet":
+            return pd.read_parquet(path)
+        if path.suffix == ".csv":
+            # (a hash of digits, or digits and one e, would read as a number)
+            return pd.read_csv(path, dtype={"config_hash": str})
+    except (OSError, ValueError) as e:  # (an empty file, not a table)
+        raise ValueError(f"{path}: not a readable table ({str(e).strip() or type(e).__name__})"
+                         ) from None
     raise FileNotFoundError(f"{path}: not a sweep dir, .csv or .parquet file")
 
 
@@ -102,6 +115,10 @@ def compare(base, new, threshold: float = 5.0) -> tuple[list[dict], list[str]]:
                 e["regressions"].append(f"{name} no longer measured")
         if b["status"] == "ok" and n["status"] != "ok":
             e["regressions"].append(f"status ok -> {n['status']}: {n.get('error')}")
+        busy = [f"{side} {load:.0%}" for side, row in (("BASE", b), ("NEW", n))
+                if (load := _val(row, "cpu_other_load")) is not None and load > OTHER_LOAD_WARN]
+        if busy:  # its timings (either side's) are not reliable: a verdict to re-measure
+            e["contended"] = f"measured under other processes' CPU load ({', '.join(busy)})"
         out.append(e)
     paired_b, paired_n = {kb for kb, _ in pairs}, {kn for _, kn in pairs}
     only = [("REGRESSION: ok in BASE, absent from NEW: " if r["status"] == "ok" else
@@ -164,14 +181,18 @@ def main(argv=None) -> int:
         t.add_row(e["config"], f"{e['base_status']} -> {e['new_status']}",
                   f"{f(bt, ',.0f')} -> {f(nt, ',.0f')}", _pct(e, "tokens_per_s"),
                   f"{f(bm, '.3f')} -> {f(nm, '.3f')}", _pct(e, "peak_mem_gib"),
-                  "REGRESSION: " + "; ".join(e["regressions"]) if e["regressions"] else "ok")
+                  ("REGRESSION: " + "; ".join(e["regressions"]) if e["regressions"] else "ok")
+                  + (f"; {e['contended']}: re-measure" if e.get("contended") else ""))
     Console(width=200).print(t)
     for line in only:
         print(line)
     bad = [e for e in entries if e["regressions"]]
     gone = [line for line in only if line.startswith("REGRESSION")]
+    busy = sum(bool(e.get("contended")) for e in entries)
     print(f"{len(bad)} regression(s) in {len(entries)} matched configuration(s)"
-          + (f", {len(gone)} ok configuration(s) gone" if gone else ""))
+          + (f", {len(gone)} ok configuration(s) gone" if gone else "")
+          + (f"; {busy} measured under other CPU load (cpu_other_load > "
+             f"{OTHER_LOAD_WARN:.0%}): their verdicts are not reliable" if busy else ""))
     return 1 if bad or gone else 0
 
 

@@ -44,8 +44,12 @@ def report(sweep_dir: Path, baseline: dict | None = None, by=("model",), wandb_c
     if wandb_cfg is not None:
         from .tracking import log_sweep
 
-        log_sweep(df, sweep_dir, wandb_cfg, group or own_group(sweep_dir)
-                  or f"report-{sweep_dir.resolve().name}", pngs)
+        group = group or own_group(sweep_dir) or f"report-{sweep_dir.resolve().name}"
+        log_sweep(df, sweep_dir, wandb_cfg, group, pngs)
+        print(f"[report] W&B run {group}-summary ({wandb_cfg.mode}) in project "
+              f"{wandb_cfg.project}, files under {sweep_dir / 'wandb'}"
+              if wandb_cfg.mode != "disabled" else "[report] W&B: WANDB_MODE=disabled, "
+              "nothing logged")
     print(f"[report] {', '.join(str(p) for p in paths.values())}")
     return paths
 
@@ -95,6 +99,29 @@ def own_group(sweep_dir: Path) -> str | None:
         return None
 
 
+def own_logger(sweep_dir: Path):
+    """`report --wandb`'s W&B settings: the sweep's own project and entity (its
+    multirun.yaml; else moe_exp's defaults), in WANDB_MODE's mode (default offline)."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    from .config import CHOICES
+
+    cfg = {"project": "moe_exp", "entity": None}
+    try:
+        own = OmegaConf.to_container(OmegaConf.load(Path(sweep_dir) / "multirun.yaml").logger,
+                                     resolve=False)
+        cfg.update({k: own[k] for k in cfg if isinstance(own.get(k), str)})
+    except Exception:  # noqa: BLE001 - no such file, or no logger node: the defaults
+        pass
+    mode = os.environ.get("WANDB_MODE", "offline")
+    if mode not in CHOICES["logger.mode"]:
+        raise ValueError(f"WANDB_MODE: '{mode}' is not one of: "
+                         f"{', '.join(CHOICES['logger.mode'])}")
+    return OmegaConf.create({**cfg, "mode": mode})
+
+
 def find_sweep_dir(sweep_dir=None, start: Path | None = None) -> Path:
     """The notebook's SWEEP_DIR: None -> the newest multirun/<date>/<time> in `start` (the
     cwd) or a parent; a relative path -> the first of start, its parents that has it
@@ -120,6 +147,9 @@ def notebook_table(sweep_dir=None, baseline: dict | None = None):
     own (as its results.md); a dict = that one, an error where no finished row matches."""
     from .sweep.table import sweep_settings
 
+    if baseline is not None and not isinstance(baseline, dict):
+        raise TypeError(f"BASELINE: a dict of key: value (e.g. {{'precision': 'bf16'}}), {{}} "
+                        f"or None, got {baseline!r}")
     d = find_sweep_dir(sweep_dir)
     own, by = sweep_settings(d)
     strict = baseline is not None
@@ -133,7 +163,8 @@ def _pairs(items: list[str]) -> dict | None:
     out = {}
     for item in items or []:
         if "=" not in item:
-            raise SystemExit(f"error: --baseline: '{item}' is not key=value")
+            print(f"error: --baseline: '{item}' is not key=value", file=sys.stderr)
+            raise SystemExit(2)
         k, v = item.split("=", 1)
         out[k] = _typed(v)  # as Hydra typed the swept value (1e-3 -> 0.001, true -> True)
     return out or None
@@ -157,12 +188,11 @@ def main(argv=None) -> int:
         return 2
     wandb_cfg = None
     if a.wandb:
-        import os
-
-        from omegaconf import OmegaConf
-
-        wandb_cfg = OmegaConf.create({"project": "moe_exp", "entity": None,
-                                      "mode": os.environ.get("WANDB_MODE", "offline")})
+        try:
+            wandb_cfg = own_logger(a.sweep_dir)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     from .sweep.table import sweep_settings
 
     try:

@@ -1,4 +1,5 @@
 """Sweep table logic on hand-made records (no runs)."""
+import json
 import pytest
 from omegaconf import OmegaConf
 
@@ -558,6 +559,42 @@ def test_compare_reads_csv_hashes_as_text_and_compares_bus_bandwidth(tmp_path, c
     assert len(entries) == 1 and only == ["REGRESSION: ok in BASE, absent from NEW: 0123456e7890"]
 
 
+def test_compare_reads_records_warns_on_broken_ones_and_flags_contention(tmp_path, capsys):
+    """A dir's table comes from its job records (a stale results.parquet is not read); a
+    file that is not a record is a warning naming it (it crashed compare and report); a
+    row measured under other CPU load says its verdict is not reliable."""
+    import pandas as pd
+
+    from moe_exp.compare import compare, load
+
+    d = tmp_path / "s"
+    for job, r in enumerate([rec(0, 100.0, 1.0), rec(1, 100.0, 1.0, precision="bf16")]):
+        (d / str(job)).mkdir(parents=True)
+        (d / str(job) / "metrics.json").write_text(json.dumps(r))
+    pd.DataFrame([{"config_hash": "h0", "status": "ok", "tokens_per_s": 1.0,
+                   "peak_mem_gib": 1.0}]).to_parquet(d / "results.parquet")  # stale
+    assert sorted(load(d)["tokens_per_s"]) == [100.0, 100.0]
+    base = load(d)
+    for text, why in [("{}", "not a record (no status, config_hash"),
+                      ("[1]", "not a record (JSON, but not an object"),
+                      ('{"status": "ok", "tok', "not JSON"),
+                      (json.dumps(rec(1, 1.0, 1.0, status="fine")),
+                       "not a record (status 'fine' is not one")]:
+        (d / "1" / "metrics.json").write_text(text)
+        assert list(load(d)["job"]) == [0]
+        assert f"{d / '1' / 'metrics.json'}: {why}" in capsys.readouterr().err, text
+    (d / "1" / "metrics.json").write_text(json.dumps(rec(1, 50.0, 1.0, precision="bf16",
+                                                         cpu_other_load=0.7)))
+    entries, _ = compare(base, load(d), 5.0)
+    assert entries[1]["regressions"] and "NEW 70%" in entries[1]["contended"]
+    assert "contended" not in entries[0]
+    with pytest.raises(FileNotFoundError, match="no such file or directory"):
+        load(tmp_path / "nope")
+    (tmp_path / "empty.csv").write_text("")
+    with pytest.raises(ValueError, match="empty.csv: not a readable table"):
+        load(tmp_path / "empty.csv")
+
+
 def test_report_wandb_group_is_the_sweeps_own(tmp_path):
     """`report --wandb` logs its summary beside the sweep's runs (it was `report-<dir>`)."""
     from moe_exp.report import own_group
@@ -573,3 +610,18 @@ def test_report_wandb_group_is_the_sweeps_own(tmp_path):
     (d / "multirun.yaml").write_text("hydra: {sweep: {dir: runs/s}}\nsweep: {name: null}\n"
                                      "logger: {group: null}\n")
     assert own_group(d) == "sweep-runs_s"
+
+
+def test_report_wandb_project_is_the_sweeps_own_and_mode_is_checked(tmp_path, monkeypatch):
+    from moe_exp.report import own_logger
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    assert (own_logger(tmp_path).project, own_logger(tmp_path).mode) == ("moe_exp", "offline")
+    (tmp_path / "multirun.yaml").write_text("logger: {project: mine, entity: team, "
+                                            "mode: '${oc.env:WANDB_MODE,offline}'}\n")
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    cfg = own_logger(tmp_path)
+    assert (cfg.project, cfg.entity, cfg.mode) == ("mine", "team", "disabled")
+    monkeypatch.setenv("WANDB_MODE", "bogus")
+    with pytest.raises(ValueError, match="WANDB_MODE: 'bogus' is not one of: offline"):
+        own_logger(tmp_path)

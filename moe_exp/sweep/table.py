@@ -27,11 +27,32 @@ def _num(x) -> float | None:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
 
 
-def read_record(path: Path) -> dict | None:
+# keys every record has (results.new_record): a file without them is not one
+RECORD_KEYS = ("status", "config_hash", "model", "precision", "overrides")
+
+
+def read_record(path: Path, warn: bool = False) -> dict | None:
+    """A run's record; None where the file is missing or is not a record (warn: say so on
+    stderr, naming the file)."""
+    from ..results import STATUSES
+
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+        rec = json.loads(Path(path).read_text())
+    except OSError:
         return None
+    except ValueError as e:
+        why = f"not JSON ({e})"
+    else:
+        missing = [k for k in RECORD_KEYS if k not in rec] if isinstance(rec, dict) else None
+        why = ("not a record (JSON, but not an object)" if missing is None else
+               f"not a record (no {', '.join(missing)})" if missing else
+               f"not a record (status {rec['status']!r} is not one of: {', '.join(STATUSES)})"
+               if rec["status"] not in STATUSES else None)
+        if why is None:
+            return rec
+    if warn:
+        print(f"warning: {path}: {why}: left out of the table", file=sys.stderr)
+    return None
 
 
 def job_dirs(sweep_dir: Path) -> list[Path]:
@@ -47,7 +68,7 @@ def collect(sweep_dir: Path) -> list[dict]:
 
     out, seen = [], set()
     for d in job_dirs(sweep_dir):
-        rec = read_record(d / "metrics.json")
+        rec = read_record(d / "metrics.json", warn=True)
         key = rec and row_key(rec)
         if rec is None or key in seen:
             continue
