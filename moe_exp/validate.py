@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from .bench.flops import param_counts
-from .config import CHOICES, CONF, ParallelConfig, default_choices, group_options
+from .config import CHOICES, CONF, DataConfig, ParallelConfig, default_choices, group_options
 from .hardware import ConfigError, NotReady, Unsupported
 
 
@@ -277,6 +277,12 @@ def check_data(cfg) -> None:
     if d.name in ("markov", "tokens") and d.name != d.source:  # a label, not the source
         raise ConfigError("data.name", f"'{d.name}' only labels the run; the data would come "
                           f"from data.source={d.source}: pick the group instead, data={d.name}")
+    if d.source != "tokens" and not OmegaConf.is_missing(d, "path") and d.path is not None:
+        raise ConfigError("data.path", f"read by data=tokens only; this run's data is "
+                          f"{d.source} (train on the file: data=tokens data.path={d.path})")
+    if d.source != "markov" and d.branching != DataConfig.branching:
+        raise ConfigError("data.branching", f"read by data=markov only; this run's data is "
+                          f"{d.source}")
     if d.source == "markov":
         if not 1 <= d.branching <= cfg.model.vocab_size:
             raise ConfigError("data.branching", f"must be in 1..model.vocab_size, got {d.branching}")

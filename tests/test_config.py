@@ -73,6 +73,8 @@ SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3"
     ("data=tokens", "data.path"),
     ("data.prefetch_factor=2", "data.prefetch_factor"),
     ("data.name=tokens", "data.name"),  # a label: the data would still be markov
+    ("data.path=corpus.bin", "data.path"),  # without data=tokens: markov data, silently
+    ("data=tokens data.path=corpus.bin data.branching=9", "data.branching"),  # markov's key
     ("optim.lr=nan", "optim.lr"),  # nan passes every comparison
     ("optim.grad_clip=nan", "optim.grad_clip"),
     ("optim.weight_decay=inf", "optim.weight_decay"),
