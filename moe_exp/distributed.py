@@ -118,15 +118,26 @@ def _text(f) -> str:
     return "" if text.startswith("To enable traceback see") else text
 
 
-def failure_message(err) -> str:
-    """One line naming the failed rank and its error, from a ChildFailedError: the earliest
-    failure that is not a peer's lost connection (a rank can record that one first)."""
+def _first_failure(err) -> int:
+    """The rank that failed first in a ChildFailedError: the earliest failure that is not a
+    peer's lost connection (a rank can record that one first)."""
     order = sorted(err.failures, key=lambda r: err.failures[r].timestamp)
     causes = [r for r in order if not any(s in _text(err.failures[r]) for s in _SECONDARY)]
-    rank = (causes or order)[0]
+    return (causes or order)[0]
+
+
+def failure_message(err) -> str:
+    """One line naming the failed rank (_first_failure) and its error."""
+    rank = _first_failure(err)
     f = err.failures[rank]
     lines = [ln for ln in _text(f).strip().splitlines() if ln.strip()]
     return f"rank {rank} failed: {(lines[-1] if lines else f'exit code {f.exitcode}')[:300]}"
+
+
+def killed_by_signal(err) -> bool:
+    """The failed rank's process was killed (SIGKILL from the kernel's OOM killer, a
+    segfault): a `crashed` run, as a sweep job's dead process is."""
+    return (err.failures[_first_failure(err)].exitcode or 0) < 0
 
 
 def failure_report(err) -> str:

@@ -62,16 +62,26 @@ def row_key(rec: dict) -> tuple:
     return rec.get("config_hash"), json.dumps(extra, sort_keys=True, default=str)
 
 
-def config_hash(cfg_dict: dict) -> str:
+def config_hash(cfg_dict: dict, world: int | None = None) -> str:
+    """world: the ranks of a torchrun job over several nodes (hardware.devices counts one
+    node's): part of the hash where it differs from hardware.devices."""
     keep = {k: v for k, v in cfg_dict.items() if k not in HASH_EXCLUDE}
+    if world is not None and world != (cfg_dict.get("hardware") or {}).get("devices"):
+        keep["world_size"] = world
     optim = keep.get("optim")
     if isinstance(optim, dict) and optim.get("name") != "muon":
         keep["optim"] = {k: v for k, v in optim.items() if k not in MUON_ONLY}
     for (group, key), default in ADDED_AT_DEFAULT.items():
         if isinstance(keep.get(group), dict) and keep[group].get(key) == default:
             keep[group] = {k: v for k, v in keep[group].items() if k != key}
-    if keep.get("task", "bench") == "bench" and "comm" in keep:  # (read by task=comm only:
-        keep["comm"] = _comm_defaults()  # hashed at its defaults, as bench records had)
+    if keep.get("task", "bench") == "bench":
+        from .config import ParallelConfig
+
+        if "comm" in keep:  # read by task=comm only: hashed at its defaults (as bench
+            keep["comm"] = _comm_defaults()  # records had them)
+        par = keep.get("parallel")
+        if isinstance(par, dict) and par.get("name") == "none":  # one rank: no process group
+            keep["parallel"] = {**par, **{k: getattr(ParallelConfig, k) for k in RANKS_ONLY}}
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -81,6 +91,19 @@ def _comm_defaults() -> dict:
     from .config import CommConfig
 
     return dataclasses.asdict(CommConfig())
+
+
+# parallel keys only a run with ranks reads: a parallel=none bench run hashes them at their
+# defaults (a setting given for every job of a sweep over parallel=none,ddp)
+RANKS_ONLY = ("backend", "timeout_s", "profile_steps")
+
+
+def _torchrun_world() -> int | None:
+    """WORLD_SIZE where this process is a rank torchrun (or SLURM) started, else None."""
+    try:
+        return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else None
+    except (KeyError, ValueError):
+        return None
 
 
 def new_record(cfg_dict: dict, overrides: list[str]) -> dict:
@@ -94,7 +117,7 @@ def new_record(cfg_dict: dict, overrides: list[str]) -> dict:
         activation_checkpointing=t["activation_checkpointing"], compile=t["compile"],
         world_size=cfg_dict["hardware"]["devices"], micro_batch_size=t["micro_batch_size"],
         grad_accum_steps=t["grad_accum_steps"], seq_len=t["seq_len"], overrides=list(overrides),
-        config_hash=config_hash(cfg_dict),
+        config_hash=config_hash(cfg_dict, _torchrun_world()),
         timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     )
     rec["task"] = cfg_dict.get("task", "bench")

@@ -66,6 +66,8 @@ def run(cfg: DictConfig, out_dir: Path | None = None, progress: bool = True,
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg, rec = prepare(cfg, overrides)
     if rec is not None:
+        if os.environ.get("RANK", "0") != "0":  # torchrun's other ranks: rank 0 reports it
+            return rec
         write_json_atomic(out_dir / "metrics.json", rec)
         print(f"error: {rec['error']}", file=sys.stderr)
         log_record(rec)
@@ -120,7 +122,8 @@ def launch(cfg_dict: dict, out_dir: Path, overrides, choices, progress) -> dict:
     A rank that fails stops them all; the record names it (status error, or oom)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from .distributed import failure_message, failure_report, launch as elastic, rank_entry
+    from .distributed import (failure_message, failure_report, killed_by_signal,
+                              launch as elastic, rank_entry)
 
     try:
         rec = elastic(rank_entry, cfg_dict["hardware"]["devices"], rank_main, cfg_dict,
@@ -128,11 +131,29 @@ def launch(cfg_dict: dict, out_dir: Path, overrides, choices, progress) -> dict:
     except ChildFailedError as e:
         (out_dir / "error.log").write_text(failure_report(e))
         msg = f"{failure_message(e)} (see {out_dir}/error.log)"
-        status = "oom" if "OutOfMemoryError" in msg else "error"
+        status = "oom" if "OutOfMemoryError" in msg else \
+            "crashed" if killed_by_signal(e) else "error"
         rec = failed_record(cfg_dict, overrides, status, msg, f"not measured: run {status}")
+        _known_before_the_run(rec, cfg_dict)
         write_json_atomic(out_dir / "metrics.json", rec)
         print(f"error: run {rec['status']}: {msg}", file=sys.stderr)
     return rec
+
+
+def _known_before_the_run(rec: dict, cfg_dict: dict) -> None:
+    """What a failed launch's record still knows (analytic, or of this process): parameter
+    counts, FLOPs per token, the torch version."""
+    import torch
+
+    from .bench.flops import flops_per_token, param_counts
+
+    m = OmegaConf.create(cfg_dict["model"])
+    counts = param_counts(m)
+    rec.update(params_total=counts["params_total"], params_active=counts["params_active"],
+               flops_per_token=flops_per_token(m, cfg_dict["train"]["seq_len"]),
+               torch_version=torch.__version__)
+    for k in ("params_total", "params_active", "flops_per_token", "torch_version"):
+        rec["null_reasons"].pop(k, None)
 
 
 def rank_main(cfg_dict: dict, out_dir: str, overrides, choices, progress,

@@ -45,7 +45,8 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                 f"ac={r['activation_checkpointing']} compile={r['compile']}"
                 + (f" optim={r['optim']}" if r.get("optim", "adamw") != "adamw" else "")
                 + f" on {r['device_name']}"),
-        *([("parallel", f"{r['parallel']} on {r['world_size']} ranks; collectives "
+        *([("parallel", f"{r['parallel']} on {r['world_size']} "
+                        f"rank{'s' * (r['world_size'] != 1)}; collectives "
                         + (f"{r['comm_ms']:.1f} ms/step" if r.get("comm_ms") is not None
                            else f"null: {why.get('comm_ms', 'unknown')}")
                         + (f" ({100 * r['comm_share']:.0f}%)" if r.get("comm_share") else ""))]

@@ -192,6 +192,18 @@ def _world_size(devices: int) -> int:
         return devices
 
 
+def _torchrun_local_ranks() -> int | None:
+    """Ranks torchrun started on this node (LOCAL_WORLD_SIZE), None when not under it."""
+    import os
+
+    if "RANK" not in os.environ:
+        return None
+    try:
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+
+
 def check_parallel(cfg) -> None:
     import os
 
@@ -204,11 +216,10 @@ def check_parallel(cfg) -> None:
     if p.name == "none" and launched > 1 and cfg.task == "bench":
         raise ConfigError("parallel", f"launched as {launched} ranks (torchrun), but "
                           "parallel=none runs one: set parallel=ddp, fsdp, expert or expert_fsdp")
-    if hw.device == "cpu" and n > (os.cpu_count() or 1):
-        raise Unsupported("hardware.devices", f"{n} ranks asked for, this machine has "
-                          f"{os.cpu_count()} CPU cores (one gloo rank per core at most)")
-    if p.backend == "nccl" and hw.device != "cuda":
-        raise Unsupported("parallel.backend", "nccl needs CUDA GPUs; on CPU use gloo (or auto)")
+    local = _torchrun_local_ranks()
+    if local is not None and local != n:  # (the record's config and hash say devices)
+        raise ConfigError("hardware.devices", f"torchrun's LOCAL_WORLD_SIZE is {local} (ranks "
+                          f"on this node), but hardware.devices={n}: set hardware.devices={local}")
     if p.timeout_s <= 0:
         raise ConfigError("parallel.timeout_s", f"must be > 0 seconds, got {p.timeout_s}")
     _at_least(cfg, "parallel.profile_steps", 0)
@@ -232,7 +243,8 @@ def check_parallel(cfg) -> None:
         raise ConfigError("parallel.expert_parallel_size", f"only for parallel=expert or "
                           f"expert_fsdp, not parallel={p.name}")
     for keys, names in ((("bucket_cap_mb", "gradient_as_bucket_view", "static_graph"), ("ddp",)),
-                        (("reshard_after_forward", "cpu_offload"), ("fsdp", "expert_fsdp"))):
+                        (("reshard_after_forward", "cpu_offload"), ("fsdp", "expert_fsdp")),
+                        (("accum_no_sync",), ("ddp", "fsdp", "expert_fsdp"))):
         for key in keys:  # (elsewhere nothing reads them: a sweep row would differ in name only)
             if p.name not in names and p[key] != getattr(ParallelConfig, key):
                 raise ConfigError(f"parallel.{key}", f"only for parallel={' or '.join(names)}, "
@@ -264,6 +276,12 @@ def check_parallel(cfg) -> None:
     if cfg.task == "comm" and n < 2:
         raise ConfigError("hardware.devices", "task=comm measures collectives between ranks: "
                           "set hardware.devices >= 2")
+    # what this machine cannot do, after the mistakes (a sweep's row says which it is)
+    if hw.device == "cpu" and n > (os.cpu_count() or 1):
+        raise Unsupported("hardware.devices", f"{n} ranks asked for, this machine has "
+                          f"{os.cpu_count()} CPU cores (one gloo rank per core at most)")
+    if p.backend == "nccl" and hw.device != "cuda":
+        raise Unsupported("parallel.backend", "nccl needs CUDA GPUs; on CPU use gloo (or auto)")
 
 
 def check_data(cfg) -> None:

@@ -74,6 +74,10 @@ SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3"
     ("data.prefetch_factor=2", "data.prefetch_factor"),
     ("data.name=tokens", "data.name"),  # a label: the data would still be markov
     ("data.path=corpus.bin", "data.path"),  # without data=tokens: markov data, silently
+    ("parallel.accum_no_sync=false", "parallel.accum_no_sync"),  # one rank: nothing to sync
+    ("parallel=expert hardware.devices=2 parallel.accum_no_sync=false", "parallel.accum_no_sync"),
+    # a mistake before what this machine cannot do (3 ranks on 2 cores): 8 experts over 3
+    ("parallel=expert hardware.devices=3", "parallel.expert_parallel_size"),
     ("data=tokens data.path=corpus.bin data.branching=9", "data.branching"),  # markov's key
     ("optim.lr=nan", "optim.lr"),  # nan passes every comparison
     ("optim.grad_clip=nan", "optim.grad_clip"),
@@ -146,6 +150,27 @@ def test_torchrun_ranks_need_a_parallel_strategy(tmp_path, monkeypatch):
     assert rec["status"] == "invalid" and rec["error"].startswith("parallel: launched as 2 ranks")
 
 
+def test_torchrun_ranks_per_node_must_be_hardware_devices(tmp_path, monkeypatch):
+    """torchrun --nproc_per_node 1 with hardware.devices=2 ran one rank under the config
+    (and hash) of two; a 2-node job's hash is not a 1-node job's."""
+    import moe_exp.bench.runner as runner
+    from moe_exp.results import new_record
+
+    monkeypatch.setattr(runner, "bench", lambda *a, **k: pytest.fail("work started"))
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
+        monkeypatch.setenv(k, v)
+    rec = run_inproc(["logger=none", "parallel=ddp", "hardware.devices=2"], tmp_path)
+    assert rec["status"] == "invalid" and rec["error"] == (
+        "hardware.devices: torchrun's LOCAL_WORLD_SIZE is 1 (ranks on this node), but "
+        "hardware.devices=2: set hardware.devices=1")
+    cfg = OmegaConf.to_container(compose(["logger=none", "parallel=ddp"]), resolve=True)
+    one_node = new_record(cfg, [])["config_hash"]
+    monkeypatch.setenv("WORLD_SIZE", "2")  # 2 nodes x 1 rank
+    assert new_record(cfg, [])["config_hash"] != one_node
+    monkeypatch.delenv("RANK")
+    assert new_record(cfg, [])["config_hash"] == one_node
+
+
 @pytest.mark.parametrize("extra,error", [
     (["model.num_experts=3"], "parallel.expert_parallel_size: model.num_experts=3 is not "
                               "divisible by the expert-parallel size 2"),
@@ -157,6 +182,7 @@ def test_expert_parallel_checks_use_the_whole_world(extra, error, tmp_path, monk
     size is checked against the world of 2, as the run uses it."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
 
     class Started(Exception):
         pass

@@ -234,12 +234,13 @@ def test_failure_message_names_the_cause_not_the_peer_that_lost_it():
     # Rank 0 can record its lost gloo connection before rank 1 records the error itself.
     from types import SimpleNamespace as NS
 
-    from moe_exp.distributed import failure_message
+    from moe_exp.distributed import failure_message, killed_by_signal
 
     lost = {"message": "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:1"}
     err = NS(failures={0: NS(timestamp=1, message=lost, exitcode=1),
                        1: NS(timestamp=2, message={"message": "ValueError: boom"}, exitcode=1)})
     assert failure_message(err) == "rank 1 failed: ValueError: boom"
+    assert not killed_by_signal(err)  # an error: status error
     err.failures.pop(1)  # only the lost connection is known: name it
     assert failure_message(err).startswith("rank 0 failed: RuntimeError: [pair.cc:553]")
     # killed by a signal vs stopped by the agent after it; an exit without an error file
@@ -247,6 +248,7 @@ def test_failure_message_names_the_cause_not_the_peer_that_lost_it():
     err = NS(failures={0: NS(timestamp=5, message=term, exitcode=-15),
                        3: NS(timestamp=5, message=kill, exitcode=-9)})
     assert failure_message(err) == "rank 3 failed: Signal 9 (SIGKILL) received by PID 8"
+    assert killed_by_signal(err)  # (the kernel's OOM killer): status crashed
     no_file = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
     err = NS(failures={2: NS(timestamp=5, message=no_file, exitcode=3)})
     assert failure_message(err) == "rank 2 failed: exit code 3"
@@ -328,25 +330,53 @@ def test_muon_under_fsdp_orthogonalizes_each_matrix_once(model, gathered, round_
     assert res["calls"] == {"gathered": [gathered] * 2, "round_robin": [round_robin] * 2}
 
 
-def _torchrun(tmp_path, out, *args, fail_rank=None):
-    """`torchrun --standalone --nproc_per_node 2 -m moe_exp.run ARGS`; fail_rank: that rank's
-    micro-step raises (patched in by a sitecustomize on the path)."""
+def _inject_failure(tmp_path, fail_rank) -> dict:
+    """env whose processes of rank fail_rank raise in their first micro-step (patched in by
+    a sitecustomize on the path)."""
     import os
-    import subprocess
-    import sys
 
     from conftest import ROOT
 
     inject = tmp_path / "inject"
     inject.mkdir(exist_ok=True)
-    (inject / "sitecustomize.py").write_text(
-        "import os\n"
-        "if os.environ.get('RANK') == os.environ.get('FAIL_RANK'):\n"
-        "    import moe_exp.bench.loop as loop\n"
-        "    def boom(*a, **k):\n"
+    (inject / "sitecustomize.py").write_text(  # (RANK read when called: the app's own
+        "import os\n"  # launch sets it after the interpreter started)
+        "import moe_exp.bench.loop as loop\n"
+        "step = loop.micro_step\n"
+        "def boom(*a, **k):\n"
+        "    if os.environ.get('RANK') == os.environ.get('FAIL_RANK'):\n"
         "        raise ValueError('injected failure')\n"
-        "    loop.micro_step = boom\n")
-    env = {**os.environ, "PYTHONPATH": f"{inject}:{ROOT}", "FAIL_RANK": str(fail_rank)}
+        "    return step(*a, **k)\n"
+        "loop.micro_step = boom\n")
+    return {**os.environ, "PYTHONPATH": f"{inject}:{ROOT}", "FAIL_RANK": str(fail_rank)}
+
+
+def test_a_failed_launch_keeps_what_it_knew(tmp_path):
+    """A rank that raises under the app's own launch: the record names it (status error)
+    and keeps the analytic figures (they were null: "not measured")."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "bad"
+    p = subprocess.run([sys.executable, "-m", "moe_exp.run", *TINY, "parallel=ddp",
+                        "hardware.devices=2", f"hydra.run.dir={out}"], cwd=tmp_path,
+                       env=_inject_failure(tmp_path, 1), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 1, p.stderr[-3000:]
+    rec = json.loads((out / "metrics.json").read_text())
+    assert rec["status"] == "error" and rec["error"].startswith("rank 1 failed: ValueError")
+    assert rec["params_total"] == 1739392 and rec["flops_per_token"] > 0
+    assert rec["torch_version"] == torch.__version__ and rec["tokens_per_s"] is None
+    assert "params_total" not in rec["null_reasons"] and "tokens_per_s" in rec["null_reasons"]
+
+
+def _torchrun(tmp_path, out, *args, fail_rank=None):
+    """`torchrun --standalone --nproc_per_node 2 -m moe_exp.run ARGS`; fail_rank: that rank's
+    micro-step raises (patched in by a sitecustomize on the path)."""
+    import subprocess
+    import sys
+
+    env = _inject_failure(tmp_path, fail_rank)
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc_per_node", "2", "-m", "moe_exp.run", *TINY,
                            "parallel=ddp", "hardware.devices=2", f"hydra.run.dir={out}",
@@ -369,3 +399,8 @@ def test_torchrun_ranks_record_once_and_a_failure_names_the_rank(tmp_path):
     assert rec["error"].startswith("rank 0: ValueError: injected failure")
     assert "injected failure" in (tmp_path / "bad" / "error.log").read_text()
     assert f"error: run error: {rec['error']}" in bad.stderr
+    # a config error: every rank finds it, rank 0 alone says so and writes the record
+    inv = _torchrun(tmp_path, tmp_path / "inv", "train.steps=-1")
+    assert inv.returncode != 0
+    assert inv.stderr.count("error: train.steps: must be >= 1") == 1, inv.stderr[-3000:]
+    assert json.loads((tmp_path / "inv" / "metrics.json").read_text())["status"] == "invalid"
