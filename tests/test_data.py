@@ -134,3 +134,28 @@ def test_data_loader_workers(tmp_path):
                       "train.steps=3"], tmp_path)
     assert rec["status"] == "ok" and rec["data_share"] < 1
     assert math.isfinite(rec["data_ms"])
+
+
+def test_prepare_cli_output_errors_inputs_and_hints(tmp_path, capsys):
+    """One line and exit 2 where the output cannot be written (a traceback before); a
+    directory input named as one; an input given twice and a file shorter than a default
+    window are warnings; the printed override reads back as the path in Hydra."""
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from moe_exp.data.__main__ import main
+
+    text = tmp_path / "a.txt"
+    text.write_text("hello")
+    assert main(["prepare", str(text), str(text / "x.bin")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: could not write {text / 'x.bin'}: ") and "Traceback" not in err
+    assert main(["prepare", str(tmp_path), str(tmp_path / "o.bin")]) == 2
+    assert capsys.readouterr().err == f"error: a directory, not a text file: {tmp_path}\n"
+    out = tmp_path / "my dir" / "c,1.bin"
+    assert main(["prepare", str(text), str(text), str(out)]) == 0
+    cap = capsys.readouterr()
+    assert "given more than once" in cap.err and "12 tokens: a run needs more" in cap.err
+    word = shlex.split(cap.out.split("data=tokens ", 1)[1])[0]
+    assert OverridesParser.create().parse_override(word).value() == str(out)

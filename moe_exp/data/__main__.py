@@ -5,22 +5,33 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..config import TrainConfig
 from .tokens import meta_path, prepare
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m moe_exp.data")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="command (prepare)")
     p = sub.add_parser("prepare", help="byte-level token file from text files (vocab 256)")
     p.add_argument("inputs", nargs="+", help="text files to read")
     p.add_argument("out", help="token file to write (metadata goes to <out>.json)")
     p.add_argument("--force", action="store_true", help="overwrite an existing file that is "
                    "not a token file (one without its .json)")
     args = ap.parse_args(argv)
-    missing = [f for f in args.inputs if not Path(f).is_file()]
-    if missing:
-        print(f"error: no such file: {', '.join(missing)}", file=sys.stderr)
-        return 2
+    for what, bad in (("no such file", [f for f in args.inputs if not Path(f).exists()]),
+                      ("a directory, not a text file", [f for f in args.inputs
+                                                        if Path(f).is_dir()]),
+                      ("not a regular file", [f for f in args.inputs if Path(f).exists()
+                                              and not Path(f).is_dir()
+                                              and not Path(f).is_file()])):
+        if bad:
+            print(f"error: {what}: {', '.join(bad)}", file=sys.stderr)
+            return 2
+    twice = sorted({f for f in args.inputs
+                    if [Path(g).resolve() for g in args.inputs].count(Path(f).resolve()) > 1})
+    if twice:
+        print(f"warning: given more than once (their text is in the file that often): "
+              f"{', '.join(twice)}", file=sys.stderr)
     if not any(Path(f).stat().st_size for f in args.inputs):  # (the file would hold only
         # separators, every window of which is the same token)
         print(f"error: the inputs hold no text: {', '.join(args.inputs)}", file=sys.stderr)
@@ -42,10 +53,31 @@ def main(argv=None) -> int:
               f"{meta_path(out).name} beside it): was it meant as an input? Name a new file, "
               "or add --force to overwrite it", file=sys.stderr)
         return 2
-    meta = prepare(args.inputs, args.out)
+    try:
+        meta = prepare(args.inputs, args.out)
+    except OSError as e:
+        for f in (out, meta_path(out)):  # (a file cut short is no token file)
+            if f.is_file():
+                f.unlink(missing_ok=True)
+        print(f"error: could not write {args.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
     print(f"wrote {args.out}: {meta['num_tokens']:,} tokens (vocab {meta['vocab_size']}); "
-          f"use: python -m moe_exp.run data=tokens data.path={args.out}")
+          f"use: python -m moe_exp.run data=tokens {path_override(args.out)}")
+    seq = TrainConfig.seq_len
+    if meta["num_tokens"] < seq + 1:
+        print(f"warning: {meta['num_tokens']} tokens: a run needs more than train.seq_len "
+              f"(default {seq}) of them; add text or lower train.seq_len", file=sys.stderr)
     return 0
+
+
+def path_override(path: str) -> str:
+    """data.path=PATH as a shell word Hydra reads back as PATH (spaces, commas: quoted)."""
+    import re
+    import shlex
+
+    if re.fullmatch(r"[\w./+@:-]+", path):
+        return f"data.path={path}"
+    return shlex.quote(f'data.path="{path}"'.replace("\\", "\\\\"))
 
 
 if __name__ == "__main__":
