@@ -36,7 +36,10 @@ def _padding_note(r: dict) -> str | None:
 
 def summary_rows(r: dict) -> list[tuple[str, str]]:
     why = r.get("null_reasons", {})
-    step = r["step_time_ms"] or 0.0
+    # each phase's share of the phases' summed medians: the median of a sum is not the sum
+    # of the medians (under contention the shares of the median step passed 100%)
+    phases = [r.get(f"{p}_ms") for p in ("data", "forward", "backward", "optimizer")]
+    step = sum(phases) if None not in phases else (r["step_time_ms"] or 0.0)
     share = lambda ms: "" if ms is None or not step else f" ({100 * ms / step:.0f}%)"  # noqa: E731
     mfu = (f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None
            else f"null: {why.get('mfu', 'unknown')}")

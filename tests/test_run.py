@@ -473,6 +473,19 @@ def _summary_stub(summary_rows, extra):
     return summary_rows(r)
 
 
+def test_summary_breakdown_shares_add_up():
+    """Shares of the phases' summed medians (of the median step they passed 100% under
+    contention: forward 73%, backward 48%); one rank is '1 rank'."""
+    import re
+
+    from moe_exp.summary import summary_rows
+
+    rows = dict(_summary_stub(summary_rows, {"null_reasons": {}, "step_time_ms": 0.8,
+                                             "parallel": "ddp", "world_size": 1}))
+    shares = [int(x) for x in re.findall(r"\((\d+)%\)", rows["breakdown"])]
+    assert shares == [10, 30, 50, 10] and rows["parallel"].startswith("ddp on 1 rank;")
+
+
 def test_summary_gives_the_reason_for_unmeasured_collectives():
     from moe_exp.summary import summary_rows
 
