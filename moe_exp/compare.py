@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .bench.load import OTHER_LOAD_WARN
+from .bench.load import OTHER_LOAD_WARN, busy
 from .results import row_key
 
 
@@ -115,10 +115,10 @@ def compare(base, new, threshold: float = 5.0) -> tuple[list[dict], list[str]]:
                 e["regressions"].append(f"{name} no longer measured")
         if b["status"] == "ok" and n["status"] != "ok":
             e["regressions"].append(f"status ok -> {n['status']}: {n.get('error')}")
-        busy = [f"{side} {load:.0%}" for side, row in (("BASE", b), ("NEW", n))
-                if (load := _val(row, "cpu_other_load")) is not None and load > OTHER_LOAD_WARN]
-        if busy:  # its timings (either side's) are not reliable: a verdict to re-measure
-            e["contended"] = f"measured under other processes' CPU load ({', '.join(busy)})"
+        loaded = [f"{side} {load:.0%}" for side, row in (("BASE", b), ("NEW", n))
+                  if busy(load := _val(row, "cpu_other_load"))]
+        if loaded:  # its timings (either side's) are not reliable: a verdict to re-measure
+            e["contended"] = f"measured under other processes' CPU load ({', '.join(loaded)})"
         out.append(e)
     paired_b, paired_n = {kb for kb, _ in pairs}, {kn for _, kn in pairs}
     only = [("REGRESSION: ok in BASE, absent from NEW: " if r["status"] == "ok" else
@@ -188,11 +188,11 @@ def main(argv=None) -> int:
         print(line)
     bad = [e for e in entries if e["regressions"]]
     gone = [line for line in only if line.startswith("REGRESSION")]
-    busy = sum(bool(e.get("contended")) for e in entries)
+    n_busy = sum(bool(e.get("contended")) for e in entries)
     print(f"{len(bad)} regression(s) in {len(entries)} matched configuration(s)"
           + (f", {len(gone)} ok configuration(s) gone" if gone else "")
-          + (f"; {busy} measured under other CPU load (cpu_other_load > "
-             f"{OTHER_LOAD_WARN:.0%}): their verdicts are not reliable" if busy else ""))
+          + (f"; {n_busy} measured under other CPU load (cpu_other_load > "
+             f"{OTHER_LOAD_WARN:.0%}): their verdicts are not reliable" if n_busy else ""))
     return 1 if bad or gone else 0
 
 

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from .ranks import rank_env
+
 
 @dataclass
 class Dist:
@@ -34,7 +36,7 @@ class Dist:
 
 def is_rank() -> bool:
     """Started by torchrun / the elastic agent / SLURM with torch env: don't launch again."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    return rank_env() is not None
 
 
 def backend(cfg) -> str:

@@ -48,8 +48,8 @@ def report(sweep_dir: Path, baseline: dict | None = None, by=("model",), wandb_c
         log_sweep(df, sweep_dir, wandb_cfg, group, pngs)
         print(f"[report] W&B run {group}-summary ({wandb_cfg.mode}) in project "
               f"{wandb_cfg.project}, files under {sweep_dir / 'wandb'}"
-              if wandb_cfg.mode != "disabled" else "[report] W&B: WANDB_MODE=disabled, "
-              "nothing logged")
+              if wandb_cfg.mode != "disabled" else "[report] W&B: mode disabled, nothing "
+              "logged")
     print(f"[report] {', '.join(str(p) for p in paths.values())}")
     return paths
 

@@ -8,6 +8,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from .ranks import rank_env
+
 STATUSES = ("ok", "oom", "diverged", "invalid", "error", "crashed", "skipped")
 
 # The contract of shared/DESIGN.md, in order; extra keys follow.
@@ -75,35 +77,36 @@ def config_hash(cfg_dict: dict, world: int | None = None) -> str:
         if isinstance(keep.get(group), dict) and keep[group].get(key) == default:
             keep[group] = {k: v for k, v in keep[group].items() if k != key}
     if keep.get("task", "bench") == "bench":
-        from .config import ParallelConfig
-
-        if "comm" in keep:  # read by task=comm only: hashed at its defaults (as bench
-            keep["comm"] = _comm_defaults()  # records had them)
-        par = keep.get("parallel")
-        if isinstance(par, dict) and par.get("name") == "none":  # one rank: no process group
-            keep["parallel"] = {**par, **{k: getattr(ParallelConfig, k) for k in RANKS_ONLY}}
+        _unread_at_defaults(keep)
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def _comm_defaults() -> dict:
-    import dataclasses
-
-    from .config import CommConfig
-
-    return dataclasses.asdict(CommConfig())
-
-
-# parallel keys only a run with ranks reads: a parallel=none bench run hashes them at their
-# defaults (a setting given for every job of a sweep over parallel=none,ddp)
+# parallel keys only a run with ranks reads
 RANKS_ONLY = ("backend", "timeout_s", "profile_steps")
 
 
-def _torchrun_world() -> int | None:
-    """WORLD_SIZE where this process is a rank torchrun (or SLURM) started, else None."""
-    try:
-        return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else None
-    except (KeyError, ValueError):
-        return None
+def _unread_at_defaults(keep: dict) -> None:
+    """A bench configuration's keys it does not read, at their defaults in `keep` (a copy):
+    setting them, e.g. for every job of a sweep over parallel=none,ddp or data=markov,tokens,
+    splits no configuration in two; with them at their defaults a hash is the one it was.
+    comm.* (task=comm's); a parallel=none run's rank settings; accum_no_sync where gradients
+    are reduced once per step anyway (none, expert); the other data source's key."""
+    import dataclasses
+
+    from .config import CommConfig, DataConfig, ParallelConfig
+
+    if "comm" in keep:
+        keep["comm"] = dataclasses.asdict(CommConfig())
+    par = (keep.get("parallel") or {}).get("name")
+    src = (keep.get("data") or {}).get("source")
+    unread = {"parallel": (ParallelConfig, (RANKS_ONLY if par == "none" else ())
+                           + (("accum_no_sync",) if par in ("none", "expert") else ())),
+              "data": (DataConfig, ("path",) if src == "markov" else
+                       ("branching",) if src == "tokens" else ())}
+    for group, (schema, keys) in unread.items():
+        if keys and isinstance(keep.get(group), dict):
+            keep[group] = {**keep[group], **{k: getattr(schema, k) for k in keys
+                                             if k in keep[group]}}
 
 
 def new_record(cfg_dict: dict, overrides: list[str]) -> dict:
@@ -117,7 +120,7 @@ def new_record(cfg_dict: dict, overrides: list[str]) -> dict:
         activation_checkpointing=t["activation_checkpointing"], compile=t["compile"],
         world_size=cfg_dict["hardware"]["devices"], micro_batch_size=t["micro_batch_size"],
         grad_accum_steps=t["grad_accum_steps"], seq_len=t["seq_len"], overrides=list(overrides),
-        config_hash=config_hash(cfg_dict, _torchrun_world()),
+        config_hash=config_hash(cfg_dict, env.world if (env := rank_env()) else None),
         timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     )
     rec["task"] = cfg_dict.get("task", "bench")

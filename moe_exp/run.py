@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from . import config as _config  # noqa: F401  (registers the schemas)
 from .config import override_texts
 from .hardware import ConfigError
+from .ranks import rank_env
 from .results import failed_record, new_record, write_json_atomic
 
 EXIT_INVALID, EXIT_FAILED = 2, 1
@@ -66,7 +67,7 @@ def run(cfg: DictConfig, out_dir: Path | None = None, progress: bool = True,
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg, rec = prepare(cfg, overrides)
     if rec is not None:
-        if os.environ.get("RANK", "0") != "0":  # torchrun's other ranks: rank 0 reports it
+        if (env := rank_env()) and env.rank != 0:  # torchrun's other ranks: rank 0 reports
             return rec
         write_json_atomic(out_dir / "metrics.json", rec)
         print(f"error: {rec['error']}", file=sys.stderr)
@@ -119,7 +120,8 @@ def _run(cfg: DictConfig, out_dir: Path, overrides, choices, progress,
 
 def launch(cfg_dict: dict, out_dir: Path, overrides, choices, progress) -> dict:
     """hardware.devices ranks on this machine via torch's elastic agent; rank 0's record.
-    A rank that fails stops them all; the record names it (status error, or oom)."""
+    A rank that fails stops them all; the record names it (status error, oom, or crashed:
+    killed by a signal)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from .distributed import (failure_message, failure_report, killed_by_signal,
@@ -134,7 +136,8 @@ def launch(cfg_dict: dict, out_dir: Path, overrides, choices, progress) -> dict:
         status = "oom" if "OutOfMemoryError" in msg else \
             "crashed" if killed_by_signal(e) else "error"
         rec = failed_record(cfg_dict, overrides, status, msg, f"not measured: run {status}")
-        _known_before_the_run(rec, cfg_dict)
+        if cfg_dict.get("task", "bench") == "bench":
+            _known_before_the_run(rec, cfg_dict)
         write_json_atomic(out_dir / "metrics.json", rec)
         print(f"error: run {rec['status']}: {msg}", file=sys.stderr)
     return rec
@@ -145,14 +148,12 @@ def _known_before_the_run(rec: dict, cfg_dict: dict) -> None:
     counts, FLOPs per token, the torch version."""
     import torch
 
-    from .bench.flops import flops_per_token, param_counts
+    from .bench.flops import analytic
 
-    m = OmegaConf.create(cfg_dict["model"])
-    counts = param_counts(m)
-    rec.update(params_total=counts["params_total"], params_active=counts["params_active"],
-               flops_per_token=flops_per_token(m, cfg_dict["train"]["seq_len"]),
-               torch_version=torch.__version__)
-    for k in ("params_total", "params_active", "flops_per_token", "torch_version"):
+    known = {**analytic(OmegaConf.create(cfg_dict["model"]), cfg_dict["train"]["seq_len"]),
+             "torch_version": torch.__version__}
+    rec.update(known)
+    for k in known:
         rec["null_reasons"].pop(k, None)
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from .bench.load import OTHER_LOAD_WARN
+from .bench.load import busy
 
 
 def _f(v, fmt: str, unit: str = "") -> str:
@@ -95,7 +95,7 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
         rows.append(("expert load", f"null: {why.get('expert_load_cv', '')}"))
     rows.append(("loss", f"{r['loss_first']:.4f} → {r['loss_last']:.4f}"))
     load = r.get("cpu_other_load")
-    if load is not None and load > OTHER_LOAD_WARN:
+    if busy(load):
         rows.append(("WARNING", f"other processes used {load:.0%} of this machine's CPU during "
                                 "the measured steps: its timings are not reliable"))
     return rows

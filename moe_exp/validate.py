@@ -9,8 +9,9 @@ import torch
 from omegaconf import OmegaConf
 
 from .bench.flops import param_counts
-from .config import CHOICES, CONF, DataConfig, ParallelConfig, default_choices, group_options
+from .config import CHOICES, CONF, ParallelConfig, default_choices, group_options
 from .hardware import ConfigError, NotReady, Unsupported
+from .ranks import rank_env
 
 
 def _get(cfg, dotted: str):
@@ -184,24 +185,8 @@ def check_dispatch(cfg) -> None:
 
 def _world_size(devices: int) -> int:
     """Ranks in the whole job: torchrun's WORLD_SIZE (several nodes) or this machine's."""
-    import os
-
-    try:
-        return max(devices, int(os.environ.get("WORLD_SIZE", devices)))
-    except ValueError:
-        return devices
-
-
-def _torchrun_local_ranks() -> int | None:
-    """Ranks torchrun started on this node (LOCAL_WORLD_SIZE), None when not under it."""
-    import os
-
-    if "RANK" not in os.environ:
-        return None
-    try:
-        return int(os.environ["LOCAL_WORLD_SIZE"])
-    except (KeyError, ValueError):
-        return None
+    env = rank_env()
+    return max(devices, env.world) if env else devices
 
 
 def check_parallel(cfg) -> None:
@@ -216,7 +201,8 @@ def check_parallel(cfg) -> None:
     if p.name == "none" and launched > 1 and cfg.task == "bench":
         raise ConfigError("parallel", f"launched as {launched} ranks (torchrun), but "
                           "parallel=none runs one: set parallel=ddp, fsdp, expert or expert_fsdp")
-    local = _torchrun_local_ranks()
+    env = rank_env()
+    local = env and env.local_world
     if local is not None and local != n:  # (the record's config and hash say devices)
         raise ConfigError("hardware.devices", f"torchrun's LOCAL_WORLD_SIZE is {local} (ranks "
                           f"on this node), but hardware.devices={n}: set hardware.devices={local}")
@@ -243,8 +229,7 @@ def check_parallel(cfg) -> None:
         raise ConfigError("parallel.expert_parallel_size", f"only for parallel=expert or "
                           f"expert_fsdp, not parallel={p.name}")
     for keys, names in ((("bucket_cap_mb", "gradient_as_bucket_view", "static_graph"), ("ddp",)),
-                        (("reshard_after_forward", "cpu_offload"), ("fsdp", "expert_fsdp")),
-                        (("accum_no_sync",), ("ddp", "fsdp", "expert_fsdp"))):
+                        (("reshard_after_forward", "cpu_offload"), ("fsdp", "expert_fsdp"))):
         for key in keys:  # (elsewhere nothing reads them: a sweep row would differ in name only)
             if p.name not in names and p[key] != getattr(ParallelConfig, key):
                 raise ConfigError(f"parallel.{key}", f"only for parallel={' or '.join(names)}, "
@@ -284,7 +269,7 @@ def check_parallel(cfg) -> None:
         raise Unsupported("parallel.backend", "nccl needs CUDA GPUs; on CPU use gloo (or auto)")
 
 
-def check_data(cfg) -> None:
+def check_data(cfg, overrides=()) -> None:
     d = cfg.data
     _at_least(cfg, "data.num_workers", 0)
     if d.num_workers == 0 and (d.prefetch_factor is not None or d.persistent_workers):
@@ -295,12 +280,12 @@ def check_data(cfg) -> None:
     if d.name in ("markov", "tokens") and d.name != d.source:  # a label, not the source
         raise ConfigError("data.name", f"'{d.name}' only labels the run; the data would come "
                           f"from data.source={d.source}: pick the group instead, data={d.name}")
-    if d.source != "tokens" and not OmegaConf.is_missing(d, "path") and d.path is not None:
+    chosen = any(o.lstrip("+").split("=", 1)[0] == "data" for o in overrides)
+    if d.source != "tokens" and not chosen and not OmegaConf.is_missing(d, "path") \
+            and d.path is not None:  # (the default data with a file: surely data=tokens was
+        # meant; with data=markov chosen, as in a sweep over both, the path is not read)
         raise ConfigError("data.path", f"read by data=tokens only; this run's data is "
                           f"{d.source} (train on the file: data=tokens data.path={d.path})")
-    if d.source != "markov" and d.branching != DataConfig.branching:
-        raise ConfigError("data.branching", f"read by data=markov only; this run's data is "
-                          f"{d.source}")
     if d.source == "markov":
         if not 1 <= d.branching <= cfg.model.vocab_size:
             raise ConfigError("data.branching", f"must be in 1..model.vocab_size, got {d.branching}")
@@ -501,7 +486,7 @@ def validate(cfg, overrides=()) -> None:
     check_precision(cfg)
     check_dispatch(cfg)
     check_parallel(cfg)
-    check_data(cfg)
+    check_data(cfg, overrides)
     check_optim(cfg)
     check_sweep(cfg)
     check_comm(cfg)

@@ -150,7 +150,8 @@ def test_prepare_cli_output_errors_inputs_and_hints(tmp_path, capsys):
     text.write_text("hello")
     assert main(["prepare", str(text), str(text / "x.bin")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: could not write {text / 'x.bin'}: ") and "Traceback" not in err
+    assert err.startswith(f"error: could not write {text / 'x.bin'}: {text}: ")
+    assert "Traceback" not in err
     assert main(["prepare", str(tmp_path), str(tmp_path / "o.bin")]) == 2
     assert capsys.readouterr().err == f"error: a directory, not a text file: {tmp_path}\n"
     out = tmp_path / "my dir" / "c,1.bin"
@@ -159,3 +160,8 @@ def test_prepare_cli_output_errors_inputs_and_hints(tmp_path, capsys):
     assert "given more than once" in cap.err and "12 tokens: a run needs more" in cap.err
     word = shlex.split(cap.out.split("data=tokens ", 1)[1])[0]
     assert OverridesParser.create().parse_override(word).value() == str(out)
+    from moe_exp.data.__main__ import path_override
+
+    for path in ["data/c.bin", "c:\\x\\y", 'a"b', "1e3", "null", "tail\\", "x'y", "a=b"]:
+        word = shlex.split(path_override(path))[0]
+        assert OverridesParser.create().parse_override(word).value() == path, path

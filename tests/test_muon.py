@@ -119,9 +119,15 @@ def test_new_knobs_keep_older_config_hashes():
     assert h() == "86eee63098e3"  # the default run's hash before optim=muon (056edc5)
     # comm.* (task=comm's settings) change nothing a bench run measures; a comm run's do
     assert h() == h("comm.iters=3") and h("task=comm") != h("task=comm", "comm.iters=3")
-    # settings only ranks read, on a one-rank run (given to a sweep over parallel=none,ddp)
-    assert h() == h("parallel.profile_steps=0", "parallel.backend=gloo", "parallel.timeout_s=9")
+    # keys this configuration does not read (given to every job of a sweep over
+    # parallel=none,ddp or data=markov,tokens): rank settings and accum_no_sync on one rank,
+    # the token file on markov data
+    assert h() == h("parallel.profile_steps=0", "parallel.backend=gloo", "parallel.timeout_s=9",
+                    "parallel.accum_no_sync=false", "data=markov", "data.path=x.bin")
     assert h("parallel=ddp") != h("parallel=ddp", "parallel.profile_steps=0")
+    assert h("parallel=ddp") != h("parallel=ddp", "parallel.accum_no_sync=false")
+    assert h("parallel=expert") == h("parallel=expert", "parallel.accum_no_sync=false")
+    assert h("data.branching=3") != h()
     assert h("parallel=fsdp") != h("parallel=fsdp", "parallel.prefetch=1")
     assert "ns_steps" in MUON_ONLY
     assert h("optim=muon") != h("optim=muon", "optim.ns_steps=3")

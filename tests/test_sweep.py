@@ -482,7 +482,11 @@ def test_sweep_checks_fail_before_any_job(tmp_path):
              "precision: 'bogus' is not one of: bf16, fp16, fp32, fp8, tf32"),  # multirun.yaml)
             (tmp_path / "k", ["+case=fp32,bf16", "+extra.tag=a", "sweep.baseline_by=[extra.tagg]"],
              "sweep.baseline_by: 'extra.tagg' is a label no job of this sweep has (its labels: "
-             "extra.tag)")]:  # (found after every job ran, before)
+             "extra.tag)"),  # (found after every job ran, before)
+            (tmp_path / "l", ["+case=fp32", "comm.iters=3,5"],  # (one row of two jobs)
+             "comm.iters=5: job #1 would measure what job #0 (comm.iters=3) does, one row"),
+            (tmp_path / "m", ["+case=fp32,fp3"],  # a group on Hydra's search path
+             "case: 'fp3' is not one of: bf16, diverge, fast, fp32, invalid, long")]:
         r = sweep(d, *args, "logger=none")
         assert r.returncode == 2, r.stderr[-3000:]
         assert r.stderr.strip().startswith(f"error: {line}") and len(r.stderr.strip().splitlines()) == 1

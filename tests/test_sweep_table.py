@@ -133,17 +133,6 @@ def test_baseline_extra_label_checked_before_the_jobs():
         check_baseline_value("baselin")
 
 
-def test_swept_comm_keys_need_a_comm_task():
-    """comm.* is hashed at its defaults for task=bench: swept there it would give one row."""
-    from moe_exp.sweep.checks import SweepError, check_measured
-
-    check_measured({"comm.iters": ["3", "5"]}, task="comm")
-    check_measured({"comm.iters": ["3", "5"], "task": ["bench", "comm"]})
-    check_measured({"comm.iters": ["3"]})
-    with pytest.raises(SweepError, match="comm.iters: read by task=comm only"):
-        check_measured({"comm.iters": ["3", "5"]})
-
-
 def test_swept_group_option_checked_before_the_jobs():
     from moe_exp.sweep.checks import SweepError, check_values
 
@@ -439,7 +428,7 @@ def test_set_aside_moves_another_configurations_repeats(tmp_path):
 
     job = tmp_path / "0"
     (job / "rep0").mkdir(parents=True)
-    (job / "rep0" / "metrics.json").write_text(json.dumps({"config_hash": "old", "status": "ok"}))
+    (job / "rep0" / "metrics.json").write_text(json.dumps(rec(0, 1.0, 1.0, config_hash="old")))
     (job / "run.log").write_text("old log\n")
     assert set_aside(job, ("old", "{}")) is None  # the same configuration: left for resume
     dest = set_aside(job, ("new", "{}"))

@@ -34,3 +34,10 @@ def flops_per_token(m, seq_len: int) -> float:
     d = m.hidden_size // m.num_heads
     n = param_counts(m)["params_matmul_active"]
     return 6.0 * n + 6.0 * m.num_layers * m.num_heads * (d + d) * seq_len
+
+
+def analytic(m, seq_len: int) -> dict:
+    """The record's figures known from the config alone."""
+    counts = param_counts(m)
+    return {"params_total": counts["params_total"], "params_active": counts["params_active"],
+            "flops_per_token": flops_per_token(m, seq_len)}

@@ -16,6 +16,11 @@ _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 OTHER_LOAD_WARN = 0.15  # the share benchmarks/_timing.py drops a round at
 
 
+def busy(load) -> bool:
+    """A cpu_other_load (None, NaN from a table) above OTHER_LOAD_WARN: timings not reliable."""
+    return isinstance(load, (int, float)) and load == load and load > OTHER_LOAD_WARN
+
+
 def _cpus() -> set[int]:
     try:
         return set(os.sched_getaffinity(0))

@@ -11,7 +11,7 @@ import torch
 
 from ..config import total_steps
 from ..results import fill_null_reasons, hold_sigint, release_sigint, write_json_atomic
-from .flops import flops_per_token, param_counts
+from .flops import analytic
 from .load import other_share
 
 DENSE = "dense model (model.num_experts=0)"  # why its expert figures are null
@@ -149,10 +149,9 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
     memory.baseline()
     with torch.device(device):
         model = build_model(cfg.model)
-    counts = param_counts(cfg.model)
-    rec.update(params_total=counts["params_total"], params_active=counts["params_active"],
+    rec.update(analytic(cfg.model, t.seq_len),
                moe_dispatch=cfg.model.dispatch if cfg.model.num_experts else None)
-    assert counts["params_total"] == sum(p.numel() for p in model.parameters())
+    assert rec["params_total"] == sum(p.numel() for p in model.parameters())
     if d is not None:  # every rank starts from the same weights (the seed), as one process
         torch.manual_seed(t.seed + 1 + d.rank)
     rank, world = (d.rank, d.world) if d else (0, 1)
@@ -172,7 +171,6 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
             lr = cfg.optim.lr * lr_factor(first + i, total, cfg.optim)
             tracker.log({"loss": v, "lr": lr}, step=first + i)
 
-    rec["flops_per_token"] = flops_per_token(cfg.model, t.seq_len)  # analytic: known now
     cached = _graph_counts()
     res = train_loop(cfg, applied, optimizer, scheduler, loader, device, memory, on_log, progress)
     graphs = [a - b for a, b in zip(_graph_counts(), cached)]  # this run's

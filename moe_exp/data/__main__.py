@@ -54,12 +54,18 @@ def main(argv=None) -> int:
               "or add --force to overwrite it", file=sys.stderr)
         return 2
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         meta = prepare(args.inputs, args.out)
     except OSError as e:
         for f in (out, meta_path(out)):  # (a file cut short is no token file)
             if f.is_file():
                 f.unlink(missing_ok=True)
-        print(f"error: could not write {args.out}: {e.strerror or e}", file=sys.stderr)
+        reading = e.filename is not None and Path(e.filename) in map(Path, args.inputs) \
+            and Path(e.filename) != out.parent
+        print(f"error: could not read {e.filename}: {e.strerror}" if reading else
+              f"error: could not write {args.out}: " + (f"{e.filename}: {e.strerror}"
+                                                         if e.filename else str(e)),
+              file=sys.stderr)
         return 2
     print(f"wrote {args.out}: {meta['num_tokens']:,} tokens (vocab {meta['vocab_size']}); "
           f"use: python -m moe_exp.run data=tokens {path_override(args.out)}")
@@ -71,13 +77,23 @@ def main(argv=None) -> int:
 
 
 def path_override(path: str) -> str:
-    """data.path=PATH as a shell word Hydra reads back as PATH (spaces, commas: quoted)."""
+    """data.path=PATH as a shell word Hydra reads back as the string PATH: plain where it
+    is, else in Hydra's double quotes (a backslash escapes only before a quote)."""
     import re
     import shlex
 
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    plain = f"data.path={path}"
     if re.fullmatch(r"[\w./+@:-]+", path):
-        return f"data.path={path}"
-    return shlex.quote(f'data.path="{path}"'.replace("\\", "\\\\"))
+        try:
+            if OverridesParser.create().parse_override(plain).value() == path:
+                return plain  # (not 1e3, true, null: those would be typed)
+        except Exception:  # noqa: BLE001 - quoted below
+            pass
+    quoted = re.sub(r'(\\*)("|$)', lambda m: m.group(1) * 2 + ("\\" + m.group(2)
+                                                                 if m.group(2) else ""), path)
+    return shlex.quote(f'data.path="{quoted}"')
 
 
 if __name__ == "__main__":

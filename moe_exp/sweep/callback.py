@@ -63,13 +63,13 @@ class SweepCallback(Callback):
         jobs, swept = plan(config)
         self.total = len(jobs) if jobs is not None else None
         self.varying = list(swept)
-        from .checks import SweepError, check_some_job_runs, check_sweep, claim_dir
+        from .checks import SweepError, check_jobs, check_sweep, claim_dir
 
         launcher = str(config.hydra.launcher.get("_target_", ""))
         try:  # before any job
             check_sweep(config, swept)
-            if jobs and "submitit" not in launcher:  # (submitit: jobs resolve their hardware
-                check_some_job_runs(config, jobs)  # where they run)
+            if jobs:  # (submitit: jobs resolve their hardware where they run)
+                check_jobs(config, jobs, validate="submitit" not in launcher)
             self.lock = claim_dir(Path(config.hydra.sweep.dir))
         except SweepError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
@@ -124,7 +124,7 @@ class SweepCallback(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         counts: dict[str, int] = {}
         # the table's records (a job's callbacks may have run in another process)
-        records = collect(sweep_dir)
+        records = collect(sweep_dir, warn=False)  # (the report names bad files)
         for r in records:
             counts[r.get("status", "?")] = counts.get(r.get("status", "?"), 0) + 1
         summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
@@ -168,7 +168,8 @@ def update_table(sweep_dir: Path, sweep: DictConfig) -> None:
         with open(sweep_dir / ".results.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # (a bad baseline key: the report at the end
             # says so)
-            df, _ = sweep_table(collect(sweep_dir), baseline_of(sweep), sweep.baseline_by)
+            df, _ = sweep_table(collect(sweep_dir, warn=False), baseline_of(sweep),
+                                sweep.baseline_by)  # (the report at the end names bad files)
             write_tables(df, sweep_dir, title=f"Sweep {sweep.name or sweep_dir}")  # (the
             # report's title at the end)
     except Exception as e:  # noqa: BLE001

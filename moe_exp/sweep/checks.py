@@ -23,34 +23,52 @@ def check_sweep(config: DictConfig, params: dict) -> None:
     except ConfigError as e:
         raise SweepError(str(e)) from None
     check_dir(config)
-    check_measured(params, config.get("task", "bench"))
+    check_measured(params)
     check_values(params)
     check_baseline(config, params)
 
 
-def check_some_job_runs(config: DictConfig, jobs: list[list[str]]) -> None:
-    """Every job invalid (a `+` key no group has, a value every combination rejects): one
-    line, the first job's error, before any work. Jobs are composed and validated in order
-    until one is not invalid (usually the first). Invalid combinations among valid ones are
-    rows (README: Nothing lost)."""
+def check_jobs(config: DictConfig, jobs: list[list[str]], validate: bool = True) -> None:
+    """Every job composed as the launcher will compose it, before any runs:
+    - two jobs that would be one row (they differ only in keys their configuration does not
+      read, which results.config_hash leaves out: comm.* on task=bench, a parallel=none
+      run's rank settings, ...): the second's record would be dropped from the table;
+    - validate: every job invalid (a `+` key no group has, a value every combination
+      rejects): the first job's error. Jobs are validated in order until one is not
+      invalid (usually the first); invalid combinations among valid ones are rows (README:
+      Nothing lost). Off for launchers whose jobs resolve their hardware where they run."""
     from hydra.core.global_hydra import GlobalHydra
 
-    from ..run import prepare
+    from ..results import row_key
+    from ..run import _container, prepare
+    from .job import _key_record
 
     loader = GlobalHydra.instance().hydra.config_loader  # as the launcher composes a job
+    seen: dict[tuple, int] = {}
     first = None
-    for overrides in jobs:
+    for num, overrides in enumerate(jobs):
         try:
             cfg = loader.load_sweep_config(config, list(overrides))
             with open_dict(cfg):  # (a job's config: Hydra's own node left out)
                 del cfg["hydra"]
-            _, rec = prepare(cfg, [o for o in overrides if not o.startswith("hydra.")])
+            key = row_key(_key_record(_container(cfg)))
+            if validate:
+                _, rec = prepare(cfg, [o for o in overrides if not o.startswith("hydra.")])
+                validate = rec is not None and rec["status"] == "invalid"
+                first = first or (rec["error"] if validate else None)
         except Exception:  # noqa: BLE001 - the job reports it, as it would have (an error
             return  # escaping the callback would skip the rest of the sweep's start)
-        if rec is None or rec["status"] != "invalid":
-            return
-        first = first or rec["error"]
-    raise SweepError(f"{first} (every job of the sweep is invalid)")
+        if key in seen:
+            other = jobs[seen[key]]
+            mine = " ".join(o for o in overrides if o not in other) or "(the same overrides)"
+            theirs = " ".join(o for o in other if o not in overrides)
+            raise SweepError(f"{mine}: job #{num} would measure what job #{seen[key]} "
+                             f"({theirs}) does, one row: its configuration does not read "
+                             "that setting (README: config_hash); give it one value, or "
+                             "tell the rows apart with +extra.NAME=...")
+        seen[key] = num
+    if validate and first:
+        raise SweepError(f"{first} (every job of the sweep is invalid)")
 
 
 def check_dir(config: DictConfig) -> None:
@@ -91,30 +109,38 @@ def claim_dir(d: Path):
     return f
 
 
-def check_measured(params: dict, task: str = "bench") -> None:
+def check_measured(params: dict) -> None:
     """A swept key must change what is measured or label it (`extra.*`): sweep.* and logger
-    settings are left out of the config hash, as comm.* is from a bench run's, so their
-    values would give one row."""
+    settings are left out of the config hash, so their values would give one row (keys
+    a configuration does not read: check_jobs)."""
     for key, values in params.items():
         k = key.lstrip("+")
         if k.split(".")[0] in ("sweep", "logger") and len(values) > 1:
             raise SweepError(f"{k}: a setting of the sweep or its logging, not of what a job "
                              f"measures: give it one value (got {', '.join(values)})")
-        if k.startswith("comm.") and task == "bench" and "task" not in params \
-                and len(values) > 1:
-            raise SweepError(f"{k}: read by task=comm only, not by this sweep's task=bench: "
-                             f"give it one value (got {', '.join(values)}), or add task=comm")
+
+
+def _group_options(group: str) -> list[str]:
+    """A config group's options as Hydra finds them (--config-dir and hydra.searchpath
+    included); [] for a key that is no group."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from ..config import CONF, group_options
+
+    if GlobalHydra.instance().is_initialized():
+        return GlobalHydra.instance().hydra.config_loader.get_group_options(group)
+    return group_options(group) if (CONF / group).is_dir() else []
 
 
 def check_values(params: dict) -> None:
     """Swept values of keys with a fixed set of options (config.CHOICES) and of config
-    groups (their files: Hydra would say so only after writing multirun.yaml)."""
-    from ..config import CHOICES, CONF, group_options
+    groups (Hydra would say so only after writing multirun.yaml)."""
+    from ..config import CHOICES
     from ..validate import not_one_of
 
     for key, values in params.items():
         k = key.lstrip("+~")
-        allowed = CHOICES.get(k) or ((CONF / k).is_dir() and group_options(k))
+        allowed = CHOICES.get(k) or _group_options(k)
         bad = [v for v in map(_unquoted, values) if allowed and str(v) not in allowed]
         if bad:
             raise SweepError(f"{k}: {not_one_of(bad[0], allowed)}")
@@ -144,7 +170,7 @@ def check_baseline(config: DictConfig, params: dict) -> None:
             k = _norm_key(key)
             if k.startswith("extra.") and k not in overridden:
                 extras = extras if extras is not None else _extra_labels(config, params)
-                if k not in extras:
+                if extras is not _UNKNOWN and k not in extras:
                     raise SweepError(f"{what}: '{key}' is a label no job of this sweep has "
                                      f"(its labels: {', '.join(sorted(extras)) or 'none'})")
             elif k not in columns and k not in overridden and \
@@ -159,16 +185,16 @@ def check_baseline(config: DictConfig, params: dict) -> None:
         if values and str(want) not in {str(_typed(v)) for v in values}:
             raise SweepError(f"sweep.baseline: {key}={want} is not among the swept values "
                              f"({', '.join(values)}): no row could be the baseline")
-        labels = (extras or {}).get(_norm_key(key)) if not values else None
+        labels = None if values or not isinstance(extras, dict) else extras.get(_norm_key(key))
         if labels and str(want) not in labels:  # a label the swept options set (seed_row)
             raise SweepError(f"sweep.baseline: {key}={want} is not a value any job has "
                              f"({', '.join(sorted(labels))}): no row could be the baseline")
 
 
-def _extra_labels(config: DictConfig, params: dict) -> dict[str, set[str]]:
+def _extra_labels(config: DictConfig, params: dict):
     """{extra.KEY: the values it can have} for the labels a job of this sweep can have: the
     composed config's (run.yaml, presets, the command line) and those the options of a swept
-    group set (seed_row)."""
+    group set (seed_row); _UNKNOWN where an option is not moe_exp's own file."""
     from ..config import CONF
 
     labels: dict[str, set[str]] = {}
@@ -179,9 +205,14 @@ def _extra_labels(config: DictConfig, params: dict) -> dict[str, set[str]]:
 
     add(config.get("extra"))
     for key, values in params.items():
-        group = CONF / key.lstrip("+~")
-        for v in values if group.is_dir() else []:
-            f = group / f"{_unquoted(v)}.yaml"
-            if f.is_file() and "@package _global_" in f.read_text():
+        group = key.lstrip("+~")
+        for v in values if _group_options(group) else []:
+            f = CONF / group / f"{_unquoted(v)}.yaml"
+            if not f.is_file():  # (an option from --config-dir: its labels are not known here)
+                return _UNKNOWN
+            if "@package _global_" in f.read_text():
                 add(OmegaConf.load(f).get("extra"))
     return labels
+
+
+_UNKNOWN = object()  # labels a sweep's options set that this check cannot read

@@ -10,7 +10,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from ..bench.load import OTHER_LOAD_WARN
+from ..bench.load import OTHER_LOAD_WARN, busy
 from ..results import FIELDS
 
 # Finished outcomes that a re-run would repeat: resume keeps them (error/crashed re-run).
@@ -61,14 +61,14 @@ def job_dirs(sweep_dir: Path) -> list[Path]:
     return sorted(dirs, key=lambda d: (0, int(d.name), "") if d.name.isdigit() else (1, 0, d.name))
 
 
-def collect(sweep_dir: Path) -> list[dict]:
+def collect(sweep_dir: Path, warn: bool = True) -> list[dict]:
     """Job-level records, in job order; one per row (configuration and labels: resume may
-    copy a record, see results.row_key)."""
+    copy a record, see results.row_key). warn: name each file that is not a record."""
     from ..results import row_key
 
     out, seen = [], set()
     for d in job_dirs(sweep_dir):
-        rec = read_record(d / "metrics.json", warn=True)
+        rec = read_record(d / "metrics.json", warn=warn)
         key = rec and row_key(rec)
         if rec is None or key in seen:
             continue
@@ -368,15 +368,15 @@ def contended(df) -> str:
     """The note naming rows measured under other processes' CPU load, else ''."""
     if "cpu_other_load" not in df:
         return ""
-    is_busy = df["cpu_other_load"].map(lambda v: _num(v) is not None and v > OTHER_LOAD_WARN)
-    busy = df[is_busy]
-    rows = "; ".join(f"job {r.job} ({r.cpu_other_load:.0%})" for r in busy.itertuples())
+    is_busy = df["cpu_other_load"].map(busy).astype(bool)
+    busy_rows = df[is_busy]
+    rows = "; ".join(f"job {r.job} ({r.cpu_other_load:.0%})" for r in busy_rows.itertuples())
     if not rows:
         return ""
     note = (f"measured while other processes used over {OTHER_LOAD_WARN:.0%} of the "
             f"machine's CPU (cpu_other_load; their timings are not reliable): {rows}")
     if "baseline_job" in df:  # a quiet row's speedup over a contended baseline is not either
-        on_busy = df[~is_busy & df["baseline_job"].isin(set(busy["job"]))
+        on_busy = df[~is_busy & df["baseline_job"].isin(set(busy_rows["job"]))
                      & df["speedup"].map(lambda v: _num(v) is not None)]
         on_busy = on_busy[on_busy["baseline"] != True]  # noqa: E712 - pandas mask
         if len(on_busy):

@@ -1,0 +1,23 @@
+"""This process's place among ranks that torchrun, the elastic agent or SLURM started
+(torch's environment variables): read in one place."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    rank: int
+    world: int  # ranks in the whole job (every node)
+    local_world: int | None  # ranks on this node (torchrun's LOCAL_WORLD_SIZE)
+
+
+def rank_env() -> RankEnv | None:
+    """None unless RANK and WORLD_SIZE are set: a process that launches its own ranks."""
+    try:
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        return RankEnv(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                       int(local) if local is not None else None)
+    except (KeyError, ValueError):
+        return None
