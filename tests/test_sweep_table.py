@@ -267,6 +267,31 @@ def test_presets_compose_and_count_jobs():
                             "model"}
 
 
+def test_jobs_fast_composition_is_hydras():
+    """check_jobs composes one job per choice of groups and sets the value overrides on a
+    copy: the row keys are those of Hydra's own composition of each job."""
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    from moe_exp.sweep.callback import plan
+    from moe_exp.sweep.checks import _Jobs
+
+    args = ["+sweep=optimizations", "model=tiny_moe,tiny_dense", "optim.lr=1e-3,0.003",
+            "+extra.tag=x", "parallel.profile_steps=0"]
+    with initialize_config_module(config_module="moe_exp.conf", version_base="1.3"):
+        config = GlobalHydra.instance().hydra.config_loader.load_configuration(
+            "run", args, run_mode=RunMode.MULTIRUN)
+        jobs, _ = plan(config)
+        js = _Jobs(config)
+        picked = jobs[::9]
+        assert len(picked) >= 12
+        rows = [js.row(js.full(j)) for j in picked]
+        assert {"model", "precision"} <= js.groups
+        assert [js.row(js.fast(j)) for j in picked] == rows and len(set(rows)) == len(rows)
+        assert len(js.bases) < len(picked)  # (groups composed once per choice)
+
+
 def test_plan_counts_a_glob_over_a_group():
     """model=glob(tiny*): the options it matches (before: no count, no checks)."""
     from hydra import initialize_config_module

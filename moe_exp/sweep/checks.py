@@ -29,36 +29,41 @@ def check_sweep(config: DictConfig, params: dict) -> None:
 
 
 def check_jobs(config: DictConfig, jobs: list[list[str]], validate: bool = True) -> None:
-    """Every job composed as the launcher will compose it, before any runs:
+    """Every job's configuration, before any runs:
+    - a job Hydra cannot compose (an option no group has): Hydra's own line;
     - two jobs that would be one row (they differ only in keys their configuration does not
       read, which results.config_hash leaves out: comm.* on task=bench, a parallel=none
       run's rank settings, ...): the second's record would be dropped from the table;
     - validate: every job invalid (a `+` key no group has, a value every combination
       rejects): the first job's error. Jobs are validated in order until one is not
       invalid (usually the first); invalid combinations among valid ones are rows (README:
-      Nothing lost). Off for launchers whose jobs resolve their hardware where they run."""
-    from hydra.core.global_hydra import GlobalHydra
+      Nothing lost). Off for launchers whose jobs resolve their hardware where they run.
+    Composing a job costs Hydra ~0.1 s: jobs validated are composed as the launcher will,
+    the rest from one composition per choice of groups plus their value overrides
+    (Jobs.fast); a pair found that way is confirmed by composing both in full."""
+    from ..run import prepare
 
-    from ..results import row_key
-    from ..run import _container, prepare
-    from .job import _key_record
-
-    loader = GlobalHydra.instance().hydra.config_loader  # as the launcher composes a job
+    js = _Jobs(config)
     seen: dict[tuple, int] = {}
     first = None
     for num, overrides in enumerate(jobs):
         try:
-            cfg = loader.load_sweep_config(config, list(overrides))
-            with open_dict(cfg):  # (a job's config: Hydra's own node left out)
-                del cfg["hydra"]
-            key = row_key(_key_record(_container(cfg)))
-            if validate:
-                _, rec = prepare(cfg, [o for o in overrides if not o.startswith("hydra.")])
-                validate = rec is not None and rec["status"] == "invalid"
-                first = first or (rec["error"] if validate else None)
+            if validate or num == 0:
+                cfg = js.full(overrides)
+                key = js.row(cfg)
+                if validate:
+                    _, rec = prepare(cfg, [o for o in overrides if not o.startswith("hydra.")])
+                    validate = rec is not None and rec["status"] == "invalid"
+                    first = first or (rec["error"] if validate else None)
+            else:
+                key = js.row(js.fast(overrides))
+            same = key in seen and js.row(js.full(jobs[seen[key]])) == js.row(
+                js.full(overrides))
+        except SweepError:
+            raise
         except Exception:  # noqa: BLE001 - the job reports it, as it would have (an error
             return  # escaping the callback would skip the rest of the sweep's start)
-        if key in seen:
+        if same:
             other = jobs[seen[key]]
             mine = " ".join(o for o in overrides if o not in other) or "(the same overrides)"
             theirs = " ".join(o for o in other if o not in overrides)
@@ -66,9 +71,64 @@ def check_jobs(config: DictConfig, jobs: list[list[str]], validate: bool = True)
                              f"({theirs}) does, one row: its configuration does not read "
                              "that setting (README: config_hash); give it one value, or "
                              "tell the rows apart with +extra.NAME=...")
-        seen[key] = num
+        seen.setdefault(key, num)
     if validate and first:
         raise SweepError(f"{first} (every job of the sweep is invalid)")
+
+
+class _Jobs:
+    """Sweep jobs' configurations (Hydra's own node left out) and row keys."""
+
+    def __init__(self, config: DictConfig) -> None:
+        from hydra.core.global_hydra import GlobalHydra
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        self.config = config
+        self.loader = GlobalHydra.instance().hydra.config_loader  # as the launcher's
+        self.parser = OverridesParser.create(config_loader=self.loader)
+        self.bases: dict[tuple, DictConfig] = {}
+        self.groups: set[str] = set()  # config groups chosen in the jobs composed in full
+
+    def full(self, overrides) -> DictConfig:
+        """As the launcher composes the job (Hydra composes every job before the first
+        runs: an error here ends the sweep there too)."""
+        try:
+            cfg = self.loader.load_sweep_config(self.config, list(overrides))
+        except Exception as e:  # noqa: BLE001 - e.g. an option no group has
+            from ..run import hydra_error_line
+
+            raise SweepError(hydra_error_line(e)) from None
+        self.groups |= set(cfg.hydra.runtime.choices.keys())
+        with open_dict(cfg):
+            del cfg["hydra"]
+        return cfg
+
+    def fast(self, overrides) -> DictConfig:
+        """The composition of the job's group choices, with its value overrides set (the
+        groups: those of the jobs composed in full before, the first job among them)."""
+        parsed = self.parser.parse_overrides(list(overrides))
+        values = [o for o in parsed if not self._group(o.key_or_group)]
+        if any(o.is_delete() for o in values):
+            return self.full(overrides)
+        groups = tuple(o.input_line for o in parsed if self._group(o.key_or_group))
+        if groups not in self.bases:
+            self.bases[groups] = self.full(groups)
+        cfg = self.bases[groups].copy()
+        OmegaConf.set_struct(cfg, False)
+        for o in values:
+            OmegaConf.update(cfg, o.key_or_group, o.value(), merge=False, force_add=True)
+        return cfg
+
+    def _group(self, key: str) -> bool:
+        return key in self.groups or key.split("/")[0] == "hydra" or key.startswith("hydra.")
+
+    @staticmethod
+    def row(cfg: DictConfig) -> tuple:
+        from ..results import row_key
+        from ..run import _container
+        from .job import _key_record
+
+        return row_key(_key_record(_container(cfg)))
 
 
 def check_dir(config: DictConfig) -> None:
