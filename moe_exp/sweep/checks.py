@@ -40,7 +40,7 @@ def check_jobs(config: DictConfig, jobs: list[list[str]], validate: bool = True)
       Nothing lost). Off for launchers whose jobs resolve their hardware where they run.
     Composing a job costs Hydra ~0.1 s: jobs validated are composed as the launcher will,
     the rest from one composition per choice of groups plus their value overrides
-    (Jobs.fast); a pair found that way is confirmed by composing both in full."""
+    (_Jobs.fast); a pair found that way is confirmed by composing both in full."""
     from ..run import prepare
 
     js = _Jobs(config)
@@ -112,7 +112,10 @@ class _Jobs:
             return self.full(overrides)
         groups = tuple(o.input_line for o in parsed if self._group(o.key_or_group))
         if groups not in self.bases:
-            self.bases[groups] = self.full(groups)
+            try:
+                self.bases[groups] = self.full(groups)
+            except SweepError:  # (the choices alone do not compose: only the job's say)
+                return self.full(overrides)
         cfg = self.bases[groups].copy()
         OmegaConf.set_struct(cfg, False)
         for o in values:
@@ -181,8 +184,9 @@ def check_measured(params: dict) -> None:
 
 
 def _group_options(group: str) -> list[str]:
-    """A config group's options as Hydra finds them (--config-dir and hydra.searchpath
-    included); [] for a key that is no group."""
+    """A config group's options as Hydra finds them (--config-dir included; a group only
+    hydra.searchpath adds: [], its options are checked when the jobs are composed); [] for
+    a key that is no group."""
     from hydra.core.global_hydra import GlobalHydra
 
     from ..config import CONF, group_options
