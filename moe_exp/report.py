@@ -80,15 +80,26 @@ def sweep_df(sweep_dir: Path, baseline: dict | None, by, strict: bool,
     return df
 
 
+def _multirun(sweep_dir: Path):
+    """The config Hydra saved in a sweep's dir (multirun.yaml); None where there is none or
+    it does not load."""
+    from omegaconf import DictConfig, OmegaConf
+
+    try:
+        cfg = OmegaConf.load(Path(sweep_dir) / "multirun.yaml")
+    except Exception:  # noqa: BLE001 - no such file, or not YAML
+        return None
+    return cfg if isinstance(cfg, DictConfig) else None
+
+
 def own_group(sweep_dir: Path) -> str | None:
     """The W&B group the sweep's own runs went to (its multirun.yaml), if it has one."""
     from omegaconf import OmegaConf
 
     from .sweep.job import sweep_group
 
-    p = Path(sweep_dir) / "multirun.yaml"
+    cfg = _multirun(sweep_dir)
     try:
-        cfg = OmegaConf.load(p)
         # the dir as the sweep named it (its jobs' group came from that); an interpolation
         # (the default multirun/${now:...}): this dir's own <date>/<time>
         raw = OmegaConf.to_container(cfg, resolve=False).get("hydra", {}).get("sweep", {}) \
@@ -109,12 +120,10 @@ def own_logger(sweep_dir: Path):
     from .config import CHOICES
 
     cfg = {"project": "moe_exp", "entity": None}
-    try:
-        own = OmegaConf.to_container(OmegaConf.load(Path(sweep_dir) / "multirun.yaml").logger,
-                                     resolve=False)
+    own = (_multirun(sweep_dir) or {}).get("logger")
+    if own is not None:  # (else moe_exp's defaults)
+        own = OmegaConf.to_container(own, resolve=False)
         cfg.update({k: own[k] for k in cfg if isinstance(own.get(k), str)})
-    except Exception:  # noqa: BLE001 - no such file, or no logger node: the defaults
-        pass
     mode = os.environ.get("WANDB_MODE", "offline")
     if mode not in CHOICES["logger.mode"]:
         raise ValueError(f"WANDB_MODE: '{mode}' is not one of: "

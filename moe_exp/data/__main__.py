@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from pathlib import Path
 
 from ..config import TrainConfig
@@ -27,8 +28,8 @@ def main(argv=None) -> int:
         if bad:
             print(f"error: {what}: {', '.join(bad)}", file=sys.stderr)
             return 2
-    twice = sorted({f for f in args.inputs
-                    if [Path(g).resolve() for g in args.inputs].count(Path(f).resolve()) > 1})
+    times = Counter(Path(f).resolve() for f in args.inputs)
+    twice = sorted({f for f in args.inputs if times[Path(f).resolve()] > 1})
     if twice:
         print(f"warning: given more than once (their text is in the file that often): "
               f"{', '.join(twice)}", file=sys.stderr)
