@@ -78,9 +78,15 @@ def config_hash(cfg_dict: dict, world: int | None = None) -> str:
             keep[group] = {k: v for k, v in keep[group].items() if k != key}
     if keep.get("task", "bench") == "bench":
         _unread_at_defaults(keep)
+    else:  # task=comm: only what the collectives read
+        keep = {k: ({n: v.get(n) for n in COMM_READS[k]} if COMM_READS[k] else v)
+                for k, v in keep.items() if k in COMM_READS}
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
+# what task=comm reads (of a group: these keys; None: all): its hash is of these alone
+COMM_READS = {"task": None, "world_size": None, "comm": None,
+              "hardware": ("device", "devices", "env"), "parallel": ("backend", "timeout_s")}
 # parallel keys only a run with ranks reads
 RANKS_ONLY = ("backend", "timeout_s", "profile_steps")
 
@@ -90,7 +96,8 @@ def _unread_at_defaults(keep: dict) -> None:
     setting them, e.g. for every job of a sweep over parallel=none,ddp or data=markov,tokens,
     splits no configuration in two; with them at their defaults a hash is the one it was.
     comm.* (task=comm's); a parallel=none run's rank settings; accum_no_sync where gradients
-    are reduced once per step anyway (none, expert); the other data source's key."""
+    are reduced once per step anyway (none, expert); the other data source's key. And
+    parallel.prefetch past the model's layers, which acts as prefetching all of them."""
     import dataclasses
 
     from .config import CommConfig, DataConfig, ParallelConfig
@@ -107,6 +114,9 @@ def _unread_at_defaults(keep: dict) -> None:
         if keys and isinstance(keep.get(group), dict):
             keep[group] = {**keep[group], **{k: getattr(schema, k) for k in keys
                                              if k in keep[group]}}
+    layers = (keep.get("model") or {}).get("num_layers")
+    if isinstance(layers, int) and (keep.get("parallel") or {}).get("prefetch", 0) > layers:
+        keep["parallel"] = {**keep["parallel"], "prefetch": layers}  # more acts as all of them
 
 
 def new_record(cfg_dict: dict, overrides: list[str]) -> dict:

@@ -43,6 +43,8 @@ def prepare(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, dict | N
 
     cfg = cfg.copy()
     OmegaConf.set_struct(cfg, False)
+    if not OmegaConf.is_missing(cfg.data, "path") and isinstance(cfg.data.path, str):
+        cfg.data.path = os.path.expanduser(cfg.data.path)  # data.path=~/corpus.bin
     try:
         resolve(cfg)
         validate(cfg, overrides)
@@ -204,8 +206,10 @@ def main(cfg: DictConfig) -> dict:
 
 def hydra_error_line(e: Exception) -> str:
     """One line for Hydra's own config errors: the key (or group), then what went wrong."""
-    from hydra.errors import MissingConfigException
+    from hydra.errors import MissingConfigException, OverrideParseException
 
+    if isinstance(e, OverrideParseException):
+        return parse_error_line(e.override, e.message)
     if isinstance(e, MissingConfigException) and e.options and e.missing_cfg_file:
         group, _, name = e.missing_cfg_file.rpartition("/")
         return f"{group}: '{name}' is not one of: {', '.join(e.options)}"
@@ -223,6 +227,23 @@ def hydra_error_line(e: Exception) -> str:
         lines.append(str(cause).strip().splitlines()[0].rstrip("."))
     what = "; ".join(lines)
     return f"{key}: {what}" if key else what
+
+
+def parse_error_line(override: str, message: str) -> str:
+    """An override Hydra's grammar cannot read: the character, and the fix where it is in the
+    value (a path with ~ or a space: quote it)."""
+    lines = [x for x in message.splitlines() if x.strip()]
+    url = next((x.split()[1] for x in lines if x.startswith("See ")), None)
+    lines = [x for x in lines if not x.startswith(("See ", "Error parsing override"))]
+    what = lines[0] if lines else message
+    lexer = "LexerNoViableAltException: "
+    if what.startswith(lexer) and len(lines) > 1 and "^" in lines[1]:
+        at = lines[1].index("^") - len(lexer)
+        key, sep, value = override.partition("=")
+        what = f"Hydra cannot read {override[at]!r} here" if 0 <= at < len(override) else what
+        if sep and at > len(key) and '"' not in value:
+            what += f"; quote the value: '{key}=\"{value}\"'"
+    return f"override '{override}': {what}" + (f" (the grammar: {url})" if url else "")
 
 
 def group_override_error(args) -> str | None:

@@ -284,8 +284,10 @@ def check_data(cfg, overrides=()) -> None:
     if d.source != "tokens" and not chosen and not OmegaConf.is_missing(d, "path") \
             and d.path is not None:  # (the default data with a file: surely data=tokens was
         # meant; with data=markov chosen, as in a sweep over both, the path is not read)
+        from .data.tokens import path_override
+
         raise ConfigError("data.path", f"read by data=tokens only; this run's data is "
-                          f"{d.source} (train on the file: data=tokens data.path={d.path})")
+                          f"{d.source} (train on the file: data=tokens {path_override(d.path)})")
     if d.source == "markov":
         if not 1 <= d.branching <= cfg.model.vocab_size:
             raise ConfigError("data.branching", f"must be in 1..model.vocab_size, got {d.branching}")

@@ -279,6 +279,25 @@ def test_cli_hydra_errors_are_one_line_exit_2(override, line, tmp_path):
     assert full.returncode != 0 and "Traceback" in full.stderr
 
 
+@pytest.mark.parametrize("override,line", [
+    ("data.path=~/c.bin", "override 'data.path=~/c.bin': Hydra cannot read '~' here; quote the "
+                          "value: 'data.path=\"~/c.bin\"'"),
+    ("x y=1", "override 'x y=1': Hydra cannot read ' ' here"),
+    ("train.steps=[", "override 'train.steps=[': no viable alternative at input '['"),
+    ("model=tiny_moe)", "override 'model=tiny_moe)': extraneous input ')' expecting <EOF>"),
+])
+def test_an_override_hydra_cannot_parse_is_named_with_its_fix(override, line):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    from moe_exp.run import hydra_error_line
+
+    with pytest.raises(OverrideParseException) as e:
+        OverridesParser.create().parse_overrides([override])
+    got = hydra_error_line(e.value)
+    assert got.startswith(line + " (the grammar: https://hydra.cc/") and "\n" not in got
+
+
 MODELS = ("dense_1b, mixtral_8x7b, moe_1b, seed_dense, seed_moe16, seed_moe8, small_dense, "
           "small_moe, tiny_dense, tiny_moe")
 

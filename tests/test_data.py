@@ -8,7 +8,7 @@ import torch
 
 from moe_exp.data import MarkovTokens, TokenFile, prepare, read_meta
 
-from conftest import ROOT, run_inproc
+from conftest import ROOT, compose, run_inproc
 
 
 def rows(ds) -> torch.Tensor:
@@ -46,7 +46,7 @@ def test_runs_of_any_length_see_the_same_data(tmp_path):
     assert TokenFile(tmp_path / "t.bin", 1000, 4).starts == [0, 0, 0, 0]
 
 
-def test_prepare_cli_and_token_source_run(tmp_path):
+def test_prepare_cli_and_token_source_run(tmp_path, monkeypatch):
     text = tmp_path / "a.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
     out = tmp_path / "corpus.bin"
@@ -62,6 +62,13 @@ def test_prepare_cli_and_token_source_run(tmp_path):
                      tmp_path / "run")
     assert rec["status"] == "ok" and rec["data"] == "tokens"
     assert rec["loss_last"] < rec["loss_first"]
+    # ~ is the home directory, as in a shell (quoted: Hydra's grammar has no bare ~)
+    from moe_exp.run import prepare
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    home = ["logger=none", "data=tokens", 'data.path="~/corpus.bin"']
+    cfg, failed = prepare(compose(home), home)
+    assert failed is None and cfg.data.path == str(out)
 
 
 @pytest.mark.parametrize("sidecar,says", [
@@ -160,7 +167,7 @@ def test_prepare_cli_output_errors_inputs_and_hints(tmp_path, capsys):
     assert "given more than once" in cap.err and "12 tokens: a run needs more" in cap.err
     word = shlex.split(cap.out.split("data=tokens ", 1)[1])[0]
     assert OverridesParser.create().parse_override(word).value() == str(out)
-    from moe_exp.data.__main__ import path_override
+    from moe_exp.data.tokens import path_override
 
     for path in ["data/c.bin", "c:\\x\\y", 'a"b', "1e3", "null", "tail\\", "x'y", "a=b"]:
         word = shlex.split(path_override(path))[0]

@@ -129,6 +129,13 @@ def test_new_knobs_keep_older_config_hashes():
     assert h("parallel=expert") == h("parallel=expert", "parallel.accum_no_sync=false")
     assert h("data.branching=3") != h()
     assert h("parallel=fsdp") != h("parallel=fsdp", "parallel.prefetch=1")
+    # past the model's 2 layers, prefetch acts as prefetching both
+    assert h("parallel=fsdp", "parallel.prefetch=2") == h("parallel=fsdp", "parallel.prefetch=5")
+    # task=comm hashes what the collectives read: not the model, precision, parallel layout
+    comm = h("task=comm")
+    assert comm == h("task=comm", "model=small_moe", "precision=bf16", "parallel=fsdp",
+                     "parallel.prefetch=2", "train.steps=3", "hardware.deterministic=true")
+    assert comm != h("task=comm", "parallel.backend=gloo") != h("task=comm", "hardware.devices=4")
     assert "ns_steps" in MUON_ONLY
     assert h("optim=muon") != h("optim=muon", "optim.ns_steps=3")
 

@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..config import TrainConfig
-from .tokens import meta_path, prepare
+from .tokens import meta_path, path_override, prepare
 
 
 def main(argv=None) -> int:
@@ -75,26 +75,6 @@ def main(argv=None) -> int:
         print(f"warning: {meta['num_tokens']} tokens: a run needs more than train.seq_len "
               f"(default {seq}) of them; add text or lower train.seq_len", file=sys.stderr)
     return 0
-
-
-def path_override(path: str) -> str:
-    """data.path=PATH as a shell word Hydra reads back as the string PATH: plain where it
-    is, else in Hydra's double quotes (a backslash escapes only before a quote)."""
-    import re
-    import shlex
-
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    plain = f"data.path={path}"
-    if re.fullmatch(r"[\w./+@:-]+", path):
-        try:
-            if OverridesParser.create().parse_override(plain).value() == path:
-                return plain  # (not 1e3, true, null: those would be typed)
-        except Exception:  # noqa: BLE001 - quoted below
-            pass
-    quoted = re.sub(r'(\\*)("|$)', lambda m: m.group(1) * 2 + ("\\" + m.group(2)
-                                                                 if m.group(2) else ""), path)
-    return shlex.quote(f'data.path="{quoted}"')
 
 
 if __name__ == "__main__":

@@ -45,6 +45,26 @@ def read_meta(path: str | Path) -> dict:
     return meta
 
 
+def path_override(path: str) -> str:
+    """data.path=PATH as a shell word Hydra reads back as the string PATH: plain where it
+    is, else in Hydra's double quotes (a backslash escapes only before a quote)."""
+    import re
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    plain = f"data.path={path}"
+    if re.fullmatch(r"[\w./+@:-]+", path):
+        try:
+            if OverridesParser.create().parse_override(plain).value() == path:
+                return plain  # (not 1e3, true, null: those would be typed)
+        except Exception:  # noqa: BLE001 - quoted below
+            pass
+    quoted = re.sub(r'(\\*)("|$)', lambda m: m.group(1) * 2 + ("\\" + m.group(2)
+                                                                 if m.group(2) else ""), path)
+    return shlex.quote(f'data.path="{quoted}"')
+
+
 def prepare(inputs: Iterable[str | Path], out: str | Path) -> dict:
     """Concatenate the inputs' bytes (each followed by a 0 separator) into a uint8 token file."""
     out = Path(out)
