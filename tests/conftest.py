@@ -22,6 +22,16 @@ def compose(overrides=()):
         return hcompose("run", overrides=list(overrides))
 
 
+def off_contract(rec: dict) -> set:
+    """A record's keys the contract does not name (results.FIELDS, EXTRAS; task=comm's
+    busbw_gbps_<op>, a combined record's <field>_min / _max)."""
+    from moe_exp.results import EXTRAS, FIELDS
+
+    named = {*FIELDS, *EXTRAS}
+    return {k for k in rec if k not in named and not k.startswith("busbw_gbps_")
+            and not (k.endswith(("_min", "_max")) and k[:-4] in named)}
+
+
 def run_inproc(overrides, out_dir):
     """One run in this process (progress bar off); returns the record."""
     from moe_exp.run import run

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from conftest import run_cli, run_inproc
+from conftest import off_contract, run_cli, run_inproc
 
 pytestmark = pytest.mark.distributed
 TINY = ["hardware=cpu", "logger=none", "model.aux_loss_coef=0", "optim.grad_clip=0.05",
@@ -153,7 +153,7 @@ def test_cli_expert_parallel_record(tmp_path):
     for layer in rec["tokens_per_expert"]:  # nor counted: top_k = 2 choices per token
         assert sum(layer) == rec["measured_steps"] * rec["tokens_per_step"] * 2
     assert rec["tokens_per_s"] == pytest.approx(2 * rec["tokens_per_s_per_device"])
-    assert rec["peak_mem_gib"] > 0
+    assert rec["peak_mem_gib"] > 0 and off_contract(rec) == set()
     assert len(list(tmp_path.glob("**/metrics.json"))) == 1  # one output dir, one record
 
 
@@ -288,6 +288,7 @@ def test_comm_task_measures_collectives(tmp_path):
     rec = json.loads((tmp_path / "metrics.json").read_text())
     assert rec["status"] == "ok" and rec["world_size"] == 2 and len(rec["comm"]) == 16
     assert rec["tokens_per_s"] is None and "task=comm" in rec["null_reasons"]["tokens_per_s"]
+    assert off_contract(rec) == set() and rec["busbw_gbps_all_to_all"] > 0
 
 
 def test_sweep_over_parallel_and_devices(tmp_path):
@@ -368,6 +369,7 @@ def test_a_failed_launch_keeps_what_it_knew(tmp_path):
     assert rec["params_total"] == 1739392 and rec["flops_per_token"] > 0
     assert rec["torch_version"] == torch.__version__ and rec["tokens_per_s"] is None
     assert "params_total" not in rec["null_reasons"] and "tokens_per_s" in rec["null_reasons"]
+    assert off_contract(rec) == set()
 
 
 def _torchrun(tmp_path, out, *args, fail_rank=None):

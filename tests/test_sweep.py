@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, off_contract, run_cli
 
 CASES = f"hydra.searchpath=[file://{ROOT / 'tests' / 'sweep_cases'}]"
 pytestmark = pytest.mark.slow
@@ -208,6 +208,9 @@ def test_repeats_report_median_and_spread(tmp_path):
                 for k in range(2)]
         tps = sorted(x["tokens_per_s"] for x in reps)
         assert df.loc[i, "repeats"] == 2
+        combined = json.loads((d / str(i) / "metrics.json").read_text())
+        assert combined["combined"] and off_contract(combined) == set()
+        assert all(off_contract(x) == set() for x in reps)
         assert df.loc[i, "tokens_per_s"] == pytest.approx(sum(tps) / 2)  # median of two
         assert (df.loc[i, "tokens_per_s_min"], df.loc[i, "tokens_per_s_max"]) == \
             pytest.approx(tps)
