@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .timer import device_module
+
 GIB = 2**30
 
 
@@ -72,11 +74,9 @@ class MemoryMeter:
             self.base_rss = _status_kib("VmRSS") * 1024
 
     def _api(self):
-        """torch.cuda, or another accelerator's module with the same peak-memory calls
-        (torch.hpu once Gaudi's bridge is imported; torch.xpu); None on CPU or without them."""
-        mod = getattr(torch, self.device.type, None) if self.device.type != "cpu" else None
-        need = ("synchronize", "reset_peak_memory_stats", "max_memory_allocated")
-        return mod if mod is not None and all(hasattr(mod, n) for n in need) else None
+        """The device's torch module where it has the peak-memory calls (see device_module)."""
+        return device_module(self.device, "synchronize", "reset_peak_memory_stats",
+                             "max_memory_allocated")
 
     def reset(self) -> None:
         api = self._api()

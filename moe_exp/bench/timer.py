@@ -20,11 +20,16 @@ def device_sync(device: torch.device) -> None:
     """Wait for the device's queued work: torch.<type>.synchronize() (cuda, hpu once its
     bridge is imported, xpu, mps); nothing on CPU or where torch has no such module (the
     run's device check refuses those first)."""
-    if device.type == "cpu":
-        return
-    sync = getattr(getattr(torch, device.type, None), "synchronize", None)
-    if sync is not None:
-        sync()
+    mod = device_module(device, "synchronize")
+    if mod is not None:
+        mod.synchronize()
+
+
+def device_module(device: torch.device, *calls: str):
+    """torch.<device type> (torch.cuda, torch.hpu once Gaudi's bridge is imported, torch.xpu)
+    where it has all these calls; None on CPU or without them."""
+    mod = getattr(torch, device.type, None) if device.type != "cpu" else None
+    return mod if mod is not None and all(hasattr(mod, c) for c in calls) else None
 
 
 class StepTimer:
