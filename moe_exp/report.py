@@ -69,13 +69,13 @@ def sweep_df(sweep_dir: Path, baseline: dict | None, by, strict: bool,
     else:
         df, bad = sweep_table(records, baseline, by)
         if bad:
-            print(f"[sweep] {bad}: the default baseline per model instead", file=sys.stderr)
+            print(f"[report] {bad}: the default baseline per model instead", file=sys.stderr)
             baseline = None
     if baseline and not df["baseline"].any():
         want = " ".join(f"{k}={v}" for k, v in baseline.items())
         if strict:
             raise KeyError(f"{names[0]} {want}: no finished (status ok) row matches")
-        print(f"[sweep] sweep.baseline {want} matches no finished (status ok) row: no "
+        print(f"[report] sweep.baseline {want} matches no finished (status ok) row: no "
               "speedups", file=sys.stderr)
     return df
 
@@ -175,6 +175,9 @@ def _pairs(items: list[str]) -> dict | None:
             print(f"error: --baseline: '{item}' is not key=value", file=sys.stderr)
             raise SystemExit(2)
         k, v = item.split("=", 1)
+        if k in out:
+            print(f"error: --baseline: {k} given twice; one value per key", file=sys.stderr)
+            raise SystemExit(2)
         out[k] = _typed(v)  # as Hydra typed the swept value (1e-3 -> 0.001, true -> True)
     return out or None
 

@@ -249,13 +249,19 @@ def parse_error_line(override: str, message: str) -> str:
 def group_override_error(args) -> str | None:
     """Hydra takes a config group set to null (it then fails with a traceback), to a list
     (it merges every listed config into one run) or deleted (`~model`: the schema's
-    defaults run), and a sweep preset without -m (one default run): one line for each
-    instead."""
+    defaults run), and a sweep preset or setting without -m (one default run): one line
+    for each instead."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ChoiceSweep
 
     from .config import CONF, default_choices, group_options
 
+    multirun = bool({"-m", "--multirun"} & set(args))
+    for a in args:
+        key = a.split("=", 1)[0].lstrip("+~")
+        if key.startswith("sweep.") and not multirun:
+            return (f"{key}: a sweep's setting, read only with -m (python -m moe_exp.run -m "
+                    f"{a} ...)")
     groups = {p.name for p in CONF.iterdir() if p.is_dir() and not p.name.startswith("_")}
     mine = [a for a in args if a.split("=", 1)[0].lstrip("+~") in groups]
     if not mine:
@@ -274,7 +280,7 @@ def group_override_error(args) -> str | None:
                 continue
             return f"{g}: a run needs one option; it cannot be removed (one of: {options})"
         value = o.value()
-        if g == "sweep" and isinstance(value, str) and not {"-m", "--multirun"} & set(args):
+        if g == "sweep" and isinstance(value, str) and not multirun:
             return (f"sweep: +sweep={value} is a sweep preset: run it with -m (python -m "
                     f"moe_exp.run -m +sweep={value})")
         for v in value.list if isinstance(value, ChoiceSweep) else [value]:
@@ -306,6 +312,11 @@ def cli() -> None:
         if full:
             raise
         print(f"error: {hydra_error_line(e)}", file=sys.stderr)
+        sys.exit(EXIT_INVALID)
+    except OSError as e:  # e.g. hydra.run.dir a file, or not writable (Hydra's own setup)
+        if full or not e.filename:
+            raise
+        print(f"error: cannot write '{e.filename}': {e.strerror}", file=sys.stderr)
         sys.exit(EXIT_INVALID)
     except KeyboardInterrupt:  # the run's record (if it got one) says `crashed: interrupted`
         print("interrupted", file=sys.stderr)

@@ -272,16 +272,17 @@ def check_parallel(cfg) -> None:
 def check_data(cfg, overrides=()) -> None:
     d = cfg.data
     _at_least(cfg, "data.num_workers", 0)
-    if d.num_workers == 0 and (d.prefetch_factor is not None or d.persistent_workers):
-        raise ConfigError("data.prefetch_factor", "prefetch_factor and persistent_workers need "
-                          "data.num_workers > 0")
+    for key, on in (("prefetch_factor", d.prefetch_factor is not None),
+                    ("persistent_workers", d.persistent_workers)):
+        if on and d.num_workers == 0:
+            raise ConfigError(f"data.{key}", "needs loader workers: data.num_workers > 0 (0 "
+                              "loads in the training process)")
     if d.prefetch_factor is not None and d.prefetch_factor < 1:
         raise ConfigError("data.prefetch_factor", f"must be >= 1 or null, got {d.prefetch_factor}")
     if d.name in ("markov", "tokens") and d.name != d.source:  # a label, not the source
         raise ConfigError("data.name", f"'{d.name}' only labels the run; the data would come "
                           f"from data.source={d.source}: pick the group instead, data={d.name}")
-    chosen = any(o.lstrip("+").split("=", 1)[0] == "data" for o in overrides)
-    if d.source != "tokens" and not chosen and not OmegaConf.is_missing(d, "path") \
+    if d.source != "tokens" and not _chosen(overrides, "data") and not OmegaConf.is_missing(d, "path") \
             and d.path is not None:  # (the default data with a file: surely data=tokens was
         # meant; with data=markov chosen, as in a sweep over both, the path is not read)
         from .data.tokens import path_override
@@ -316,8 +317,21 @@ def check_data(cfg, overrides=()) -> None:
                               f"than train.seq_len+1={cfg.train.seq_len + 1}")
 
 
-def check_optim(cfg) -> None:
+def _chosen(overrides, group: str) -> bool:
+    """Whether the command line picks the group's option (group=...)."""
+    return any(o.lstrip("+").split("=", 1)[0] == group for o in overrides)
+
+
+def check_optim(cfg, overrides=()) -> None:
     o = cfg.optim
+    if o.name != "muon" and not _chosen(overrides, "optim"):  # (a sweep over both: accepted)
+        from .config import OptimConfig
+        from .results import MUON_ONLY
+
+        for key in MUON_ONLY:
+            if o.get(key, getattr(OptimConfig, key)) != getattr(OptimConfig, key):
+                raise ConfigError(f"optim.{key}", f"read by optim=muon only; this run's "
+                                  f"optimizer is {o.name} (use optim=muon optim.{key}=...)")
     if o.lr <= 0:
         raise ConfigError("optim.lr", f"must be > 0, got {o.lr}")
     if o.grad_clip < 0:
@@ -489,7 +503,7 @@ def validate(cfg, overrides=()) -> None:
     check_dispatch(cfg)
     check_parallel(cfg)
     check_data(cfg, overrides)
-    check_optim(cfg)
+    check_optim(cfg, overrides)
     check_sweep(cfg)
     check_comm(cfg)
     check_memory(cfg)

@@ -72,6 +72,7 @@ SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3"
     ("model=mixtral_8x7b", "model"),
     ("data=tokens", "data.path"),
     ("data.prefetch_factor=2", "data.prefetch_factor"),
+    ("data.persistent_workers=true", "data.persistent_workers"),
     ("data.name=tokens", "data.name"),  # a label: the data would still be markov
     ("data.path=corpus.bin", "data.path"),  # without data=tokens: markov data, silently
     # a mistake before what this machine cannot do (3 ranks on 2 cores): 8 experts over 3
@@ -97,6 +98,8 @@ SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3"
     ("optim=muon optim.ns_steps=0", "optim.ns_steps"),
     ("model.ffn_hidden_size=255 model.dispatch=grouped", "model.dispatch"),  # 16-byte strides
     ("optim=muon optim.momentum=1.0", "optim.momentum"),
+    ("optim.momentum=0.9", "optim.momentum"),  # adamw: only muon reads it
+    ("++optim.ns_steps=3", "optim.ns_steps"),
     ("model.init_std=0", "model.init_std"),
     ("data.num_workers=1 data.prefetch_factor=0", "data.prefetch_factor"),
     ("hardware=cpu ++hardware.peak_flops.fp32=-1", "hardware.peak_flops.fp32"),
@@ -318,6 +321,29 @@ def test_cli_group_set_to_null_a_list_or_removed_is_one_line(args, line, tmp_pat
     p = run_cli([*args, "logger=none"], tmp_path, env={"HYDRA_FULL_ERROR": ""})
     assert (p.returncode, p.stderr.strip()) == (2, f"error: {line}")
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
+
+
+def test_a_sweep_setting_without_m_is_refused():
+    """sweep.* acts only in a sweep: without -m it used to run once, silently."""
+    from moe_exp.run import group_override_error
+
+    assert group_override_error(["sweep.repeats=3", "logger=none"]) == (
+        "sweep.repeats: a sweep's setting, read only with -m (python -m moe_exp.run -m "
+        "sweep.repeats=3 ...)")
+    assert group_override_error(["++sweep.resume=true"]).startswith("sweep.resume: ")
+    assert group_override_error(["-m", "sweep.repeats=3"]) is None
+
+
+def test_an_output_dir_that_is_a_file_is_one_line(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    p = run_cli(["logger=none", "hydra.run.dir=notes.txt/run"], tmp_path)
+    assert (p.returncode, p.stderr.strip()) == (
+        2, "error: cannot write 'notes.txt/run': Not a directory")
+    p = run_cli(["-m", "logger=none", "precision=fp32,bf16", "hydra.sweep.dir=notes.txt"],
+                tmp_path)
+    assert (p.returncode, p.stderr.strip()) == (
+        2, "error: hydra.sweep.dir: cannot make 'notes.txt' the sweep's dir: File exists")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
 def test_cli_model_name_of_another_preset_is_refused(tmp_path):

@@ -54,3 +54,11 @@ def test_grouped_mm_formula_equals_mm_count_of_the_loop():
     assert fa["total"] == fb["total"] > 0
     # experts: 3 matmuls x (fwd + 2 bwd) x 2*rows*H*F, rows = 40 tokens * top_k
     assert fa["by_op"]["aten._grouped_mm"] == 9 * 2 * 80 * 32 * 48
+
+
+def test_flop_check_cli_names_a_bad_override_in_one_line(capsys):
+    from moe_exp.bench.flop_check import main
+
+    assert main(["model=tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: model: 'tiny' is not one of: ") and err.count("\n") == 1

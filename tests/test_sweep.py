@@ -402,7 +402,7 @@ def test_chosen_baseline_from_the_command_line_and_one_that_matches_nothing(tmp_
     d2 = tmp_path / "s2"
     r = sweep(d2, "+case=fp32", "logger=none", "++sweep.baseline={precision:fp16}")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "sweep.baseline precision=fp16 matches no finished" in r.stderr
+    assert "[report] sweep.baseline precision=fp16 matches no finished" in r.stderr
     assert (d2 / "report.md").is_file() and (d2 / "plots" / "throughput.png").is_file()
 
 

@@ -50,6 +50,16 @@ def test_each_model_size_is_its_own_baseline_group():
     assert list(df["speedup"]) == pytest.approx([1.0, 1.5, 0.5, 0.6])
 
 
+def test_report_baseline_takes_one_value_per_key(capsys):
+    from moe_exp.report import _pairs
+
+    assert _pairs(["precision=bf16", "optim.lr=1e-3"]) == {"precision": "bf16", "optim.lr": 0.001}
+    with pytest.raises(SystemExit) as e:
+        _pairs(["precision=bf16", "precision=fp32"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "error: --baseline: precision given twice; one value per key\n"
+
+
 def test_default_baseline_prefers_adamw_and_a_baseline_may_name_an_override():
     rows = [rec(0, 160.0, 1.0, optim="muon"), rec(1, 100.0, 1.0, optim="adamw")]
     assert list(build_table(rows)["baseline"]) == [False, True]  # muon is an optimization on
@@ -59,7 +69,7 @@ def test_default_baseline_prefers_adamw_and_a_baseline_may_name_an_override():
     assert list(df["baseline"]) == [False, True]
     with pytest.raises(KeyError, match="no row has 'parallel.prefetc'"):
         build_table(rows, baseline={"parallel.prefetc": 0})
-    with pytest.raises(KeyError, match=r"sweep.baseline: \{'precision': 'fp32'\} matches 2 rows"):
+    with pytest.raises(KeyError, match=r"sweep.baseline: precision=fp32 matches 2 rows"):
         build_table(rows, baseline={"precision": "fp32"})  # ambiguous: say so, pick none
     # several matches: the one with the fewest optimizations on
     rows = [rec(0, 100.0, 1.0, precision="bf16", compile="default"),

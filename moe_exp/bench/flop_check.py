@@ -109,9 +109,24 @@ def check(overrides=(), device: str = "cpu") -> dict:
 
 
 def main(argv=None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    meta = "--meta" in args
-    r = check([a for a in args if a != "--meta"], "meta" if meta else "cpu")
+    import argparse
+
+    from hydra.errors import HydraException
+
+    from ..run import hydra_error_line
+
+    ap = argparse.ArgumentParser(prog="python -m moe_exp.bench.flop_check", description=(
+        "analytic FLOPs per token against FlopCounterMode on one real training step"))
+    ap.add_argument("--meta", action="store_true", help="on the meta device (no memory, no "
+                    "compute: for models too big for this machine)")
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                    help="config overrides, as for python -m moe_exp.run (model=small_moe)")
+    args = ap.parse_args(argv)
+    try:
+        r = check(args.overrides, "meta" if args.meta else "cpu")
+    except HydraException as e:
+        print(f"error: {hydra_error_line(e)}", file=sys.stderr)
+        return 2
     print(f"model={r['model']} precision={r['precision']} dispatch={r['dispatch']}")
     print(f"  analytic {r['analytic_per_token'] / 1e6:12.4f} MFLOP/token")
     print(f"  counted  {r['counted_per_token'] / 1e6:12.4f} MFLOP/token  "

@@ -154,8 +154,12 @@ def claim_dir(d: Path):
     import os
     import socket
 
-    d.mkdir(parents=True, exist_ok=True)
-    f = open(d / ".sweep.lock", "a+")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        f = open(d / ".sweep.lock", "a+")
+    except OSError as e:  # a file there, no permission
+        raise SweepError(f"hydra.sweep.dir: cannot make '{d}' the sweep's dir: "
+                         f"{e.strerror or e}") from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
