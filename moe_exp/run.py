@@ -135,7 +135,7 @@ def launch(cfg_dict: dict, out_dir: Path, overrides, choices, progress) -> dict:
     except ChildFailedError as e:
         (out_dir / "error.log").write_text(failure_report(e))
         msg = f"{failure_message(e)} (see {out_dir}/error.log)"
-        status = "oom" if "OutOfMemoryError" in msg else \
+        status = "oom" if "OutOfMemoryError" in msg or "DefaultCPUAllocator" in msg else \
             "crashed" if killed_by_signal(e) else "error"
         rec = failed_record(cfg_dict, overrides, status, msg, f"not measured: run {status}")
         if cfg_dict.get("task", "bench") == "bench":

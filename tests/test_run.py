@@ -152,6 +152,37 @@ def test_cpu_peak_memory_counts_no_module_imports(extra):
              "torch._functorch", "torch.fx")
     assert not [m for m in late if m.startswith(heavy)], late
 
+
+def test_cpu_memory_cap_turns_running_out_into_an_error_and_is_lifted_after():
+    import resource
+
+    from moe_exp.bench.memory import cpu_memory_cap, is_oom
+
+    before = resource.getrlimit(resource.RLIMIT_DATA)
+    with cpu_memory_cap(0.25) as headroom:
+        assert headroom == pytest.approx(0.25 * 2**30, rel=1e-6)
+        with pytest.raises(RuntimeError) as e:
+            torch.ones(2**28)  # 1 GiB
+        assert is_oom(e.value)
+    assert resource.getrlimit(resource.RLIMIT_DATA) == before
+    assert torch.ones(2**28).sum() == 2**28
+    assert not is_oom(RuntimeError("shapes cannot be multiplied")) and is_oom(MemoryError())
+
+
+def test_a_cpu_run_past_its_memory_ends_oom_with_a_record(tmp_path):
+    """Not the kernel's OOM killer (no record, maybe another process killed): the run's
+    allocations fail past the memory free at its start (here hardware.memory_gib: the
+    weights fit, a batch of 256 sequences' activations do not)."""
+    rec = run_inproc(["logger=none", "hardware=cpu", "hardware.memory_gib=1",
+                      "train.micro_batch_size=256", "train.steps=2"], tmp_path)
+    assert rec["status"] == "oom", rec["error"]
+    assert rec["error"].startswith("DefaultCPUAllocator: can't allocate memory: ")
+    assert rec["error"].endswith("(the run could allocate 1 GiB: the memory free at its "
+                                 "start, at most hardware.memory_gib)")
+    assert "enforce fail" not in rec["error"] and rec["tokens_per_s"] is None
+    assert json.loads((tmp_path / "metrics.json").read_text())["status"] == "oom"
+
+
 def test_cpu_peak_memory_does_not_grow_with_the_runs_length(tmp_path):
     """Peak memory is the model's working set, not the run's length: a run 20x longer (its
     losses read once, at the end) peaks within 20% of a short one (run-to-run spread is

@@ -2,6 +2,8 @@
 the process's peak RSS above a baseline."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .timer import device_module
@@ -30,6 +32,57 @@ def _release_free_heap() -> None:
         _libc().malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
+
+
+def mem_available_bytes() -> int | None:
+    """Linux's estimate of the memory that can be had without swapping (MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+@contextlib.contextmanager
+def cpu_memory_cap(memory_gib: float | None, ranks: int = 1):
+    """A CPU run may allocate at most the memory free at its start (MemAvailable, at most
+    hardware.memory_gib; shared evenly among this machine's `ranks`): past it an allocation
+    fails, and the run ends `oom` with a record, as on a GPU, instead of the kernel's OOM
+    killer ending the process (or another one) without a word. RLIMIT_DATA (Linux >= 4.7
+    counts anonymous mappings too); a lower limit already set stays. Yields the bytes the
+    run may allocate beyond what the process holds at its start (None: no cap)."""
+    import resource
+
+    free = mem_available_bytes()
+    if free is None or not hasattr(resource, "RLIMIT_DATA"):
+        yield None
+        return
+    if memory_gib:
+        free = min(free, int(memory_gib * GIB))
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    held = _status_kib("VmData") * 1024
+    cap = held + free // max(ranks, 1)
+    if soft != resource.RLIM_INFINITY and soft <= cap:
+        yield max(soft - held, 0)
+        return
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
+    try:
+        yield cap - held
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+
+def is_oom(e: BaseException) -> bool:
+    """An allocation that failed: the accelerator's OutOfMemoryError, torch's CPU
+    allocator or Python's refusing (past cpu_memory_cap, or the machine's memory)."""
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(e, RuntimeError) and "DefaultCPUAllocator: " in str(e)
+        and ("can't allocate memory" in str(e) or "not enough memory" in str(e)))
 
 
 # mallopt parameters (malloc.h); thresholds get 2 GiB, the most a C int holds

@@ -1,6 +1,7 @@
 """task=bench: build the model, apply the optimizations, run the measured loop, record."""
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import traceback
@@ -16,7 +17,7 @@ from .load import other_share
 
 DENSE = "dense model (model.num_experts=0)"  # why its expert figures are null
 from .loop import Diverged, train_loop
-from .memory import MemoryMeter
+from .memory import MemoryMeter, cpu_memory_cap, is_oom
 from .timer import iqr, median, own_process
 
 
@@ -74,11 +75,12 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
     if cfg.parallel.name != "none":
         name += f"-{cfg.parallel.name}x{cfg.hardware.devices}"
     main = d is None or d.main
-    tracker = held = None
+    tracker = held = cap = None
     try:
         if main:
             tracker = Tracker(cfg, cfg_dict, out_dir, _tags(choices, cfg), name, defer=True)
-        _measure(cfg, rec, device, tracker, progress and main, d)
+        with _memory_cap(cfg, device, d) as cap:
+            _measure(cfg, rec, device, tracker, progress and main, d)
         if shared:  # before the record is printed, logged or written
             shared_process(rec, device.type)
         rec["status"] = "ok"
@@ -99,11 +101,13 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
             tracker.discard()
         raise
     except Exception as e:  # noqa: BLE001 - a run's failure is a status, not a crash
-        oom = isinstance(e, torch.OutOfMemoryError)
+        oom = is_oom(e)
         rank = "" if d is None else f"rank {d.rank}: "
         if not oom and main:
             (out_dir / "error.log").write_text(traceback.format_exc())
         first = (str(e).strip().splitlines() or [""])[0][:300]
+        if oom and device.type == "cpu":
+            first = cpu_oom_line(first, cap)
         rec.update(status="oom" if oom else "error",
                    error=rank + (first if oom else f"{type(e).__name__}: {first} (see "
                                                    f"{out_dir}/error.log)"))
@@ -113,7 +117,8 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
     finally:
         if main:
             if rec["status"] != "ok" and rec["error"] and not (d and d.launched_here):
-                print(f"error: run {rec['status']}: {rec['error']}", file=sys.stderr)
+                print(f"error: run {rec['status']}: {rec['error']}\nrecord: "
+                      f"{out_dir / 'metrics.json'}", file=sys.stderr)
             fill_null_reasons(rec, f"not measured: run {rec['status']}")
             write_json_atomic(out_dir / "metrics.json", rec)
         if tracker:
@@ -127,6 +132,27 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
 
         print_summary(rec, out_dir / "metrics.json")
     return rec
+
+
+def _memory_cap(cfg, device: torch.device, d):
+    """On CPU, the memory the run may allocate (bench.memory.cpu_memory_cap): this
+    machine's ranks share it."""
+    if device.type != "cpu":
+        return contextlib.nullcontext()
+    return cpu_memory_cap(cfg.hardware.memory_gib, cfg.hardware.devices if d else 1)
+
+
+def cpu_oom_line(first: str, cap: int | None) -> str:
+    """torch's CPU allocator's refusal, without its C++ assertion text, and the cap."""
+    import re
+
+    what = re.sub(r"^\[enforce fail at [^\]]*\] err == 0\. ", "", first)
+    what = re.sub(r"\. Error code \d+ \(Cannot allocate memory\)$", "", what) or \
+        "out of memory (MemoryError)"
+    if cap is None:
+        return what
+    return (f"{what} (the run could allocate {cap / 2**30:.2g} GiB: the memory free at its "
+            "start, at most hardware.memory_gib)")
 
 
 def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=None) -> None:
