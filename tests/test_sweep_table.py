@@ -649,3 +649,16 @@ def test_report_wandb_project_is_the_sweeps_own_and_mode_is_checked(tmp_path, mo
     monkeypatch.setenv("WANDB_MODE", "bogus")
     with pytest.raises(ValueError, match="WANDB_MODE: 'bogus' is not one of: offline"):
         own_logger(tmp_path)
+
+
+def test_wandb_group_names_the_sweep_dir_without_empty_parts():
+    from pathlib import Path
+
+    from moe_exp.sweep.job import sweep_group
+
+    cfg = OmegaConf.create({"sweep": {"name": None}})
+    assert sweep_group(cfg, Path("multirun/2026-11-23/10-00-00")) == \
+        "sweep-2026-11-23_10-00-00"
+    assert sweep_group(cfg, Path("sw_rep")) == "sweep-sw_rep"  # was "sweep-_sw_rep"
+    cfg.sweep.name = "seed003"
+    assert sweep_group(cfg, Path("/tmp/runs/a")) == "seed003-runs_a"

@@ -31,7 +31,7 @@ from .table import DONE, combine, read_record
 
 def sweep_group(cfg, sweep_dir: Path) -> str:
     """W&B group of a sweep's runs: the preset name and the sweep dir's timestamp."""
-    stamp = f"{sweep_dir.parent.name}_{sweep_dir.name}"
+    stamp = "_".join(n for n in (sweep_dir.parent.name, sweep_dir.name) if n)
     return f"{cfg.sweep.name or 'sweep'}-{stamp}"
 
 
