@@ -237,3 +237,23 @@ def register() -> None:
 
 
 register()
+
+
+def override_word(key: str, value: str) -> str:
+    """key=VALUE as a shell word Hydra reads back as the string VALUE: plain where it is,
+    else in Hydra's double quotes (a backslash escapes only before a quote)."""
+    import re
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    plain = f"{key}={value}"
+    if re.fullmatch(r"[\w./+@:-]+", value):
+        try:
+            if OverridesParser.create().parse_override(plain).value() == value:
+                return plain  # (not 1e3, true, null: those would be typed)
+        except Exception:  # noqa: BLE001 - quoted below
+            pass
+    quoted = re.sub(r'(\\*)("|$)', lambda m: m.group(1) * 2 + ("\\" + m.group(2)
+                                                                 if m.group(2) else ""), value)
+    return shlex.quote(f'{key}="{quoted}"')

@@ -59,7 +59,7 @@ def sweep_df(sweep_dir: Path, baseline: dict | None, by, strict: bool,
     """The table of sweep_dir's job records. strict (the user named baseline / by, as
     `names`): a key no row has, or a baseline no finished row matches, is an error; else
     (the sweep's own settings) the table still comes, with a note and the default."""
-    from .sweep.table import build_table, collect, sweep_table
+    from .sweep.table import baseline_text, build_table, collect, sweep_table
 
     records = collect(sweep_dir)
     if not records:
@@ -72,7 +72,7 @@ def sweep_df(sweep_dir: Path, baseline: dict | None, by, strict: bool,
             print(f"[report] {bad}: the default baseline per model instead", file=sys.stderr)
             baseline = None
     if baseline and not df["baseline"].any():
-        want = " ".join(f"{k}={v}" for k, v in baseline.items())
+        want = baseline_text(baseline)
         if strict:
             raise KeyError(f"{names[0]} {want}: no finished (status ok) row matches")
         print(f"[report] sweep.baseline {want} matches no finished (status ok) row: no "

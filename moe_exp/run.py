@@ -19,6 +19,7 @@ from .ranks import rank_env
 from .results import failed_record, new_record, write_json_atomic
 
 EXIT_INVALID, EXIT_FAILED = 2, 1
+_STARTED = False  # main() has been called: Hydra's own set-up (the output dir) is done
 
 
 def _hydra_info() -> tuple[Path | None, list[str], dict, bool]:
@@ -126,6 +127,7 @@ def launch(cfg_dict: dict, out_dir: Path, overrides, choices, progress) -> dict:
     killed by a signal)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from .bench.runner import oom_line
     from .distributed import (failure_message, failure_report, killed_by_signal,
                               launch as elastic, rank_entry)
 
@@ -134,14 +136,16 @@ def launch(cfg_dict: dict, out_dir: Path, overrides, choices, progress) -> dict:
                       str(out_dir), overrides, choices, progress, True)
     except ChildFailedError as e:
         (out_dir / "error.log").write_text(failure_report(e))
-        msg = f"{failure_message(e)} (see {out_dir}/error.log)"
-        status = "oom" if "OutOfMemoryError" in msg or "DefaultCPUAllocator" in msg else \
-            "crashed" if killed_by_signal(e) else "error"
+        msg = failure_message(e)
+        oom = any(x in msg for x in ("OutOfMemoryError", "DefaultCPUAllocator", "MemoryError"))
+        msg = f"{oom_line(msg) if oom else msg} (see {out_dir}/error.log)"
+        status = "oom" if oom else "crashed" if killed_by_signal(e) else "error"
         rec = failed_record(cfg_dict, overrides, status, msg, f"not measured: run {status}")
         if cfg_dict.get("task", "bench") == "bench":
             _known_before_the_run(rec, cfg_dict)
         write_json_atomic(out_dir / "metrics.json", rec)
-        print(f"error: run {rec['status']}: {msg}", file=sys.stderr)
+        print(f"error: run {rec['status']}: {msg}\nrecord: {out_dir / 'metrics.json'}",
+              file=sys.stderr)
     return rec
 
 
@@ -192,6 +196,8 @@ def _container(cfg) -> dict:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="run")
 def main(cfg: DictConfig) -> dict:
+    global _STARTED
+    _STARTED = True
     if _hydra_info()[3]:  # a sweep job: in its own process, never raises (see sweep/job.py)
         from .sweep.job import run_job
 
@@ -241,9 +247,28 @@ def parse_error_line(override: str, message: str) -> str:
         at = lines[1].index("^") - len(lexer)
         key, sep, value = override.partition("=")
         what = f"Hydra cannot read {override[at]!r} here" if 0 <= at < len(override) else what
-        if sep and at > len(key) and '"' not in value:
-            what += f"; quote the value: '{key}=\"{value}\"'"
+        if sep and at > len(key):
+            from .config import override_word
+
+            what += f"; quote the value: {override_word(key, value)}"
     return f"override '{override}': {what}" + (f" (the grammar: {url})" if url else "")
+
+
+def _hydra_args(argv) -> tuple[list[str], bool] | None:
+    """The overrides of a command line as Hydra reads it, and whether it is a multirun (-m,
+    --multi, hydra.mode=MULTIRUN); None where it runs nothing (--cfg, --info, --help) or
+    Hydra's parser refuses it (its own usage line follows)."""
+    from hydra._internal.utils import get_args_parser
+
+    try:
+        a, _ = get_args_parser().parse_known_args(list(argv))
+    except SystemExit:
+        return None
+    if a.help or a.hydra_help or a.cfg or a.info or a.shell_completion:
+        return None
+    multirun = a.multirun or any(o.replace(" ", "").lstrip("+") == "hydra.mode=MULTIRUN"
+                                 for o in a.overrides)
+    return list(a.overrides), multirun
 
 
 def group_override_error(args) -> str | None:
@@ -256,12 +281,14 @@ def group_override_error(args) -> str | None:
 
     from .config import CONF, default_choices, group_options
 
-    multirun = bool({"-m", "--multirun"} & set(args))
-    for a in args:
-        key = a.split("=", 1)[0].lstrip("+~")
-        if key.startswith("sweep.") and not multirun:
-            return (f"{key}: a sweep's setting, read only with -m (python -m moe_exp.run -m "
-                    f"{a} ...)")
+    read = _hydra_args(args)
+    if read is None:  # --cfg, --info, --help: nothing runs; or Hydra's own usage error
+        return None
+    args, multirun = read
+    if not multirun and (a := next((a for a in args if a.split("=", 1)[0].lstrip("+~")
+                                    .startswith("sweep.")), None)):
+        return (f"{a.split('=', 1)[0].lstrip('+~')}: a sweep's setting, read only with -m "
+                f"(python -m moe_exp.run -m {a} ...)")
     groups = {p.name for p in CONF.iterdir() if p.is_dir() and not p.name.startswith("_")}
     mine = [a for a in args if a.split("=", 1)[0].lstrip("+~") in groups]
     if not mine:
@@ -300,7 +327,8 @@ def cli() -> None:
 
     full = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting 1
-    if not full and (line := group_override_error(sys.argv[1:])) is not None:
+    if (line := group_override_error(sys.argv[1:])) is not None and \
+            (not full or line.startswith("sweep.")):  # (no Hydra error to show for those)
         print(f"error: {line}", file=sys.stderr)
         sys.exit(EXIT_INVALID)
     try:
@@ -313,10 +341,11 @@ def cli() -> None:
             raise
         print(f"error: {hydra_error_line(e)}", file=sys.stderr)
         sys.exit(EXIT_INVALID)
-    except OSError as e:  # e.g. hydra.run.dir a file, or not writable (Hydra's own setup)
-        if full or not e.filename:
+    except OSError as e:  # Hydra's set-up: hydra.run.dir a file, or not writable
+        if full or not e.filename or _STARTED:
             raise
-        print(f"error: cannot write '{e.filename}': {e.strerror}", file=sys.stderr)
+        print(f"error: cannot make the output dir '{e.filename}': {e.strerror}",
+              file=sys.stderr)
         sys.exit(EXIT_INVALID)
     except KeyboardInterrupt:  # the run's record (if it got one) says `crashed: interrupted`
         print("interrupted", file=sys.stderr)

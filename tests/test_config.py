@@ -331,14 +331,17 @@ def test_a_sweep_setting_without_m_is_refused():
         "sweep.repeats: a sweep's setting, read only with -m (python -m moe_exp.run -m "
         "sweep.repeats=3 ...)")
     assert group_override_error(["++sweep.resume=true"]).startswith("sweep.resume: ")
-    assert group_override_error(["-m", "sweep.repeats=3"]) is None
+    for multirun in (["-m"], ["--multi"], ["hydra.mode=MULTIRUN"]):
+        assert group_override_error([*multirun, "sweep.repeats=3"]) is None
+    assert group_override_error(["--cfg", "job", "sweep.repeats=3"]) is None  # runs nothing
+    assert group_override_error(["--cfg", "hydra", "+sweep=seed003"]) is None
 
 
 def test_an_output_dir_that_is_a_file_is_one_line(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     p = run_cli(["logger=none", "hydra.run.dir=notes.txt/run"], tmp_path)
     assert (p.returncode, p.stderr.strip()) == (
-        2, "error: cannot write 'notes.txt/run': Not a directory")
+        2, "error: cannot make the output dir 'notes.txt/run': Not a directory")
     p = run_cli(["-m", "logger=none", "precision=fp32,bf16", "hydra.sweep.dir=notes.txt"],
                 tmp_path)
     assert (p.returncode, p.stderr.strip()) == (

@@ -159,6 +159,8 @@ def test_cpu_memory_cap_turns_running_out_into_an_error_and_is_lifted_after():
     from moe_exp.bench.memory import cpu_memory_cap, is_oom
 
     before = resource.getrlimit(resource.RLIMIT_DATA)
+    if before[0] != resource.RLIM_INFINITY:
+        pytest.skip(f"ulimit -d is set here ({before[0]} bytes): the cap keeps it")
     with cpu_memory_cap(0.25) as headroom:
         assert headroom == pytest.approx(0.25 * 2**30, rel=1e-6)
         with pytest.raises(RuntimeError) as e:
@@ -169,6 +171,37 @@ def test_cpu_memory_cap_turns_running_out_into_an_error_and_is_lifted_after():
     assert not is_oom(RuntimeError("shapes cannot be multiplied")) and is_oom(MemoryError())
 
 
+def test_cgroup_room_is_the_least_over_the_cgroup_and_its_parents(tmp_path):
+    """A container's or SLURM job's memory limit (cgroup v1 and v2): limit - usage +
+    inactive file cache, the least over the process's cgroup and its parents."""
+    from moe_exp.bench.memory import cgroup_free_bytes
+
+    def cg(d, limit, usage, inactive, v1):
+        d.mkdir(parents=True, exist_ok=True)
+        names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file") \
+            if v1 else ("memory.max", "memory.current", "inactive_file")
+        (d / names[0]).write_text(f"{limit}\n")
+        (d / names[1]).write_text(f"{usage}\n")
+        (d / "memory.stat").write_text(f"cache 5\n{names[2]} {inactive}\n")
+
+    v2, proc = tmp_path / "v2", tmp_path / "cgroup"
+    cg(v2, "max", 10, 0, False)
+    cg(v2 / "slurm" / "job_1", 8 * 2**30, 3 * 2**30, 2**30, False)  # the job's limit
+    cg(v2 / "slurm" / "job_1" / "step_0", "max", 3 * 2**30, 2**30, False)
+    proc.write_text("0::/slurm/job_1/step_0\n")
+    assert cgroup_free_bytes(str(proc), str(v2)) == 6 * 2**30
+    v1 = tmp_path / "v1"
+    cg(v1 / "memory", 2**63 - 4096, 1, 0, True)  # v1's "no limit"
+    proc.write_text("4:memory:/docker/abc\n3:cpu:/docker/abc\n")
+    assert cgroup_free_bytes(str(proc), str(v1)) is None
+    cg(v1 / "memory" / "docker" / "abc", 4 * 2**30, 2**30, 0, True)
+    assert cgroup_free_bytes(str(proc), str(v1)) == 3 * 2**30
+    proc.write_text("4:memory:/elsewhere\n")  # a container's own view: the mount's root
+    cg(v1 / "memory", 2 * 2**30, 2**30, 0, True)
+    assert cgroup_free_bytes(str(proc), str(v1)) == 2**30
+    assert cgroup_free_bytes(str(tmp_path / "none"), str(v1)) is None
+
+
 def test_a_cpu_run_past_its_memory_ends_oom_with_a_record(tmp_path):
     """Not the kernel's OOM killer (no record, maybe another process killed): the run's
     allocations fail past the memory free at its start (here hardware.memory_gib: the
@@ -177,8 +210,9 @@ def test_a_cpu_run_past_its_memory_ends_oom_with_a_record(tmp_path):
                       "train.micro_batch_size=256", "train.steps=2"], tmp_path)
     assert rec["status"] == "oom", rec["error"]
     assert rec["error"].startswith("DefaultCPUAllocator: can't allocate memory: ")
-    assert rec["error"].endswith("(the run could allocate 1 GiB: the memory free at its "
-                                 "start, at most hardware.memory_gib)")
+    assert rec["error"].endswith("(the process could allocate 1 GiB: the least of the memory "
+                                 "free at its start, its cgroup's room, hardware.memory_gib "
+                                 "and ulimit -d)")
     assert "enforce fail" not in rec["error"] and rec["tokens_per_s"] is None
     assert json.loads((tmp_path / "metrics.json").read_text())["status"] == "oom"
 

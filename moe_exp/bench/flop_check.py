@@ -121,7 +121,7 @@ def main(argv=None) -> int:
                     "compute: for models too big for this machine)")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                     help="config overrides, as for python -m moe_exp.run (model=small_moe)")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # (--meta anywhere)
     try:
         r = check(args.overrides, "meta" if args.meta else "cpu")
     except HydraException as e:

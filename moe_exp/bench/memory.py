@@ -46,20 +46,69 @@ def mem_available_bytes() -> int | None:
     return None
 
 
+def cgroup_free_bytes(proc_cgroup: str = "/proc/self/cgroup",
+                      root: str = "/sys/fs/cgroup") -> int | None:
+    """What this process's memory cgroup (a container's, a SLURM job's) and its parents
+    still allow: the least of limit - usage + inactive file cache (reclaimable); None
+    without a limit. cgroup v2 (memory.max) and v1 (memory/memory.limit_in_bytes)."""
+    from pathlib import Path
+
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    least = None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            base, names = Path(root), ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):
+            base = Path(root) / "memory"
+            names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        d = base / path.lstrip("/")
+        if not d.is_dir():  # a container's own view: its cgroup is the mount's root
+            d = base
+        while True:
+            free = _cgroup_dir_free(d, *names)
+            if free is not None:
+                least = free if least is None else min(least, free)
+            if d == base or d.parent == d:
+                break
+            d = d.parent
+    return least
+
+
+def _cgroup_dir_free(d, limit_name: str, usage_name: str, inactive_key: str) -> int | None:
+    try:
+        limit = (d / limit_name).read_text().strip()
+        if limit == "max" or int(limit) >= 2**60:  # v1 writes "no limit" as ~2^63
+            return None
+        usage = int((d / usage_name).read_text())
+        stat = dict(x.split() for x in (d / "memory.stat").read_text().splitlines() if x)
+    except (OSError, ValueError):
+        return None
+    return max(int(limit) - usage + int(stat.get(inactive_key, 0)), 0)
+
+
 @contextlib.contextmanager
 def cpu_memory_cap(memory_gib: float | None, ranks: int = 1):
-    """A CPU run may allocate at most the memory free at its start (MemAvailable, at most
-    hardware.memory_gib; shared evenly among this machine's `ranks`): past it an allocation
-    fails, and the run ends `oom` with a record, as on a GPU, instead of the kernel's OOM
-    killer ending the process (or another one) without a word. RLIMIT_DATA (Linux >= 4.7
-    counts anonymous mappings too); a lower limit already set stays. Yields the bytes the
-    run may allocate beyond what the process holds at its start (None: no cap)."""
+    """A CPU run's process may allocate at most the memory free at its start (the least of
+    MemAvailable, its cgroup's room and hardware.memory_gib; shared evenly among this
+    machine's `ranks`): past it an allocation fails, and the run ends `oom` with a record,
+    as on a GPU, instead of the kernel's OOM killer ending the process (or another one)
+    without a word. RLIMIT_DATA (Linux >= 4.7 counts anonymous mappings too: reserved as
+    well as touched); a lower limit already set stays. Yields the bytes the process may
+    allocate beyond what it holds at its start (None: no cap)."""
     import resource
 
     free = mem_available_bytes()
     if free is None or not hasattr(resource, "RLIMIT_DATA"):
         yield None
         return
+    if (room := cgroup_free_bytes()) is not None:
+        free = min(free, room)
     if memory_gib:
         free = min(free, int(memory_gib * GIB))
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)

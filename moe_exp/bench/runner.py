@@ -106,8 +106,8 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
         if not oom and main:
             (out_dir / "error.log").write_text(traceback.format_exc())
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        if oom and device.type == "cpu":
-            first = cpu_oom_line(first, cap)
+        if oom:
+            first = oom_line(first, cap)
         rec.update(status="oom" if oom else "error",
                    error=rank + (first if oom else f"{type(e).__name__}: {first} (see "
                                                    f"{out_dir}/error.log)"))
@@ -142,17 +142,19 @@ def _memory_cap(cfg, device: torch.device, d):
     return cpu_memory_cap(cfg.hardware.memory_gib, cfg.hardware.devices if d else 1)
 
 
-def cpu_oom_line(first: str, cap: int | None) -> str:
-    """torch's CPU allocator's refusal, without its C++ assertion text, and the cap."""
+def oom_line(text: str, cap: int | None = None) -> str:
+    """An allocation failure in one line: torch's CPU allocator's without its C++ assertion
+    text, a bare MemoryError named; with the CPU process's cap (cpu_memory_cap)."""
     import re
 
-    what = re.sub(r"^\[enforce fail at [^\]]*\] err == 0\. ", "", first)
-    what = re.sub(r"\. Error code \d+ \(Cannot allocate memory\)$", "", what) or \
-        "out of memory (MemoryError)"
+    what = re.sub(r"\[enforce fail at [^\]]*\] [^.]*\. ", "", text)
+    what = re.sub(r"\. Error code \d+ \([^)]*\)$", "", what)
+    if not what or what.endswith("MemoryError"):
+        what = f"{what[:-len('MemoryError')] if what else ''}out of memory (MemoryError)"
     if cap is None:
         return what
-    return (f"{what} (the run could allocate {cap / 2**30:.2g} GiB: the memory free at its "
-            "start, at most hardware.memory_gib)")
+    return (f"{what} (the process could allocate {cap / 2**30:.2g} GiB: the least of the "
+            "memory free at its start, its cgroup's room, hardware.memory_gib and ulimit -d)")
 
 
 def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=None) -> None:

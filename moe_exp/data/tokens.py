@@ -46,23 +46,10 @@ def read_meta(path: str | Path) -> dict:
 
 
 def path_override(path: str) -> str:
-    """data.path=PATH as a shell word Hydra reads back as the string PATH: plain where it
-    is, else in Hydra's double quotes (a backslash escapes only before a quote)."""
-    import re
-    import shlex
+    """data.path=PATH as a shell word Hydra reads back as the string PATH."""
+    from ..config import override_word
 
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    plain = f"data.path={path}"
-    if re.fullmatch(r"[\w./+@:-]+", path):
-        try:
-            if OverridesParser.create().parse_override(plain).value() == path:
-                return plain  # (not 1e3, true, null: those would be typed)
-        except Exception:  # noqa: BLE001 - quoted below
-            pass
-    quoted = re.sub(r'(\\*)("|$)', lambda m: m.group(1) * 2 + ("\\" + m.group(2)
-                                                                 if m.group(2) else ""), path)
-    return shlex.quote(f'data.path="{quoted}"')
+    return override_word("data.path", path)
 
 
 def prepare(inputs: Iterable[str | Path], out: str | Path) -> dict:

@@ -208,6 +208,11 @@ def _check_keys(records: list[dict], keys, what: str) -> None:
             raise KeyError(f"{what}: no row has '{key}'")
 
 
+def baseline_text(baseline: dict) -> str:
+    """A baseline as the command line gives it: key=value key=value."""
+    return " ".join(f"{k}={v}" for k, v in baseline.items())
+
+
 def build_table(records: list[dict], baseline: dict | None = None, by=("model",),
                 names=("sweep.baseline", "sweep.baseline_by")):
     """DataFrame: the record fields, then job/label/speedup/mem_saved_pct, then the rest.
@@ -237,8 +242,7 @@ def build_table(records: list[dict], baseline: dict | None = None, by=("model",)
             cands = sorted((r for r in ok if _matches(r, baseline, names[0])), key=_opts_on)
             if len(cands) > 1 and _opts_on(cands[0]) == _opts_on(cands[1]):
                 tied = [r["label"] for r in cands if _opts_on(r) == _opts_on(cands[0])]
-                want = " ".join(f"{k}={v}" for k, v in baseline.items())
-                raise KeyError(f"{names[0]}: {want} matches {len(tied)} rows equally ("
+                raise KeyError(f"{names[0]}: {baseline_text(baseline)} matches {len(tied)} rows equally ("
                                f"{'; '.join(tied)}): add a key that tells them apart")
         else:
             cands = sorted(ok, key=_opts_on)[:1]
