@@ -202,6 +202,22 @@ def test_cgroup_room_is_the_least_over_the_cgroup_and_its_parents(tmp_path):
     assert cgroup_free_bytes(str(tmp_path / "none"), str(v1)) is None
 
 
+def test_oom_lines_read_the_same_from_every_allocator():
+    from moe_exp.bench.runner import oom_line
+
+    cpu = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+           "memory: you tried to allocate 64 bytes. Error code 12 (Cannot allocate memory)")
+    assert oom_line(cpu) == "DefaultCPUAllocator: can't allocate memory: you tried to allocate 64 bytes"
+    assert oom_line("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough "
+                    "memory: you tried to allocate 8 bytes.").startswith("DefaultCPUAllocator: ")
+    assert oom_line(f"rank 1 failed: RuntimeError: {cpu}") == \
+        "rank 1 failed: RuntimeError: " + oom_line(cpu)  # a rank's, under the launcher
+    assert oom_line("") == "out of memory (MemoryError)"  # str(MemoryError()) is empty
+    assert oom_line("rank 1 failed: MemoryError") == "rank 1 failed: out of memory (MemoryError)"
+    gpu = "CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert oom_line(gpu) == gpu and oom_line("", 2**30).endswith("and ulimit -d)")
+
+
 def test_a_cpu_run_past_its_memory_ends_oom_with_a_record(tmp_path):
     """Not the kernel's OOM killer (no record, maybe another process killed): the run's
     allocations fail past the memory free at its start (here hardware.memory_gib: the
