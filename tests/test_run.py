@@ -207,7 +207,8 @@ def test_oom_lines_read_the_same_from_every_allocator():
 
     cpu = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
            "memory: you tried to allocate 64 bytes. Error code 12 (Cannot allocate memory)")
-    assert oom_line(cpu) == "DefaultCPUAllocator: can't allocate memory: you tried to allocate 64 bytes"
+    assert oom_line(cpu) == ("DefaultCPUAllocator: can't allocate memory: you tried to "
+                             "allocate 64 bytes")
     assert oom_line("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough "
                     "memory: you tried to allocate 8 bytes.").startswith("DefaultCPUAllocator: ")
     assert oom_line(f"rank 1 failed: RuntimeError: {cpu}") == \
