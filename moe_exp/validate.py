@@ -282,9 +282,10 @@ def check_data(cfg, overrides=()) -> None:
     if d.name in ("markov", "tokens") and d.name != d.source:  # a label, not the source
         raise ConfigError("data.name", f"'{d.name}' only labels the run; the data would come "
                           f"from data.source={d.source}: pick the group instead, data={d.name}")
-    if d.source != "tokens" and not _chosen(overrides, "data") and not OmegaConf.is_missing(d, "path") \
-            and d.path is not None:  # (the default data with a file: surely data=tokens was
-        # meant; with data=markov chosen, as in a sweep over both, the path is not read)
+    # the default data with a file: surely data=tokens was meant (with data=markov chosen,
+    # as in a sweep over both, the path is not read)
+    if d.source != "tokens" and not _chosen(overrides, "data") \
+            and not OmegaConf.is_missing(d, "path") and d.path is not None:
         from .data.tokens import path_override
 
         raise ConfigError("data.path", f"read by data=tokens only; this run's data is "

@@ -242,8 +242,9 @@ def build_table(records: list[dict], baseline: dict | None = None, by=("model",)
             cands = sorted((r for r in ok if _matches(r, baseline, names[0])), key=_opts_on)
             if len(cands) > 1 and _opts_on(cands[0]) == _opts_on(cands[1]):
                 tied = [r["label"] for r in cands if _opts_on(r) == _opts_on(cands[0])]
-                raise KeyError(f"{names[0]}: {baseline_text(baseline)} matches {len(tied)} rows equally ("
-                               f"{'; '.join(tied)}): add a key that tells them apart")
+                raise KeyError(f"{names[0]}: {baseline_text(baseline)} matches {len(tied)} "
+                               f"rows equally ({'; '.join(tied)}): add a key that tells them "
+                               "apart")
         else:
             cands = sorted(ok, key=_opts_on)[:1]
         base = cands[0] if cands else None
