@@ -662,3 +662,20 @@ def test_wandb_group_names_the_sweep_dir_without_empty_parts():
     assert sweep_group(cfg, Path("sw_rep")) == "sweep-sw_rep"  # was "sweep-_sw_rep"
     cfg.sweep.name = "seed003"
     assert sweep_group(cfg, Path("/tmp/runs/a")) == "seed003-runs_a"
+
+
+def test_time_left_counts_every_job_that_ran_however_short():
+    """The estimate used to leave out jobs under 2 s (meant for resumed ones): a sweep of
+    fast in-process jobs never had one. Now a record from before the job started is what
+    marks a resumed job."""
+    import datetime as dt
+    import time
+
+    from moe_exp.sweep.callback import reused
+
+    now = time.time()
+    stamp = dt.datetime.fromtimestamp(now - 0.5, dt.timezone.utc).isoformat(timespec="seconds")
+    assert not reused({"timestamp": stamp}, now)  # written by this job (whole seconds)
+    old = dt.datetime.fromtimestamp(now - 3600, dt.timezone.utc).isoformat(timespec="seconds")
+    assert reused({"timestamp": old}, now)
+    assert not reused(None, now) and not reused({"timestamp": None}, now)

@@ -47,6 +47,17 @@ def plan(config: DictConfig) -> tuple[list[list[str]] | None, dict]:
     return jobs, varying
 
 
+def reused(rec, job_t0: float) -> bool:
+    """A record from before the job started: sweep.resume reused it (nothing ran)."""
+    import datetime as dt
+
+    try:
+        start = dt.datetime.fromisoformat(rec["timestamp"]).timestamp()
+    except (TypeError, KeyError, ValueError):  # no record, or no time in it
+        return False
+    return start < job_t0 - 2  # (the record's time is in whole seconds)
+
+
 class SweepCallback(Callback):
     def __init__(self) -> None:
         self.total, self.varying = None, []
@@ -112,7 +123,7 @@ class SweepCallback(Callback):
         rec = job_return._return_value if hasattr(job_return, "_return_value") else None
         status = rec.get("status", "?") if isinstance(rec, dict) else "error"
         dt = time.time() - self.job_t0
-        if dt > 2.0 and status not in ("invalid", "skipped"):
+        if status not in ("invalid", "skipped") and not reused(rec, self.job_t0):
             self.ran.append(dt)
         _update_table(config)
 
