@@ -143,10 +143,12 @@ def device_memory_gib(device: str) -> float | None:
     if device == "cuda":
         return torch.cuda.get_device_properties(0).total_memory / 2**30
     if device == "cpu":
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) / 2**20
+        from .bench.memory import _status_kib
+
+        try:
+            return _status_kib("MemTotal", "/proc/meminfo") / 2**20
+        except (OSError, RuntimeError):
+            return None
     return None
 
 

@@ -127,7 +127,7 @@ def launch(cfg_dict: dict, out_dir: Path, overrides, choices, progress) -> dict:
     killed by a signal)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from .bench.runner import oom_line
+    from .bench.memory import oom_line, oom_text
     from .distributed import (failure_message, failure_report, killed_by_signal,
                               launch as elastic, rank_entry)
 
@@ -137,7 +137,7 @@ def launch(cfg_dict: dict, out_dir: Path, overrides, choices, progress) -> dict:
     except ChildFailedError as e:
         (out_dir / "error.log").write_text(failure_report(e))
         msg = failure_message(e)
-        oom = any(x in msg for x in ("OutOfMemoryError", "DefaultCPUAllocator", "MemoryError"))
+        oom = oom_text(msg)
         msg = f"{oom_line(msg) if oom else msg} (see {out_dir}/error.log)"
         status = "oom" if oom else "crashed" if killed_by_signal(e) else "error"
         rec = failed_record(cfg_dict, overrides, status, msg, f"not measured: run {status}")

@@ -11,12 +11,13 @@ from .timer import device_module
 GIB = 2**30
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
+def _status_kib(field: str, path: str = "/proc/self/status") -> int:
+    """A `Field: N kB` line of /proc/self/status (or /proc/meminfo), in KiB."""
+    with open(path) as f:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+    raise RuntimeError(f"{field} not in {path}")
 
 
 def _libc():
@@ -37,13 +38,9 @@ def _release_free_heap() -> None:
 def mem_available_bytes() -> int | None:
     """Linux's estimate of the memory that can be had without swapping (MemAvailable)."""
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+        return _status_kib("MemAvailable", "/proc/meminfo") * 1024
+    except (OSError, RuntimeError):
+        return None
 
 
 def cgroup_free_bytes(proc_cgroup: str = "/proc/self/cgroup",
@@ -130,8 +127,28 @@ def is_oom(e: BaseException) -> bool:
     """An allocation that failed: the accelerator's OutOfMemoryError, torch's CPU
     allocator or Python's refusing (past cpu_memory_cap, or the machine's memory)."""
     return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (
-        isinstance(e, RuntimeError) and "DefaultCPUAllocator: " in str(e)
-        and ("can't allocate memory" in str(e) or "not enough memory" in str(e)))
+        isinstance(e, RuntimeError) and oom_text(str(e)))
+
+
+def oom_text(text: str) -> bool:
+    """An error's text (a rank's, under the launcher) that says an allocation failed."""
+    return "MemoryError" in text or ("DefaultCPUAllocator: " in text and (
+        "can't allocate memory" in text or "not enough memory" in text))
+
+
+def oom_line(text: str, cap: int | None = None) -> str:
+    """An allocation failure in one line: torch's CPU allocator's without its C++ assertion
+    text, a bare MemoryError named; with the CPU process's cap (cpu_memory_cap)."""
+    import re
+
+    what = re.sub(r"\[enforce fail at [^\]]*\] [^.]*\. ", "", text)
+    what = re.sub(r"\. Error code \d+ \([^)]*\)$", "", what)
+    if not what or what.endswith("MemoryError"):
+        what = f"{what[:-len('MemoryError')] if what else ''}out of memory (MemoryError)"
+    if cap is None:
+        return what
+    return (f"{what} (the process could allocate {cap / 2**30:.2g} GiB: the least of the "
+            "memory free at its start, its cgroup's room, hardware.memory_gib and ulimit -d)")
 
 
 # mallopt parameters (malloc.h); thresholds get 2 GiB, the most a C int holds

@@ -17,7 +17,7 @@ from .load import other_share
 
 DENSE = "dense model (model.num_experts=0)"  # why its expert figures are null
 from .loop import Diverged, train_loop
-from .memory import MemoryMeter, cpu_memory_cap, is_oom
+from .memory import MemoryMeter, cpu_memory_cap, is_oom, oom_line
 from .timer import iqr, median, own_process
 
 
@@ -140,21 +140,6 @@ def _memory_cap(cfg, device: torch.device, d):
     if device.type != "cpu":
         return contextlib.nullcontext()
     return cpu_memory_cap(cfg.hardware.memory_gib, cfg.hardware.devices if d else 1)
-
-
-def oom_line(text: str, cap: int | None = None) -> str:
-    """An allocation failure in one line: torch's CPU allocator's without its C++ assertion
-    text, a bare MemoryError named; with the CPU process's cap (cpu_memory_cap)."""
-    import re
-
-    what = re.sub(r"\[enforce fail at [^\]]*\] [^.]*\. ", "", text)
-    what = re.sub(r"\. Error code \d+ \([^)]*\)$", "", what)
-    if not what or what.endswith("MemoryError"):
-        what = f"{what[:-len('MemoryError')] if what else ''}out of memory (MemoryError)"
-    if cap is None:
-        return what
-    return (f"{what} (the process could allocate {cap / 2**30:.2g} GiB: the least of the "
-            "memory free at its start, its cgroup's room, hardware.memory_gib and ulimit -d)")
 
 
 def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=None) -> None:
