@@ -35,10 +35,12 @@ def _hydra_info() -> tuple[Path | None, list[str], dict, bool]:
             hc.mode == RunMode.MULTIRUN)
 
 
-def prepare(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, dict | None]:
+def prepare(cfg: DictConfig, overrides: list[str],
+            in_sweep: bool = False) -> tuple[DictConfig, dict | None]:
     """Resolve the hardware and validate, before any work. Returns (cfg, None) when the run
     can go ahead, else (cfg, record) with status `invalid` (a mistake), `skipped` (a valid
-    request this hardware cannot do) or `error` (this environment is not ready: NotReady)."""
+    request this hardware cannot do) or `error` (this environment is not ready: NotReady).
+    in_sweep: a sweep's job (validate.check_unread)."""
     from .hardware import NotReady, Unsupported, resolve
     from .validate import validate
 
@@ -48,7 +50,7 @@ def prepare(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, dict | N
         cfg.data.path = os.path.expanduser(cfg.data.path)  # data.path=~/corpus.bin
     try:
         resolve(cfg)
-        validate(cfg, overrides)
+        validate(cfg, overrides, in_sweep)
     except ConfigError as e:
         status = "skipped" if isinstance(e, Unsupported) else \
             "error" if isinstance(e, NotReady) else "invalid"
@@ -58,9 +60,10 @@ def prepare(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, dict | N
 
 def run(cfg: DictConfig, out_dir: Path | None = None, progress: bool = True,
         overrides: list[str] | None = None, choices: dict | None = None,
-        shared_process: bool = False) -> dict:
+        shared_process: bool = False, in_sweep: bool = False) -> dict:
     """Run one benchmark; never raises for a run's failure: the record's status says it.
-    shared_process: a later run of an in-process sweep (see bench.runner.shared_process)."""
+    shared_process: a later run of an in-process sweep (see bench.runner.shared_process).
+    in_sweep: a sweep's job (validate.check_unread)."""
     if (os.cpu_count() or 1) <= 4:
         os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     hydra_dir, hydra_overrides, hydra_choices, _ = _hydra_info()
@@ -68,7 +71,7 @@ def run(cfg: DictConfig, out_dir: Path | None = None, progress: bool = True,
     choices = hydra_choices if choices is None else choices
     out_dir = Path(out_dir or hydra_dir or "outputs/run")
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg, rec = prepare(cfg, overrides)
+    cfg, rec = prepare(cfg, overrides, in_sweep)
     if rec is not None:
         if (env := rank_env()) and env.rank != 0:  # torchrun's other ranks: rank 0 reports
             return rec

@@ -269,7 +269,7 @@ def check_parallel(cfg) -> None:
         raise Unsupported("parallel.backend", "nccl needs CUDA GPUs; on CPU use gloo (or auto)")
 
 
-def check_data(cfg, overrides=()) -> None:
+def check_data(cfg) -> None:
     d = cfg.data
     _at_least(cfg, "data.num_workers", 0)
     for key, on in (("prefetch_factor", d.prefetch_factor is not None),
@@ -282,14 +282,6 @@ def check_data(cfg, overrides=()) -> None:
     if d.name in ("markov", "tokens") and d.name != d.source:  # a label, not the source
         raise ConfigError("data.name", f"'{d.name}' only labels the run; the data would come "
                           f"from data.source={d.source}: pick the group instead, data={d.name}")
-    # the default data with a file: surely data=tokens was meant (with data=markov chosen,
-    # as in a sweep over both, the path is not read)
-    if d.source != "tokens" and not _chosen(overrides, "data") \
-            and not OmegaConf.is_missing(d, "path") and d.path is not None:
-        from .data.tokens import path_override
-
-        raise ConfigError("data.path", f"read by data=tokens only; this run's data is "
-                          f"{d.source} (train on the file: data=tokens {path_override(d.path)})")
     if d.source == "markov":
         if not 1 <= d.branching <= cfg.model.vocab_size:
             raise ConfigError("data.branching", f"must be in 1..model.vocab_size, got {d.branching}")
@@ -318,21 +310,46 @@ def check_data(cfg, overrides=()) -> None:
                               f"than train.seq_len+1={cfg.train.seq_len + 1}")
 
 
+def unread_keys(cfg) -> dict[str, tuple[str, str, ConfigError]]:
+    """Keys set that only another option of their group reads (data.path off data=tokens,
+    Muon's keys off another optimizer): key -> (group, the option that reads it, the error
+    a run gives)."""
+    from .config import OptimConfig
+    from .results import MUON_ONLY
+
+    out = {}
+    d, o = cfg.data, cfg.optim
+    if d.source != "tokens" and not OmegaConf.is_missing(d, "path") and d.path is not None:
+        from .data.tokens import path_override
+
+        out["data.path"] = ("data", "data=tokens", ConfigError(
+            "data.path", f"read by data=tokens only; this run's data is {d.source} (train on "
+            f"the file: data=tokens {path_override(d.path)})"))
+    if o.name != "muon":
+        for key in MUON_ONLY:
+            if o.get(key, getattr(OptimConfig, key)) != getattr(OptimConfig, key):
+                out[f"optim.{key}"] = ("optim", "optim=muon", ConfigError(
+                    f"optim.{key}", f"read by optim=muon only; this run's optimizer is "
+                    f"{o.name} (use optim=muon optim.{key}=...)"))
+    return out
+
+
+def check_unread(cfg, overrides=(), in_sweep: bool = False) -> None:
+    """A key its group's option does not read: surely the other option was meant. In a
+    sweep job whose command line picks the group (a sweep over both options gives the key
+    to every job) it is left unread; sweep.checks refuses a sweep where no job reads it."""
+    for group, _, err in unread_keys(cfg).values():
+        if not (in_sweep and _chosen(overrides, group)):
+            raise err
+
+
 def _chosen(overrides, group: str) -> bool:
     """Whether the command line picks the group's option (group=...)."""
     return any(o.lstrip("+").split("=", 1)[0] == group for o in overrides)
 
 
-def check_optim(cfg, overrides=()) -> None:
+def check_optim(cfg) -> None:
     o = cfg.optim
-    if o.name != "muon" and not _chosen(overrides, "optim"):  # (a sweep over both: accepted)
-        from .config import OptimConfig
-        from .results import MUON_ONLY
-
-        for key in MUON_ONLY:
-            if o.get(key, getattr(OptimConfig, key)) != getattr(OptimConfig, key):
-                raise ConfigError(f"optim.{key}", f"read by optim=muon only; this run's "
-                                  f"optimizer is {o.name} (use optim=muon optim.{key}=...)")
     if o.lr <= 0:
         raise ConfigError("optim.lr", f"must be > 0, got {o.lr}")
     if o.grad_clip < 0:
@@ -492,8 +509,9 @@ def check_model_label(overrides) -> None:
                           f"model={chosen}'s sizes: pick model={name}, or name them anew")
 
 
-def validate(cfg, overrides=()) -> None:
-    """Raise ConfigError on the first problem. Run after hardware.resolve()."""
+def validate(cfg, overrides=(), in_sweep: bool = False) -> None:
+    """Raise ConfigError on the first problem. Run after hardware.resolve(). in_sweep: a
+    sweep's job (see check_unread)."""
     check_known_keys(cfg)
     check_model_label(overrides)
     check_finite(cfg)
@@ -503,8 +521,9 @@ def validate(cfg, overrides=()) -> None:
     check_precision(cfg)
     check_dispatch(cfg)
     check_parallel(cfg)
-    check_data(cfg, overrides)
-    check_optim(cfg, overrides)
+    check_unread(cfg, overrides, in_sweep)
+    check_data(cfg)
+    check_optim(cfg)
     check_sweep(cfg)
     check_comm(cfg)
     check_memory(cfg)

@@ -140,9 +140,14 @@ def test_validation_rejects_before_any_work(override, key, tmp_path, monkeypatch
     assert json.loads((tmp_path / "metrics.json").read_text())["status"] == want
 
 
-def test_a_token_file_on_chosen_markov_data_is_not_read(tmp_path, monkeypatch):
-    """data.path with the default data is refused (surely data=tokens was meant); with
-    data=markov chosen, as in a sweep over both sources, it runs and is not read."""
+@pytest.mark.parametrize("args", [["data=markov", "data.path=corpus.bin"],
+                                  ["optim=adamw", "optim.momentum=0.9"]])
+def test_a_key_the_chosen_option_does_not_read_runs_only_in_a_sweep(args, tmp_path,
+                                                                    monkeypatch):
+    """data.path on markov data, Muon's momentum on adamw: in a sweep over both options
+    every job gets the key, and the job whose option does not read it runs (the sweep's
+    check refuses a sweep where no job reads it). A single run with the option chosen is
+    refused like one with the default: surely the other option was meant."""
     import moe_exp.bench.runner as runner
 
     class Started(Exception):
@@ -154,9 +159,12 @@ def test_a_token_file_on_chosen_markov_data_is_not_read(tmp_path, monkeypatch):
     from moe_exp.run import run
 
     monkeypatch.setattr(runner, "bench", bench)
-    args = ["logger=none", "data=markov", "data.path=corpus.bin"]
+    args = ["logger=none", *args]
     with pytest.raises(Started):  # (the overrides as Hydra passes them on the command line)
-        run(compose(args), tmp_path, progress=False, overrides=args)
+        run(compose(args), tmp_path, progress=False, overrides=args, in_sweep=True)
+    rec = run(compose(args), tmp_path, progress=False, overrides=args)
+    key = args[-1].split("=")[0]
+    assert rec["status"] == "invalid" and rec["error"].startswith(f"{key}: read by ")
 
 
 def test_torchrun_ranks_need_a_parallel_strategy(tmp_path, monkeypatch):

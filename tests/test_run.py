@@ -38,10 +38,11 @@ def test_default_record_is_complete_and_sane(default_record):
     assert 0 < phases <= rec["step_time_ms"] * 1.5
     assert rec["peak_mem_gib"] > 0 and rec["peak_reserved_gib"] is None
     assert "peak_reserved_gib" in rec["null_reasons"]
-    if rec["mfu"] is None:
+    if rec["mfu"] is None:  # (a CPU: no published peak)
         assert "peak FLOP/s" in rec["null_reasons"]["mfu"]
+        assert rec["peak_flops"] is None and "peak FLOP/s" in rec["null_reasons"]["peak_flops"]
     else:
-        assert 0 < rec["mfu"] < 1
+        assert 0 < rec["mfu"] < 1 and rec["peak_flops"] > 1e12
     assert rec["flops_per_token"] > 6 * (rec["params_active"] - 256 * 128) * 0.9
     assert rec["loss_last"] < rec["loss_first"] - 0.5  # the markov data is learnable
     assert len(rec["losses"]) == 23

@@ -489,7 +489,12 @@ def test_sweep_checks_fail_before_any_job(tmp_path):
             (tmp_path / "l", ["+case=fp32", "comm.iters=3,5"],  # (one row of two jobs)
              "comm.iters=5: job #1 would measure what job #0 (comm.iters=3) does, one row"),
             (tmp_path / "m", ["+case=fp32,fp3"],  # a group on Hydra's search path
-             "case: 'fp3' is not one of: bf16, diverge, fast, fp32, invalid, long")]:
+             "case: 'fp3' is not one of: bf16, diverge, fast, fp32, invalid, long"),
+            (tmp_path / "n", ["+case=fp32,bf16", "optim=adamw", "optim.momentum=0.9"],
+             "optim.momentum: read by optim=muon only, and no job of this sweep has "
+             "optim=muon"),  # (each job ran as adamw, the key unread)
+            (tmp_path / "o", ["+case=fp32,bf16", "data=markov", "data.path=x.bin"],
+             "data.path: read by data=tokens only, and no job of this sweep has data=tokens")]:
         r = sweep(d, *args, "logger=none")
         assert r.returncode == 2, r.stderr[-3000:]
         assert r.stderr.strip().startswith(f"error: {line}") and len(r.stderr.strip().splitlines()) == 1

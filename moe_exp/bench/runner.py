@@ -238,11 +238,11 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
     fpt = rec["flops_per_token"]
     rec["tflops_per_device"] = fpt * rec["tokens_per_s_per_device"] / 1e12
     peak = cfg.hardware.peak_flops.get(cfg.precision.name)
+    rec["peak_flops"] = peak or None
     if peak:
         rec["mfu"] = rec["tflops_per_device"] * 1e12 / peak
-        rec["peak_flops"] = peak
     else:
-        why["mfu"] = (f"no peak FLOP/s known for hardware={cfg.hardware.name} at precision="
+        why["mfu"] = why["peak_flops"] = (f"no peak FLOP/s known for hardware={cfg.hardware.name} at precision="
                       f"{cfg.precision.name}; set ++hardware.peak_flops.{cfg.precision.name}=<FLOP/s>")
     if cfg.model.dispatch == "padded":
         _padded_fallbacks(applied.model, cfg, rec, device, world)

@@ -38,25 +38,32 @@ def check_jobs(config: DictConfig, jobs: list[list[str]], validate: bool = True)
       rejects): the first job's error. Jobs are validated in order until one is not
       invalid (usually the first); invalid combinations among valid ones are rows (README:
       Nothing lost). Off for launchers whose jobs resolve their hardware where they run.
+    - a key only one option of its group reads (data.path, Muon's keys), where no job picks
+      that option (validate.check_unread: a sweep's jobs leave it unread)
     Composing a job costs Hydra ~0.1 s: jobs validated are composed as the launcher will,
     the rest from one composition per choice of groups plus their value overrides
     (_Jobs.fast); a pair found that way is confirmed by composing both in full."""
     from ..run import prepare
+    from ..validate import unread_keys
 
     js = _Jobs(config)
     seen: dict[tuple, int] = {}
     first = None
+    unread = None  # keys no job so far reads: key -> (group, the option that reads it)
     for num, overrides in enumerate(jobs):
         try:
             if validate or num == 0:
                 cfg = js.full(overrides)
-                key = js.row(cfg)
                 if validate:
-                    _, rec = prepare(cfg, [o for o in overrides if not o.startswith("hydra.")])
+                    _, rec = prepare(cfg, [o for o in overrides if not o.startswith("hydra.")],
+                                     in_sweep=True)
                     validate = rec is not None and rec["status"] == "invalid"
                     first = first or (rec["error"] if validate else None)
             else:
-                key = js.row(js.fast(overrides))
+                cfg = js.fast(overrides)
+            key = js.row(cfg)
+            here = {k: v[:2] for k, v in unread_keys(cfg).items()}
+            unread = here if unread is None else {k: v for k, v in unread.items() if k in here}
             same = key in seen and js.row(js.full(jobs[seen[key]])) == js.row(
                 js.full(overrides))
         except SweepError:
@@ -74,6 +81,9 @@ def check_jobs(config: DictConfig, jobs: list[list[str]], validate: bool = True)
         seen.setdefault(key, num)
     if validate and first:
         raise SweepError(f"{first} (every job of the sweep is invalid)")
+    for k, (group, option) in (unread or {}).items():
+        raise SweepError(f"{k}: read by {option} only, and no job of this sweep has "
+                         f"{option}: add it to the sweep's {group} options, or leave {k} out")
 
 
 class _Jobs:

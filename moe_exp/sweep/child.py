@@ -15,7 +15,7 @@ def main(spec_path: str) -> int:
     spec = load_spec(spec_path)
     cfg = OmegaConf.create(spec["config"])
     run(cfg, out_dir=Path(spec_path).parent, progress=spec.get("progress", False),
-        overrides=spec["overrides"], choices=spec["choices"])
+        overrides=spec["overrides"], choices=spec["choices"], in_sweep=True)
     return 0  # the record's status says how the run went
 
 

@@ -63,7 +63,7 @@ def _run_job(cfg, job_dir: Path, sweep_dir: Path, overrides, choices, num: int) 
     from ..run import _container, log_record, prepare
 
     s = cfg.sweep
-    cfg, rec = prepare(cfg, overrides)
+    cfg, rec = prepare(cfg, overrides, in_sweep=True)
     set_aside(job_dir, row_key(rec if rec is not None else _key_record(_container(cfg))))
     if rec is not None:  # invalid or skipped: no process started
         print(f"[sweep] job #{num}: {rec['status']}: {rec['error']}", file=sys.stderr)
@@ -123,7 +123,7 @@ def _repeats(cfg, cfg_dict: dict, job_dir: Path, sweep_dir: Path, overrides, cho
             # their figures are theirs)
             shared = _RUNS_HERE > 0 and not distributed_run(cfg)
             rec = run(cfg, out_dir=rdir, progress=sys.stderr.isatty(), overrides=overrides,
-                      choices=choices, shared_process=shared)
+                      choices=choices, shared_process=shared, in_sweep=True)
             _RUNS_HERE += 1
         rec.update(repeat=i, repeats=s.repeats)
         write_json_atomic(rdir / "metrics.json", rec)
