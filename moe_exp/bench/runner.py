@@ -242,8 +242,9 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
     if peak:
         rec["mfu"] = rec["tflops_per_device"] * 1e12 / peak
     else:
-        why["mfu"] = why["peak_flops"] = (f"no peak FLOP/s known for hardware={cfg.hardware.name} at precision="
-                      f"{cfg.precision.name}; set ++hardware.peak_flops.{cfg.precision.name}=<FLOP/s>")
+        why["mfu"] = why["peak_flops"] = (
+            f"no peak FLOP/s known for hardware={cfg.hardware.name} at precision="
+            f"{cfg.precision.name}; set ++hardware.peak_flops.{cfg.precision.name}=<FLOP/s>")
     if cfg.model.dispatch == "padded":
         _padded_fallbacks(applied.model, cfg, rec, device, world)
     else:  # (a sweep's table has the column for every row: say why it is empty)

@@ -81,7 +81,8 @@ def check_jobs(config: DictConfig, jobs: list[list[str]], validate: bool = True)
         seen.setdefault(key, num)
     if validate and first:
         raise SweepError(f"{first} (every job of the sweep is invalid)")
-    for k, (group, option) in (unread or {}).items():
+    if unread:
+        k, (group, option) = next(iter(unread.items()))
         raise SweepError(f"{k}: read by {option} only, and no job of this sweep has "
                          f"{option}: add it to the sweep's {group} options, or leave {k} out")
 
