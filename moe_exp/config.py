@@ -40,6 +40,7 @@ def default_choices() -> Dict[str, str]:
 CHOICES: Dict[str, List[str]] = {
     "task": ["bench", "comm"],
     "precision.name": ["fp32", "tf32", "fp16", "bf16", "fp8"],
+    "precision.fp8_recipe": ["tensorwise", "rowwise", "rowwise_with_gw_hp"],  # torchao's
     "parallel.name": ["none", "ddp", "fsdp", "expert", "expert_fsdp"],
     "parallel.backend": ["auto", "nccl", "gloo"],
     "hardware.device": ["auto", "cpu", "cuda", "hpu"],

@@ -70,6 +70,9 @@ def resolve(cfg) -> None:
                 hw.peak_flops = {**value, **dict(hw.peak_flops)}
             elif key == "name" or mine in (None, "auto", [], {}) or key not in hw:
                 hw[key] = value
+    elif not hw.precisions and hw.device != "auto":
+        raise ConfigError("hardware.precisions", "empty: name the precisions this hardware "
+                          "runs (e.g. [fp32,bf16])")
     elif not hw.precisions:  # `hardware.name=X` on the auto group loads no profile
         raise ConfigError("hardware.name", f"'{hw.name}' only labels a profile; pick one with "
                           f"hardware={hw.name} (or hardware=auto to detect it)")
@@ -122,12 +125,19 @@ def check_device(cfg) -> None:
                               "visible; use hardware=auto or hardware=cpu")
         raise Unsupported("hardware.device", "cuda: no CUDA GPU is visible; use "
                           "hardware.device=cpu (or auto)")
+    own = _profile_device(hw.name)
+    if own not in (None, "cpu") and hw.device != own:  # (its peaks and memory are the GPU's)
+        raise ConfigError("hardware.device", f"{hw.device} with hardware={hw.name}, a profile "
+                          f"of a {own} device (its peak FLOP/s and memory): leave "
+                          f"hardware.device at {own}, or pick hardware=auto or cpu")
     if hw.device == "hpu":
         try:
             with hardware_env(hw):  # the bridge reads PT_HPU_LAZY_MODE when imported
                 import habana_frameworks.torch  # noqa: F401
         except ImportError:
-            raise Unsupported("hardware", f"hardware={hw.name} needs Intel Gaudi's PyTorch bridge "
+            key, who = ("hardware", f"hardware={hw.name}") if own == "hpu" else \
+                ("hardware.device", "hpu")
+            raise Unsupported(key, f"{who} needs Intel Gaudi's PyTorch bridge "
                               "(habana_frameworks), which is not installed here") from None
     if hw.devices < 1:
         raise ConfigError("hardware.devices", f"must be >= 1, got {hw.devices}")

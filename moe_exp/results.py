@@ -96,11 +96,12 @@ def _unread_at_defaults(keep: dict) -> None:
     setting them, e.g. for every job of a sweep over parallel=none,ddp or data=markov,tokens,
     splits no configuration in two; with them at their defaults a hash is the one it was.
     comm.* (task=comm's); a parallel=none run's rank settings; accum_no_sync where gradients
-    are reduced once per step anyway (none, expert); the other data source's key. And
+    are reduced once per step anyway (none, expert); the other data source's key; fp8's
+    recipe off precision=fp8. And
     parallel.prefetch past the model's layers, which acts as prefetching all of them."""
     import dataclasses
 
-    from .config import CommConfig, DataConfig, ParallelConfig
+    from .config import CommConfig, DataConfig, ParallelConfig, PrecisionConfig
 
     if "comm" in keep:
         keep["comm"] = dataclasses.asdict(CommConfig())
@@ -109,7 +110,9 @@ def _unread_at_defaults(keep: dict) -> None:
     unread = {"parallel": (ParallelConfig, (RANKS_ONLY if par == "none" else ())
                            + (("accum_no_sync",) if par in ("none", "expert") else ())),
               "data": (DataConfig, ("path",) if src == "markov" else
-                       ("branching",) if src == "tokens" else ())}
+                       ("branching",) if src == "tokens" else ()),
+              "precision": (PrecisionConfig, ("fp8_recipe",) if (keep.get("precision") or {})
+                            .get("name") != "fp8" else ())}
     for group, (schema, keys) in unread.items():
         if keys and isinstance(keep.get(group), dict):
             keep[group] = {**keep[group], **{k: getattr(schema, k) for k in keys
@@ -122,14 +125,18 @@ def _unread_at_defaults(keep: dict) -> None:
 def new_record(cfg_dict: dict, overrides: list[str]) -> dict:
     """A record with every field present: configuration filled, measurements null."""
     rec = dict.fromkeys(FIELDS)
-    t = cfg_dict["train"]
+
+    def get(group, key="name"):  # (a failed record's config may lack a key: ~train)
+        return (cfg_dict.get(group) or {}).get(key)
+
     rec.update(
-        status="error", model=cfg_dict["model"]["name"], precision=cfg_dict["precision"]["name"],
-        parallel=cfg_dict["parallel"]["name"], hardware=cfg_dict["hardware"]["name"],
-        data=cfg_dict["data"]["name"], optim=cfg_dict["optim"]["name"],
-        activation_checkpointing=t["activation_checkpointing"], compile=t["compile"],
-        world_size=cfg_dict["hardware"]["devices"], micro_batch_size=t["micro_batch_size"],
-        grad_accum_steps=t["grad_accum_steps"], seq_len=t["seq_len"], overrides=list(overrides),
+        status="error", model=get("model"), precision=get("precision"),
+        parallel=get("parallel"), hardware=get("hardware"), data=get("data"),
+        optim=get("optim"), activation_checkpointing=get("train", "activation_checkpointing"),
+        compile=get("train", "compile"), world_size=get("hardware", "devices"),
+        micro_batch_size=get("train", "micro_batch_size"),
+        grad_accum_steps=get("train", "grad_accum_steps"), seq_len=get("train", "seq_len"),
+        overrides=list(overrides),
         config_hash=config_hash(cfg_dict, env.world if (env := rank_env()) else None),
         timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     )

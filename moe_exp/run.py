@@ -42,13 +42,15 @@ def prepare(cfg: DictConfig, overrides: list[str],
     request this hardware cannot do) or `error` (this environment is not ready: NotReady).
     in_sweep: a sweep's job (validate.check_unread)."""
     from .hardware import NotReady, Unsupported, resolve
-    from .validate import validate
+    from .validate import check_complete, check_resolves, validate
 
     cfg = cfg.copy()
     OmegaConf.set_struct(cfg, False)
-    if not OmegaConf.is_missing(cfg.data, "path") and isinstance(cfg.data.path, str):
-        cfg.data.path = os.path.expanduser(cfg.data.path)  # data.path=~/corpus.bin
     try:
+        check_resolves(cfg)
+        check_complete(cfg)
+        if not OmegaConf.is_missing(cfg.data, "path") and isinstance(cfg.data.path, str):
+            cfg.data.path = os.path.expanduser(cfg.data.path)  # data.path=~/corpus.bin
         resolve(cfg)
         validate(cfg, overrides, in_sweep)
     except ConfigError as e:
@@ -191,10 +193,29 @@ def rank_main(cfg_dict: dict, out_dir: str, overrides, choices, progress,
 
 
 def _container(cfg) -> dict:
+    """The config as a dict, resolved; where a ${...} does not resolve, that value null."""
     try:
         return OmegaConf.to_container(cfg, resolve=True)
-    except Exception:  # noqa: BLE001 - e.g. a missing value: keep what resolves
-        return OmegaConf.to_container(cfg, resolve=False)
+    except Exception:  # noqa: BLE001 - e.g. ${bogus}: keep what resolves
+        return _resolved(cfg)
+
+
+def _resolved(node):
+    from omegaconf import DictConfig, ListConfig
+
+    if isinstance(node, ListConfig):
+        keys = range(len(node))
+    elif isinstance(node, DictConfig):
+        keys = list(node.keys())
+    else:
+        return node
+    out = [None] * len(keys) if isinstance(node, ListConfig) else {}
+    for k in keys:
+        try:
+            out[k] = _resolved(node[k])
+        except Exception:  # noqa: BLE001 - this value does not resolve (or is missing)
+            out[k] = None
+    return out
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="run")

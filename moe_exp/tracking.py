@@ -63,14 +63,21 @@ class Tracker:
             self.run = None
 
     def finish(self, ok: bool) -> None:
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            self._start()
-            for kind, data, step in pending:
-                self.log(data, step) if kind == "log" else self.run.summary.update(data)
-        if self.run:
-            self.run.finish(exit_code=0 if ok else 1)
-            self.run = None
+        """A failure of W&B's is a warning: the run's record is written already."""
+        try:
+            if self._pending is not None:
+                pending, self._pending = self._pending, None
+                self._start()
+                for kind, data, step in pending:
+                    self.log(data, step) if kind == "log" else self.run.summary.update(data)
+            if self.run:
+                self.run.finish(exit_code=0 if ok else 1)
+        except Exception as e:  # noqa: BLE001
+            import sys
+
+            line = (str(e).strip().splitlines() or [""])[0][:300]
+            print(f"warning: W&B logging failed: {type(e).__name__}: {line}", file=sys.stderr)
+        self.run = None
 
 
 def read_offline_run(run_file: str | Path) -> dict:

@@ -29,6 +29,39 @@ def check_choices(cfg) -> None:
             raise ConfigError(key, not_one_of(value, allowed))
 
 
+def check_resolves(cfg) -> None:
+    """Every ${...} resolves: what reads a value that does not would raise (a traceback)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "config"
+        raw = OmegaConf.to_container(cfg, resolve=False)
+        for part in key.split("."):
+            raw = raw.get(part) if isinstance(raw, dict) else None
+        what = f"'{raw}' does not resolve" if isinstance(raw, str) else "does not resolve"
+        raise ConfigError(key, f"{what}: {(str(e).splitlines() or [''])[0]}") from None
+
+
+def check_complete(cfg) -> None:
+    """Every key of the schema is there (`~key` deletes any key; what reads it would
+    raise)."""
+    import dataclasses
+
+    from omegaconf import DictConfig
+
+    for group, node in [("", cfg), *cfg.items_ex(resolve=False)]:
+        typ = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+        if typ is None or not dataclasses.is_dataclass(typ):
+            continue
+        for f in dataclasses.fields(typ):
+            if f.name not in node:
+                key = f"{group}.{f.name}".lstrip(".")
+                raise ConfigError(key, f"cannot be deleted (~{key}): runs read it; set a "
+                                  "value instead")
+
+
 def check_known_keys(cfg) -> None:
     """Keys a `+` override added inside a typed group (`+train.foo=1`), where nothing reads
     them: Hydra lets `+` add any key."""
@@ -56,7 +89,8 @@ def no_such_key(group: str, typ) -> str:
 
 
 def check_finite(cfg) -> None:
-    """No nan or inf anywhere: every range check below is a comparison, which nan passes."""
+    """No nan or inf anywhere (every range check below is a comparison, which nan passes),
+    no integer past int64."""
     import math
 
     def walk(node, path):
@@ -66,6 +100,8 @@ def check_finite(cfg) -> None:
             key = f"{path}.{k}" if path else str(k)
             if isinstance(v, float) and not math.isfinite(v):
                 raise ConfigError(key, f"must be a finite number, got {v}")
+            if isinstance(v, int) and not -2**63 <= v < 2**63:  # (torch's int64)
+                raise ConfigError(key, f"must fit in 64 bits, got {v}")
             walk(v, key)
 
     walk(OmegaConf.to_container(cfg, resolve=True), "")
@@ -77,12 +113,22 @@ def _at_least(cfg, key: str, low: int) -> None:
         raise ConfigError(key, f"must be >= {low}, got {value}")
 
 
+MAX_STEPS = 10_000_000
+MAX_POSITIONS = 2**20
+SEEDS = 2**32  # (numpy's range, the narrowest a seed goes to)
+
+
 def check_model(m) -> None:
     _at_least_m = {"hidden_size": 1, "num_layers": 1, "num_heads": 1, "num_kv_heads": 1,
                    "ffn_hidden_size": 1, "vocab_size": 2, "max_seq_len": 1, "num_experts": 0}
     for key, low in _at_least_m.items():
         if m[key] < low:
             raise ConfigError(f"model.{key}", f"must be >= {low}, got {m[key]}")
+    if m.max_seq_len > MAX_POSITIONS:
+        raise ConfigError("model.max_seq_len", f"must be <= {MAX_POSITIONS:,} (the model "
+                          f"builds its RoPE table for every position), got {m.max_seq_len:,}")
+    if not str(m.name).strip():
+        raise ConfigError("model.name", "empty: it labels every result; name the model")
     if m.hidden_size % m.num_heads:
         raise ConfigError("model.hidden_size", f"{m.hidden_size} is not divisible by "
                           f"model.num_heads={m.num_heads}")
@@ -102,9 +148,6 @@ def check_model(m) -> None:
             raise ConfigError(f"model.{key}", f"must be > 0, got {m[key]}")
 
 
-MAX_STEPS = 10_000_000
-
-
 def check_train(cfg) -> None:
     for key, low in (("train.steps", 1), ("train.warmup_steps", 0), ("train.micro_batch_size", 1),
                      ("train.grad_accum_steps", 1), ("train.seq_len", 1), ("train.log_every", 1)):
@@ -113,6 +156,8 @@ def check_train(cfg) -> None:
         # past this the run's per-step buffers, and its duration, are no longer sensible)
         if _get(cfg, key) > MAX_STEPS:
             raise ConfigError(key, f"must be <= {MAX_STEPS:,}, got {_get(cfg, key):,}")
+    if not 0 <= cfg.train.seed < SEEDS:
+        raise ConfigError("train.seed", f"must be in 0..{SEEDS - 1}, got {cfg.train.seed}")
     if cfg.train.compile != "off" and cfg.train.warmup_steps < 1:
         raise ConfigError("train.warmup_steps", f"must be >= 1 with train.compile="
                           f"{cfg.train.compile} (the first step compiles: it must not be measured)")
@@ -206,8 +251,8 @@ def check_parallel(cfg) -> None:
     if local is not None and local != n:  # (the record's config and hash say devices)
         raise ConfigError("hardware.devices", f"torchrun's LOCAL_WORLD_SIZE is {local} (ranks "
                           f"on this node), but hardware.devices={n}: set hardware.devices={local}")
-    if p.timeout_s <= 0:
-        raise ConfigError("parallel.timeout_s", f"must be > 0 seconds, got {p.timeout_s}")
+    if p.timeout_s < 1:  # (less fails the rendezvous itself)
+        raise ConfigError("parallel.timeout_s", f"must be >= 1 second, got {p.timeout_s}")
     _at_least(cfg, "parallel.profile_steps", 0)
     if p.name in ("expert", "expert_fsdp"):
         if m.num_experts == 0:
@@ -312,9 +357,9 @@ def check_data(cfg) -> None:
 
 def unread_keys(cfg) -> dict[str, tuple[str, str, ConfigError]]:
     """Keys set that only another option of their group reads (data.path off data=tokens,
-    Muon's keys off another optimizer): key -> (group, the option that reads it, the error
-    a run gives)."""
-    from .config import OptimConfig
+    fp8's recipe off precision=fp8, Muon's keys off another optimizer): key -> (group, the
+    option that reads it, the error a run gives)."""
+    from .config import OptimConfig, PrecisionConfig
     from .results import MUON_ONLY
 
     out = {}
@@ -325,6 +370,10 @@ def unread_keys(cfg) -> dict[str, tuple[str, str, ConfigError]]:
         out["data.path"] = ("data", "data=tokens", ConfigError(
             "data.path", f"read by data=tokens only; this run's data is {d.source} (train on "
             f"the file: data=tokens {path_override(d.path)})"))
+    if cfg.precision.name != "fp8" and cfg.precision.fp8_recipe != PrecisionConfig.fp8_recipe:
+        out["precision.fp8_recipe"] = ("precision", "precision=fp8", ConfigError(
+            "precision.fp8_recipe", f"read by precision=fp8 only; this run's precision is "
+            f"{cfg.precision.name} (use precision=fp8 precision.fp8_recipe=...)"))
     if o.name != "muon":
         for key in MUON_ONLY:
             if o.get(key, getattr(OptimConfig, key)) != getattr(OptimConfig, key):
@@ -420,6 +469,8 @@ def check_comm(cfg) -> None:
     c = cfg.comm
     bad = [op for op in c.ops if op not in ("all_reduce", "all_gather", "reduce_scatter",
                                              "all_to_all")]
+    if len(set(c.ops)) < len(c.ops):
+        raise ConfigError("comm.ops", f"{list(c.ops)} names an op twice: each is one row")
     if bad or not c.ops:
         raise ConfigError("comm.ops", f"{bad or 'empty'}: allowed are all_reduce, all_gather, "
                           "reduce_scatter, all_to_all")
@@ -487,11 +538,24 @@ def _netrc_has_key(hosts) -> bool:
     return False
 
 
+WANDB_PROJECT_BAD = "/\\#?%:"
+
+
 def check_logger(cfg) -> None:
     """logger.mode=online needs W&B credentials: checked now, not when the run is logged
     at its end. A NotReady (status error): a resumed sweep runs it again once logged in."""
     lg = cfg.logger
-    if lg.name == "wandb" and lg.mode == "online" and not wandb_credentials():
+    if lg.name != "wandb" or lg.mode == "disabled":
+        return
+    bad = [c for c in WANDB_PROJECT_BAD if c in lg.project]  # (W&B's own rules: its init
+    if bad or not 1 <= len(lg.project) <= 128:  # would fail after the run)
+        raise ConfigError("logger.project", f"'{lg.project}': a W&B project name is 1 to 128 "
+                          f"characters, none of {' '.join(WANDB_PROJECT_BAD)}")
+    for tag in lg.tags:
+        if not isinstance(tag, str) or not 1 <= len(tag) <= 64:
+            raise ConfigError("logger.tags", f"{tag!r}: a W&B tag is a string of 1 to 64 "
+                              "characters")
+    if lg.mode == "online" and not wandb_credentials():
         raise NotReady("logger.mode", "online needs W&B credentials and none were found: run "
                        "`wandb login` or set WANDB_API_KEY, or use logger.mode=offline")
 

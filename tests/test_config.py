@@ -120,6 +120,20 @@ SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3"
     # DDP static_graph under no_sync (pytorch#143580)
     ("parallel=ddp hardware.devices=2 parallel.static_graph=true train.grad_accum_steps=2",
      "parallel.static_graph"),
+    # found mid-run before (an overflow, a 64 GB RoPE table, a traceback)
+    ("train.seed=100000000000000", "train.seed"),
+    ("model.max_seq_len=1000000000", "model.max_seq_len"),
+    ("model.max_seq_len=99999999999999999999", "model.max_seq_len"),
+    ("train.steps=${bogus}", "train.steps"),
+    ("model.name=${oc.env:MOE_EXP_NO_SUCH_VAR}", "model.name"),
+    ("~train", "train"),
+    ("model.name=", "model.name"),
+    ("hardware=h100 hardware.device=cpu", "hardware.device"),  # an H100's peak on a CPU
+    ("hardware=cpu hardware.precisions=[]", "hardware.precisions"),
+    ("precision.fp8_recipe=bogus", "precision.fp8_recipe"),
+    ("precision.fp8_recipe=rowwise", "precision.fp8_recipe"),  # fp32: nothing reads it
+    ("parallel=ddp hardware.devices=2 parallel.timeout_s=0.5", "parallel.timeout_s"),
+    ("task=comm hardware.devices=2 comm.ops=[all_reduce,all_reduce]", "comm.ops"),
 ])
 
 
@@ -141,7 +155,8 @@ def test_validation_rejects_before_any_work(override, key, tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("args", [["data=markov", "data.path=corpus.bin"],
-                                  ["optim=adamw", "optim.momentum=0.9"]])
+                                  ["optim=adamw", "optim.momentum=0.9"],
+                                  ["precision=bf16", "precision.fp8_recipe=rowwise"]])
 def test_a_key_the_chosen_option_does_not_read_runs_only_in_a_sweep(args, tmp_path,
                                                                     monkeypatch):
     """data.path on markov data, Muon's momentum on adamw: in a sweep over both options
@@ -493,3 +508,16 @@ def test_auto_hardware_tells_the_gpu_parts_apart(device_name, profile, bf16_peak
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: device_name)
     assert hardware.detect() == profile
     assert hardware.load_profile(profile)["peak_flops"]["bf16"] == bf16_peak
+
+
+@pytest.mark.parametrize("args, key", [
+    (["logger.project=team/moe"], "logger.project"),
+    (["logger.tags=[" + "x" * 65 + "]"], "logger.tags"),
+    (["logger.tags=[a,[b]]"], "logger.tags")])
+def test_wandb_names_are_checked_before_the_run(args, key, tmp_path, monkeypatch):
+    """W&B refuses these at wandb.init, which a deferred start reaches only after the run."""
+    import moe_exp.bench.runner as runner
+
+    monkeypatch.setattr(runner, "bench", lambda *a, **k: pytest.fail("work started"))
+    rec = run_inproc(["logger=wandb", *args], tmp_path)
+    assert rec["status"] == "invalid" and rec["error"].startswith(f"{key}: ")

@@ -159,6 +159,8 @@ def test_prepare_cli_output_errors_inputs_and_hints(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"error: could not write {text / 'x.bin'}: {text}: ")
     assert "Traceback" not in err
+    assert main(["prepare", str(text), "/dev/null"]) == 2  # (it wrote /dev/null.json)
+    assert capsys.readouterr().err.startswith("error: the output /dev/null is not a regular")
     assert main(["prepare", str(tmp_path), str(tmp_path / "o.bin")]) == 2
     assert capsys.readouterr().err == f"error: a directory, not a text file: {tmp_path}\n"
     out = tmp_path / "my dir" / "c,1.bin"

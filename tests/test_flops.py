@@ -62,3 +62,10 @@ def test_flop_check_cli_names_a_bad_override_in_one_line(capsys):
     assert main(["model=tiny"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: model: 'tiny' is not one of: ") and err.count("\n") == 1
+    # shapes the app refuses: the same one line (tracebacks before)
+    for override, line in [("model.num_heads=3", "model.hidden_size: 128 is not divisible"),
+                           ("model.num_layers=0", "model.num_layers: must be >= 1"),
+                           ("train.seq_len=500", "train.seq_len: 500 exceeds")]:
+        assert main([override]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {line}") and err.count("\n") == 1, err

@@ -128,6 +128,7 @@ def test_new_knobs_keep_older_config_hashes():
     assert h("parallel=ddp") != h("parallel=ddp", "parallel.accum_no_sync=false")
     assert h("parallel=expert") == h("parallel=expert", "parallel.accum_no_sync=false")
     assert h("data.branching=3") != h()
+    assert h("precision=bf16") == h("precision=bf16", "precision.fp8_recipe=rowwise")
     assert h("parallel=fsdp") != h("parallel=fsdp", "parallel.prefetch=1")
     # past the model's 2 layers, prefetch acts as prefetching both
     assert h("parallel=fsdp", "parallel.prefetch=2") == h("parallel=fsdp", "parallel.prefetch=5")

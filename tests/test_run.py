@@ -287,6 +287,22 @@ def test_wandb_run_is_finished_when_the_run_fails(tmp_path, monkeypatch):
     assert run["exit_code"] == 1 and run["summary"]["status"] == "error"
 
 
+def test_a_wandb_failure_after_the_run_is_a_warning(tmp_path, monkeypatch, capsys):
+    """W&B starts after the measured steps: its failure then leaves the record as it is."""
+    import wandb
+
+    def refuse(*a, **k):
+        raise wandb.errors.UsageError("planted: W&B refused\nsecond line")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    rec = run_inproc(["train.steps=2"], tmp_path)
+    assert rec["status"] == "ok"
+    assert json.loads((tmp_path / "metrics.json").read_text())["status"] == "ok"
+    err = capsys.readouterr().err
+    assert "warning: W&B logging failed: UsageError: planted: W&B refused\n" in err
+    assert "second line" not in err and "Traceback" not in err
+
+
 def test_nan_loss_ends_the_run_as_diverged(tmp_path):
     rec = run_inproc(["logger=none", "optim.lr=1e30", "optim.grad_clip=0",
                       "optim.lr_warmup_steps=1", "train.steps=20", "train.log_every=8"], tmp_path)

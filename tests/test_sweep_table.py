@@ -603,7 +603,9 @@ def test_compare_reads_records_warns_on_broken_ones_and_flags_contention(tmp_pat
                       ("[1]", "not a record (JSON, but not an object"),
                       ('{"status": "ok", "tok', "not JSON"),
                       (json.dumps(rec(1, 1.0, 1.0, status="fine")),
-                       "not a record (status 'fine' is not one")]:
+                       "not a record (status 'fine' is not one"),
+                      (json.dumps(rec(1, 1.0, 1.0) | {"tokens_per_s": "fast"}),  # by hand
+                       "not a record (tokens_per_s is 'fast', not a number)")]:
         (d / "1" / "metrics.json").write_text(text)
         assert list(load(d)["job"]) == [0]
         assert f"{d / '1' / 'metrics.json'}: {why}" in capsys.readouterr().err, text

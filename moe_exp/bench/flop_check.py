@@ -71,6 +71,18 @@ def count_step_flops(model, tokens, targets, autocast=contextlib.nullcontext) ->
     return {"total": total, "per_token": total / tokens.numel(), "by_op": by_op}
 
 
+def check_config(cfg) -> None:
+    """The app's checks of what this reads (the model, the loop's shapes), as a run has
+    them: ConfigError on the first problem. The hardware's are not: --meta is for models
+    too big for this machine."""
+    from .. import validate as v
+
+    for fn in (v.check_resolves, v.check_complete, v.check_known_keys, v.check_finite,
+               v.check_choices, v.check_train):
+        fn(cfg)
+    v.check_model(cfg.model)
+
+
 def check(overrides=(), device: str = "cpu") -> dict:
     """Analytic flops_per_token vs the counted FLOPs of one step of the configured model.
 
@@ -84,6 +96,7 @@ def check(overrides=(), device: str = "cpu") -> dict:
 
     with initialize_config_module(config_module="moe_exp.conf", version_base="1.3"):
         cfg = compose("run", overrides=list(overrides))
+    check_config(cfg)
     m, t = cfg.model, cfg.train
     if not m.num_experts:
         m.dispatch = "loop"  # unused by a dense model
@@ -113,6 +126,7 @@ def main(argv=None) -> int:
 
     from hydra.errors import HydraException
 
+    from ..hardware import ConfigError
     from ..run import hydra_error_line
 
     ap = argparse.ArgumentParser(prog="python -m moe_exp.bench.flop_check", description=(
@@ -126,6 +140,9 @@ def main(argv=None) -> int:
         r = check(args.overrides, "meta" if args.meta else "cpu")
     except HydraException as e:
         print(f"error: {hydra_error_line(e)}", file=sys.stderr)
+        return 2
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"model={r['model']} precision={r['precision']} dispatch={r['dispatch']}")
     print(f"  analytic {r['analytic_per_token'] / 1e6:12.4f} MFLOP/token")

@@ -44,6 +44,10 @@ def main(argv=None) -> int:
         print(f"error: the output {args.out} (or its .json) is also an input: {', '.join(clash)}",
               file=sys.stderr)
         return 2
+    if out.exists() and not out.is_dir() and not out.is_file():  # /dev/null, a pipe
+        print(f"error: the output {args.out} is not a regular file; give a file name",
+              file=sys.stderr)
+        return 2
     if out.is_dir():
         print(f"error: the output {args.out} is a directory; give a file name (e.g. "
               f"{out / 'corpus.bin'})", file=sys.stderr)

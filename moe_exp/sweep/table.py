@@ -29,6 +29,22 @@ def _num(x) -> float | None:
 
 # keys every record has (results.new_record): a file without them is not one
 RECORD_KEYS = ("status", "config_hash", "model", "precision", "overrides")
+# record fields that hold text; the others hold numbers or null
+_TEXT = ("status", "error", "model", "precision", "parallel", "hardware", "data", "optim",
+         "activation_checkpointing", "compile", "overrides", "config_hash", "device_name",
+         "torch_version", "timestamp")
+
+
+def _not_a_number(rec: dict) -> str | None:
+    """The first number field of a record that holds something else (a hand-edited file)."""
+    from ..results import FIELDS
+
+    for k in FIELDS:
+        v = rec.get(k)
+        if k not in _TEXT and v is not None and (
+                isinstance(v, bool) or not isinstance(v, (int, float))):
+            return f"{k} is {v!r}, not a number"
+    return None
 
 
 def read_record(path: Path, warn: bool = False) -> dict | None:
@@ -47,7 +63,8 @@ def read_record(path: Path, warn: bool = False) -> dict | None:
         why = ("not a record (JSON, but not an object)" if missing is None else
                f"not a record (no {', '.join(missing)})" if missing else
                f"not a record (status {rec['status']!r} is not one of: {', '.join(STATUSES)})"
-               if rec["status"] not in STATUSES else None)
+               if rec["status"] not in STATUSES else
+               f"not a record ({bad})" if (bad := _not_a_number(rec)) else None)
         if why is None:
             return rec
     if warn:
