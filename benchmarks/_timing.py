@@ -125,6 +125,67 @@ def one_of(allowed):
     return parse
 
 
+def add_device(ap) -> None:
+    """--device: cpu, or cuda where a CUDA GPU is visible (then the default)."""
+    import argparse
+
+    import torch
+
+    def parse(text: str) -> str:
+        if text not in ("cpu", "cuda"):
+            raise argparse.ArgumentTypeError(f"'{text}' is not one of cpu, cuda")
+        if text == "cuda" and not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError("cuda: no CUDA GPU is visible; use --device cpu")
+        return text
+    ap.add_argument("--device", type=parse, help="cpu or cuda",
+                    default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def out_file(text: str) -> str:
+    """argparse type: a file path that can be written (its folder exists or can be made)."""
+    import argparse
+    from pathlib import Path
+
+    path = Path(text).absolute()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: is a folder, not a file")
+    folder = path.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: {folder} is a file, not a folder")
+    if not os.access(path if path.exists() else folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text}: not writable")
+    return text
+
+
+def compose(overrides):
+    """The run's config (moe_exp/conf/run.yaml) with these overrides, not struct."""
+    from hydra import compose as hcompose
+    from hydra import initialize_config_module
+    from omegaconf import OmegaConf
+
+    with initialize_config_module(config_module="moe_exp.conf", version_base="1.3"):
+        cfg = hcompose("run", overrides=list(overrides))
+    OmegaConf.set_struct(cfg, False)
+    return cfg
+
+
+def check_config(ap, runs) -> None:
+    """Each list of overrides in `runs` composed and validated as `python -m moe_exp.run`
+    does, before any work; the first bad one ends the script (ap.error: one line, exit 2)."""
+    from moe_exp.run import hydra_error_line, prepare
+
+    for overrides in runs:
+        try:
+            cfg = compose(overrides)
+        except Exception as e:  # noqa: BLE001 - Hydra's composition errors
+            ap.error(f"overrides: {hydra_error_line(e)}")
+        rec = prepare(cfg, list(overrides))[1]
+        if rec is not None:
+            ap.error(rec["error"])
+
+
 def device_name(device) -> str:
     """The GPU's name, or the CPU's cores and torch threads: each table's first line."""
     import torch

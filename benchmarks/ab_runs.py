@@ -25,32 +25,36 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _runs import interleaved, print_rows, summarize  # noqa: E402
+from _timing import at_least, check_config, out_file  # noqa: E402
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
+    """argparse type for --variant: (NAME, overrides)."""
     name, sep, rest = text.partition(":")
     if not sep or not name.strip():
-        raise SystemExit(f"error: --variant {text!r}: expected NAME:override override ...")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:override override ...")
     return name.strip(), rest.split()
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--variant", action="append", required=True,
+    ap.add_argument("--variant", action="append", required=True, type=parse_variant,
                     help='"NAME:override ..." (two or more)')
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json")
+    ap.add_argument("--rounds", type=at_least(1), default=3)
+    ap.add_argument("--json", type=out_file)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args(argv)
-    variants = dict(parse_variant(v) for v in a.variant)
+    variants = dict(a.variant)
     if len(variants) < 2:
-        raise SystemExit("error: --variant: give two or more, with distinct names")
+        ap.error("argument --variant: give two or more, with distinct names")
     common = a.overrides or ["logger=none"]
+    check_config(ap, [[*common, *o] for o in variants.values()])
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     runs = interleaved({n: [*common, *o] for n, o in variants.items()}, a.rounds)
     rows = [summarize(n, recs) for n, recs in runs.items()]
     print_rows(rows)
     if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps({
             "date": dt.date.today().isoformat(), "common": common, "variants": variants,
             "rows": rows, "command": "python benchmarks/ab_runs.py " +

@@ -29,19 +29,8 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import at_least, device_name, one_of, run_rounds, save_json  # noqa: E402
-
-
-def compose(overrides):
-    from hydra import compose as hcompose
-    from hydra import initialize_config_module
-
-    with initialize_config_module(config_module="moe_exp.conf", version_base="1.3"):
-        cfg = hcompose("run", overrides=list(overrides))
-    from omegaconf import OmegaConf
-
-    OmegaConf.set_struct(cfg, False)
-    return cfg
+from _timing import (add_device, at_least, check_config, compose, device_name,  # noqa: E402
+                     one_of, out_file, run_rounds, save_json)
 
 
 def build(cfg, device, state=None):
@@ -81,10 +70,14 @@ def build(cfg, device, state=None):
     return model, step, cfg.model.dispatch
 
 
-def bench(model_name, precision, device, reps, extra):
+def configs(model_name, precision, extra):
+    """The overrides of the eager and the compiled model."""
     base = [f"model={model_name}", f"precision={precision}", "logger=none", *extra]
-    eager_cfg = compose([*base, "train.compile=off"])
-    comp_cfg = compose([*base, "train.compile=default"])
+    return [*base, "train.compile=off"], [*base, "train.compile=default"]
+
+
+def bench(model_name, precision, device, reps, extra):
+    eager_cfg, comp_cfg = (compose(o) for o in configs(model_name, precision, extra))
     from moe_exp.hardware import resolve
 
     resolve(eager_cfg)
@@ -118,7 +111,7 @@ def bench(model_name, precision, device, reps, extra):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device(ap)
     conf = ROOT / "moe_exp" / "conf"
     names = lambda group: sorted(p.stem for p in (conf / group).glob("*.yaml"))  # noqa: E731
     ap.add_argument("--models", default=None, type=one_of(names("model")),
@@ -126,17 +119,17 @@ def main(argv=None):
     ap.add_argument("--precisions", default=None, type=one_of(names("precision")),
                     help="comma list of precision options")
     ap.add_argument("--reps", type=at_least(1), default=10)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, type=out_file)
     ap.add_argument("--warm-cache", action="store_true",
                     help="keep inductor's cache (default: a fresh one: cold compile times)")
     ap.add_argument("overrides", nargs="*", help="extra config overrides for every model")
     a = ap.parse_args(argv)
-    try:  # the extra overrides, checked before any work (one line, like the run's own)
-        compose(a.overrides)
-    except Exception as e:  # noqa: BLE001 - Hydra's composition errors
-        from moe_exp.run import hydra_error_line
-
-        ap.error(f"overrides: {hydra_error_line(e)}")
+    device = torch.device(a.device)
+    cuda = device.type == "cuda"
+    models = (a.models or ("tiny_moe,small_moe,moe_1b" if cuda else "tiny_moe,small_moe")).split(",")
+    precisions = (a.precisions or ("bf16" if cuda else "fp32,bf16")).split(",")
+    # every config validated as a run does, before any work
+    check_config(ap, [o for m in models for p in precisions for o in configs(m, p, a.overrides)])
     if not a.warm_cache:
         import atexit
         import shutil
@@ -145,10 +138,6 @@ def main(argv=None):
         cache = tempfile.mkdtemp(prefix="inductor-cold-")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
         atexit.register(shutil.rmtree, cache, ignore_errors=True)
-    device = torch.device(a.device)
-    cuda = device.type == "cuda"
-    models = (a.models or ("tiny_moe,small_moe,moe_1b" if cuda else "tiny_moe,small_moe")).split(",")
-    precisions = (a.precisions or ("bf16" if cuda else "fp32,bf16")).split(",")
     dev_name = device_name(device)
     print(f"# whole train step, compiled vs eager, {dev_name}, torch {torch.__version__}, "
           f"{dt.date.today()}, median of {a.reps}")

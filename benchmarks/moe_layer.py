@@ -46,7 +46,8 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import at_least, device_name, one_of, run_rounds  # noqa: E402
+from _timing import (add_device, at_least, device_name, one_of, out_file,  # noqa: E402
+                     run_rounds)
 
 from moe_exp.model.moe import MoE, resolve_dispatch  # noqa: E402
 
@@ -249,9 +250,20 @@ def bench_shape(name, shape, device, dtype, reps, warmup, compile_=True, skew=1.
             "median_ms": med, "speedup_vs_naive": {n: med["naive"] / v for n, v in med.items()}}
 
 
+def skew_type(text: str) -> float:
+    """argparse type for --skew: a finite number > 0 (a scale of router rows)."""
+    try:
+        x = float(text)
+    except ValueError:
+        x = float("nan")
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got '{text}'")
+    return x
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device(ap)
     ap.add_argument("--shapes", default=None, type=one_of(SHAPES),
                     help="comma list of " + ",".join(SHAPES))
     ap.add_argument("--dtypes", default=None, type=one_of(("fp32", "bf16")),
@@ -259,9 +271,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=at_least(1), default=20)
     ap.add_argument("--warmup", type=at_least(0), default=3)
     ap.add_argument("--threads", type=at_least(1), default=None, help="torch.set_num_threads")
-    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--json", default=None, type=out_file, help="write the results here")
     ap.add_argument("--no-compile", action="store_true", help="leave out the compiled contenders")
-    ap.add_argument("--skew", type=float, default=1.0,
+    ap.add_argument("--skew", type=skew_type, default=1.0,
                     help="scale of the first E/8 experts' router rows: 1 = as initialised "
                          "(balanced), 2 = max/mean load ~2 at 16 experts (as small_moe trained)")
     ap.add_argument("--malloc-retain", action="store_true",
@@ -270,7 +282,7 @@ def main(argv=None):
     if a.malloc_retain:
         from moe_exp.bench.memory import malloc_retain
         if not malloc_retain():
-            raise SystemExit("--malloc-retain: glibc's mallopt refused it")
+            ap.error("--malloc-retain: glibc's mallopt refused it")
     device = torch.device(a.device)
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,10 +26,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import at_least, device_name, one_of, round_orders, save_json  # noqa: E402
-from compile_step import compose  # noqa: E402
+from _timing import (at_least, check_config, compose, device_name, one_of,  # noqa: E402
+                     out_file, round_orders, save_json)
 
 WAYS = ("round-robin", "gathered")
+
+
+def config(name: str, ranks: int, extra: list[str]) -> list[str]:
+    """The overrides every rank builds a model with."""
+    return [f"model={name}", "logger=none", "parallel=fsdp", "optim=muon",
+            f"hardware.devices={ranks}", *extra]
 
 
 def rank_bench(models: list[str], ranks: int, reps: int, extra: list[str]) -> list[dict]:
@@ -47,8 +54,7 @@ def rank_bench(models: list[str], ranks: int, reps: int, extra: list[str]) -> li
     rows = []
     d = None
     for name in models:
-        cfg = compose([f"model={name}", "logger=none", "parallel=fsdp", "optim=muon",
-                       f"hardware.devices={ranks}", *extra])
+        cfg = compose(config(name, ranks, extra))
         resolve(cfg)  # hardware=auto -> this machine's device
         d = d or distributed.init(cfg)
         device = torch.device(f"cuda:{d.local_rank}" if cfg.hardware.device == "cuda"
@@ -103,9 +109,14 @@ def main(argv=None):
     ap.add_argument("--models", default="tiny_dense,small_moe", type=one_of(names))
     ap.add_argument("--ranks", type=at_least(2), default=2)
     ap.add_argument("--reps", type=at_least(1), default=10)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, type=out_file)
     ap.add_argument("overrides", nargs="*", help="extra config overrides for every model")
     a = ap.parse_args(argv)
+    cores = os.cpu_count() or 1
+    if not torch.cuda.is_available() and a.ranks > cores:  # as validate.check_parallel
+        ap.error(f"argument --ranks: {a.ranks} ranks asked for, this machine has {cores} CPU "
+                 "cores (one gloo rank per core at most)")
+    check_config(ap, [config(m, a.ranks, a.overrides) for m in a.models.split(",")])
     from moe_exp.distributed import launch, rank_entry
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

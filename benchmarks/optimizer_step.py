@@ -24,8 +24,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import at_least, device_name, one_of, run_rounds, save_json  # noqa: E402
-from compile_step import compose  # noqa: E402
+from _timing import (add_device, at_least, check_config, compose, device_name,  # noqa: E402
+                     one_of, out_file, run_rounds, save_json)
 
 
 def state_mib(opt) -> float:
@@ -35,11 +35,17 @@ def state_mib(opt) -> float:
                for t in s.values() if torch.is_tensor(t) and t.dim() > 0) / 2**20
 
 
+def configs(model_name, ns_steps, extra):
+    """The overrides of AdamW's config, then Muon's at each ns_steps."""
+    base = [f"model={model_name}", "logger=none", *extra]
+    return [base, *([*base, "optim=muon", f"optim.ns_steps={n}"] for n in ns_steps)]
+
+
 def bench(model_name, ns_steps, device, reps, extra):
     from moe_exp.model import build_model
     from moe_exp.optim import build_optimizer
 
-    base = [f"model={model_name}", "logger=none", *extra]
+    base, *muons = configs(model_name, ns_steps, extra)
     cfg = compose(base)
     torch.manual_seed(0)
     with torch.device(device):
@@ -50,9 +56,8 @@ def bench(model_name, ns_steps, device, reps, extra):
                            generator=g).to(device)
     model(tokens, tokens).loss.backward()  # real gradients, kept for every step
     opts = {"adamw": build_optimizer(model, cfg, device)[0]}
-    for n in ns_steps:
-        opts[f"muon ns={n}"] = build_optimizer(
-            model, compose([*base, "optim=muon", f"optim.ns_steps={n}"]), device)[0]
+    for n, overrides in zip(ns_steps, muons):
+        opts[f"muon ns={n}"] = build_optimizer(model, compose(overrides), device)[0]
 
     def sync():
         if device.type == "cuda":
@@ -70,26 +75,22 @@ def bench(model_name, ns_steps, device, reps, extra):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device(ap)
     conf = ROOT / "moe_exp" / "conf"
     names = sorted(p.stem for p in (conf / "model").glob("*.yaml"))
     ap.add_argument("--models", default=None, type=one_of(names), help="comma list of models")
     ap.add_argument("--ns-steps", default="3,5,7", type=one_of([str(i) for i in range(1, 21)]),
                     help="comma list of optim.ns_steps for muon")
     ap.add_argument("--reps", type=at_least(1), default=10)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, type=out_file)
     ap.add_argument("overrides", nargs="*", help="extra config overrides for every model")
     a = ap.parse_args(argv)
-    try:  # the extra overrides, checked before any work
-        compose(a.overrides)
-    except Exception as e:  # noqa: BLE001 - Hydra's composition errors
-        from moe_exp.run import hydra_error_line
-
-        ap.error(f"overrides: {hydra_error_line(e)}")
     device = torch.device(a.device)
     cuda = device.type == "cuda"
     models = (a.models or ("small_moe,moe_1b" if cuda else "tiny_moe,small_moe")).split(",")
     ns = [int(x) for x in a.ns_steps.split(",")]
+    # every config validated as a run does, before any work
+    check_config(ap, [o for m in models for o in configs(m, ns, a.overrides)])
     dev_name = device_name(device)
     print(f"# optimizer step, AdamW vs Muon, {dev_name}, torch {torch.__version__}, "
           f"{dt.date.today()}, median of {a.reps}")

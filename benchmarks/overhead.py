@@ -30,7 +30,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import _cpu_ticks, at_least, other_load, round_orders  # noqa: E402
+from _timing import (_cpu_ticks, at_least, check_config, other_load, out_file,  # noqa: E402
+                     round_orders)
 
 TORCH_FLOOR = ("import torch; p = torch.nn.Parameter(torch.zeros(4)); "
                "torch.optim.AdamW([p], fused=True).step()")
@@ -109,9 +110,10 @@ def record(cwd: Path) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=at_least(1), default=5)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, type=out_file)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args(argv)
+    check_config(ap, [a.overrides, ["logger=none", *a.overrides]])  # before any run
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     py = sys.executable
     cmds = {

@@ -25,7 +25,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import at_least, device_name, one_of, run_rounds, save_json  # noqa: E402
+from _timing import (add_device, at_least, device_name, one_of, out_file,  # noqa: E402
+                     run_rounds, save_json)
 
 from moe_exp.bench.timer import device_sync  # noqa: E402
 from moe_exp.model.moe import gather_rows, inverse_permutation  # noqa: E402
@@ -76,12 +77,12 @@ def contenders(shape, dtype, device):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device(ap)
     ap.add_argument("--shapes", default="tiny,small,1b", type=one_of(SHAPES))
     ap.add_argument("--dtypes", default="fp32,bf16", type=one_of(DTYPES))
     ap.add_argument("--reps", type=at_least(1), default=30)
     ap.add_argument("--warmup", type=at_least(0), default=3)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, type=out_file)
     a = ap.parse_args(argv)
     device = torch.device(a.device)
     sync = lambda: device_sync(device)  # noqa: E731

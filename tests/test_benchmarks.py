@@ -156,7 +156,21 @@ def test_ab_runs_benchmark_rows(tmp_path):
     assert rows[0]["loss_last"] == rows[1]["loss_last"]  # checkpointing changes no math
 
 
-def test_ab_runs_rejects_a_variant_without_a_name():
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab_runs.py"), "--variant",
-                        "precision=bf16", "--variant", "b:"], capture_output=True, text=True)
-    assert p.returncode != 0 and "NAME:override" in p.stderr
+@pytest.mark.parametrize("args, says", [
+    (["moe_layer.py", "--skew", "nan"], "--skew"),
+    (["moe_layer.py", "--json", f"{__file__}/x.json"], "--json"),  # a file as its folder
+    (["row_moves.py", "--device", "bogus"], "--device"),
+    (["compile_step.py", "model.num_heads=3"], "model.num_heads"),
+    (["overhead.py", "--runs", "1", "model.num_heads=3"], "model.num_heads"),
+    (["muon_fsdp.py", "--ranks", "1000"], "ranks asked for"),
+    (["pad_multiple.py", "--multiples", "0"], "--multiples"),
+    (["ab_runs.py", "--rounds", "0", "--variant", "a:", "--variant", "b:"], "--rounds"),
+    (["ab_runs.py", "--variant", "precision=bf16", "--variant", "b:"], "NAME:override"),
+])
+def test_bad_input_fails_first_with_one_line(args, says):
+    """Bad flags and configs end the script before any work: exit 2, one error line."""
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / args[0]), *args[1:]],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    errors = [line for line in p.stderr.splitlines() if "error:" in line]
+    assert p.returncode == 2 and p.stdout == "", p.stderr
+    assert len(errors) == 1 and says in errors[0] and "Traceback" not in p.stderr, p.stderr
