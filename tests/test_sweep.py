@@ -502,15 +502,33 @@ def test_sweep_checks_fail_before_any_job(tmp_path):
         assert not (d / "multirun.yaml").exists()
 
 
-def test_a_job_check_that_raises_leaves_the_sweep_to_its_jobs(tmp_path):
-    """An error in composing or checking a job up front is the job's to report (as before
-    the check): the callback goes on and still locks the sweep dir."""
+def test_a_job_check_that_raises_leaves_the_sweep_to_its_jobs(tmp_path, monkeypatch):
+    """An error in checking a job up front is the job's to report (as before the check):
+    check_jobs returns and the sweep goes on. A ${...} that does not resolve (which raised
+    there before) is a mistake: one line, exit 2, no job."""
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    import moe_exp.run as run_mod
+    from moe_exp.sweep.callback import plan
+    from moe_exp.sweep.checks import check_jobs
+
+    def boom(*a, **k):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(run_mod, "prepare", boom)
+    with initialize_config_module(config_module="moe_exp.conf", version_base="1.3"):
+        config = GlobalHydra.instance().hydra.config_loader.load_configuration(
+            "run", ["train.micro_batch_size=1,2", "logger=none"], run_mode=RunMode.MULTIRUN)
+        jobs, _ = plan(config)
+        assert check_jobs(config, jobs) is None
     d = tmp_path / "s"
     r = sweep(d, "+case=fp32", "train.steps=${oc.env:NOPE_NOT_SET}",
               "train.micro_batch_size=1,2", "logger=none")
-    assert "on_multirun_start raised" not in r.stderr, r.stderr[-3000:]
-    assert (d / ".sweep.lock").is_file() and "[sweep] 2 jobs" in r.stdout
-    assert r.returncode == 1 and len(list(d.glob("*/metrics.json"))) == 2
+    assert r.returncode == 2 and r.stderr.strip().startswith(
+        "error: train.steps: '${oc.env:NOPE_NOT_SET}' does not resolve"), r.stderr[-3000:]
+    assert len(r.stderr.strip().splitlines()) == 1 and not list(d.glob("*/metrics.json"))
 
 
 def test_second_sweep_into_a_running_sweeps_dir_fails_before_any_job(tmp_path):
