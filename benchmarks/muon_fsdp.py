@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
 import sys
 import time
 from pathlib import Path
@@ -112,10 +111,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None, type=out_file)
     ap.add_argument("overrides", nargs="*", help="extra config overrides for every model")
     a = ap.parse_args(argv)
-    cores = os.cpu_count() or 1
-    if not torch.cuda.is_available() and a.ranks > cores:  # as validate.check_parallel
-        ap.error(f"argument --ranks: {a.ranks} ranks asked for, this machine has {cores} CPU "
-                 "cores (one gloo rank per core at most)")
+    # (also ranks past this CPU's cores or the GPUs: hardware.devices={ranks})
     check_config(ap, [config(m, a.ranks, a.overrides) for m in a.models.split(",")])
     from moe_exp.distributed import launch, rank_entry
 

@@ -119,13 +119,13 @@ def _profile_device(name: str) -> str | None:
 
 def check_device(cfg) -> None:
     hw = cfg.hardware
+    own = _profile_device(hw.name)  # (None: no shipped profile of that name)
     if hw.device == "cuda" and not torch.cuda.is_available():
-        if _profile_device(hw.name) == "cuda":  # a GPU profile (not a device override)
+        if own == "cuda":  # a GPU profile (not a device override)
             raise Unsupported("hardware", f"hardware={hw.name} needs a CUDA GPU and none is "
                               "visible; use hardware=auto or hardware=cpu")
         raise Unsupported("hardware.device", "cuda: no CUDA GPU is visible; use "
                           "hardware.device=cpu (or auto)")
-    own = _profile_device(hw.name)
     if own not in (None, "cpu") and hw.device != own:  # (its peaks and memory are the GPU's)
         raise ConfigError("hardware.device", f"{hw.device} with hardware={hw.name}, a profile "
                           f"of a {own} device (its peak FLOP/s and memory): leave "
