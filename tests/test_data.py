@@ -75,7 +75,9 @@ def test_prepare_cli_and_token_source_run(tmp_path, monkeypatch):
     ("{not json", "is not a token file's JSON sidecar (JSONDecodeError"),
     ('{"dtype": "float32", "vocab_size": 256, "num_tokens": 500}', "lacks an integer dtype"),
     ('{"dtype": "uint8", "vocab_size": 256, "num_tokens": 5000}',
-     "holds 500 bytes, but t.bin.json says 5000 uint8 tokens (5000 bytes)")])
+     "holds 500 bytes, but t.bin.json says 5000 uint8 tokens (5000 bytes)"),
+    ('{"dtype": "uint8", "vocab_size": 50, "num_tokens": 500}',
+     "holds token id 99, outside its vocabulary 0..49 (t.bin.json)")])
 def test_a_sidecar_that_does_not_describe_its_token_file_fails_before_any_work(
         sidecar, says, tmp_path, monkeypatch):
     import moe_exp.bench.runner as runner

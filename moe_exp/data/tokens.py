@@ -5,6 +5,7 @@ tokens (byte-level: vocabulary 256, no tokenizer, no downloads).
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Iterable
@@ -37,12 +38,31 @@ def read_meta(path: str | Path) -> dict:
     if not ok:
         raise ValueError(f"{mp} lacks an integer dtype, vocab_size and num_tokens; remake it "
                          "with python -m moe_exp.data prepare")
-    size = Path(path).stat().st_size
-    if size != n * dtype.itemsize:
-        raise ValueError(f"{path} holds {size} bytes, but {mp.name} says {n} {dtype.name} "
+    st = Path(path).stat()
+    if st.st_size != n * dtype.itemsize:
+        raise ValueError(f"{path} holds {st.st_size} bytes, but {mp.name} says {n} {dtype.name} "
                          f"tokens ({n * dtype.itemsize} bytes): remake them together with "
                          "python -m moe_exp.data prepare")
+    vocab = meta["vocab_size"]
+    if n and (dtype.kind == "i" or np.iinfo(dtype).max >= vocab):  # ids the dtype allows
+        lo, hi = _id_range(str(Path(path).resolve()), dtype.str, st.st_size, st.st_mtime_ns)
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"{path} holds token id {lo if lo < 0 else hi}, outside its "
+                             f"vocabulary 0..{vocab - 1} ({mp.name}): remake them together with "
+                             "python -m moe_exp.data prepare")
     return meta
+
+
+@functools.lru_cache(maxsize=8)
+def _id_range(path: str, dtype: str, size: int, mtime_ns: int) -> tuple[int, int]:
+    """The smallest and largest token id in the file (scanned once per file version)."""
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    lo, hi = None, None
+    for s in range(0, len(tokens), 1 << 26):
+        chunk = tokens[s: s + (1 << 26)]
+        a, b = int(chunk.min()), int(chunk.max())
+        lo, hi = a if lo is None else min(lo, a), b if hi is None else max(hi, b)
+    return lo, hi
 
 
 def path_override(path: str) -> str:
