@@ -393,16 +393,17 @@ def test_in_process_sweep_nulls_what_a_later_job_cannot_measure(tmp_path):
 
 
 def test_chosen_baseline_from_the_command_line_and_one_that_matches_nothing(tmp_path):
-    """The README's ++sweep.baseline={...} picks the row; one that matches no ok row still
-    ends in the table, plots and report (no speedups), with a one-line warning."""
+    """The README's ++sweep.baseline={...} picks the row; one that matches no ok row (only
+    an invalid one: a baseline no job has fails up front) still ends in the table, plots and
+    report (no speedups), with a one-line warning."""
     d = tmp_path / "s"
     r = sweep(d, "+case=fp32,bf16", "logger=none", "++sweep.baseline={precision:bf16}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert list(pd.read_parquet(d / "results.parquet")["baseline"]) == [False, True]
     d2 = tmp_path / "s2"
-    r = sweep(d2, "+case=fp32", "logger=none", "++sweep.baseline={precision:fp16}")
+    r = sweep(d2, "+case=fp32,invalid", "logger=none", "++sweep.baseline={seq_len:4096}")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "[report] sweep.baseline precision=fp16 matches no finished" in r.stderr
+    assert "[report] sweep.baseline seq_len=4096 matches no finished" in r.stderr
     assert (d2 / "report.md").is_file() and (d2 / "plots" / "throughput.png").is_file()
 
 
@@ -457,7 +458,7 @@ def test_second_ctrl_c_while_the_interrupted_job_is_saved_is_held(tmp_path, monk
 def test_sweep_checks_fail_before_any_job(tmp_path):
     """One line and exit 2, no job run: a sweep dir that holds another sweep's records (its
     rows would mix into this table), a baseline key or swept value no row can have (found
-    only at the end before), a value the key does not allow, a bad sweep.* setting (a row
+    only at the end before; swept or fixed), a value the key does not allow, a bad sweep.* setting (a row
     per job before), a swept sweep.* key, a sweep whose every job is invalid."""
     used = tmp_path / "used"
     (used / "0").mkdir(parents=True)
@@ -470,6 +471,12 @@ def test_sweep_checks_fail_before_any_job(tmp_path):
              "train.activation_checkpointing: 'nope' is not one of: none, full, selective"),
             (tmp_path / "d", ["+case=fp32", "precision=fp32,fp16", "++sweep.baseline={precision: bf16}"],
              "sweep.baseline: precision=bf16 is not among the swept values (fp32, fp16)"),
+            (tmp_path / "d2", ["+case=fp32,bf16", "++sweep.baseline={compile: max-autotune}"],
+             "sweep.baseline: no job of this sweep has compile=max-autotune (its jobs have "
+             "compile: off)"),  # (an unswept column: found after every job ran, before)
+            (tmp_path / "d3", ["+case=fp32,bf16", "optim.lr=0.01", "++sweep.baseline={optim.lr: 0.5}"],
+             "sweep.baseline: no job of this sweep has optim.lr=0.5 (its jobs have optim.lr: "
+             "0.01)"),
             (tmp_path / "e", ["+case=fp32", "train.activation_checkpointing=none,full",
                               "sweep.repeats=0"], "sweep.repeats: must be >= 1, got 0"),
             (tmp_path / "f", ["+case=fp32,bf16", "sweep.job_timeout_s=-1"],

@@ -49,6 +49,7 @@ def check_jobs(config: DictConfig, jobs: list[list[str]], validate: bool = True)
     js = _Jobs(config)
     seen: dict[tuple, int] = {}
     first = None
+    base = _Baseline(config)
     unread = None  # keys no job so far reads: key -> (group, the option that reads it)
     for num, overrides in enumerate(jobs):
         try:
@@ -62,6 +63,7 @@ def check_jobs(config: DictConfig, jobs: list[list[str]], validate: bool = True)
             else:
                 cfg = js.fast(overrides)
             key = js.row(cfg)
+            base.add(cfg, overrides)
             here = {k: v[:2] for k, v in unread_keys(cfg).items()}
             unread = here if unread is None else {k: v for k, v in unread.items() if k in here}
             same = key in seen and js.row(js.full(jobs[seen[key]])) == js.row(
@@ -81,10 +83,54 @@ def check_jobs(config: DictConfig, jobs: list[list[str]], validate: bool = True)
         seen.setdefault(key, num)
     if validate and first:
         raise SweepError(f"{first} (every job of the sweep is invalid)")
+    base.check()
     if unread:
         k, (group, option) = next(iter(unread.items()))
         raise SweepError(f"{k}: read by {option} only, and no job of this sweep has "
                          f"{option}: add it to the sweep's {group} options, or leave {k} out")
+
+
+class _Baseline:
+    """Whether some job's row can match sweep.baseline, from the columns a job's config fixes
+    (check_baseline checks swept keys; this, the rest: a key the sweep fixes elsewhere)."""
+    # record columns new_record fills from the config and nothing changes later
+    FIXED = {"model", "precision", "parallel", "data", "optim", "activation_checkpointing",
+             "compile", "micro_batch_size", "grad_accum_steps", "seq_len", "task"}
+
+    def __init__(self, config: DictConfig) -> None:
+        from ..results import EXTRAS, FIELDS
+        from .callback import baseline_of
+        from .table import ADDED, _norm_key
+
+        self.want = baseline_of(config.sweep) or {}
+        other = {*FIELDS, *EXTRAS, *ADDED} - self.FIXED  # known only once a job runs
+        if any(_norm_key(k) in other for k in self.want):
+            self.want = {}
+        self.seen: dict[str, set[str]] = {k: set() for k in self.want}
+        self.matched = not self.want
+
+    def add(self, cfg: DictConfig, overrides) -> None:
+        if self.matched:
+            return
+        from ..results import new_record
+        from ..run import _container
+        from .table import _value
+
+        row = new_record(_container(cfg), list(overrides))
+        got = {k: str(_value(row, k, "sweep.baseline")) for k in self.want}
+        for k, v in got.items():
+            self.seen[k].add(v)
+        self.matched = all(v == str(self.want[k]) for k, v in got.items())
+
+    def check(self) -> None:
+        if self.matched:
+            return
+        from .table import _MISSING, baseline_text
+
+        have = "; ".join(f"{k}: {', '.join(sorted(v - {str(_MISSING)})) or 'unset'}"
+                         for k, v in self.seen.items())
+        raise SweepError(f"sweep.baseline: no job of this sweep has {baseline_text(self.want)} "
+                         f"(its jobs have {have}): no row could be the baseline")
 
 
 class _Jobs:
