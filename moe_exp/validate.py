@@ -324,6 +324,9 @@ def check_data(cfg) -> None:
                               "loads in the training process)")
     if d.prefetch_factor is not None and d.prefetch_factor < 1:
         raise ConfigError("data.prefetch_factor", f"must be >= 1 or null, got {d.prefetch_factor}")
+    if d.num_workers > (os.cpu_count() or 1):
+        raise Unsupported("data.num_workers", f"{d.num_workers} loader workers asked for, this "
+                          f"machine has {os.cpu_count()} CPU cores (a worker per core at most)")
     if d.name in ("markov", "tokens") and d.name != d.source:  # a label, not the source
         raise ConfigError("data.name", f"'{d.name}' only labels the run; the data would come "
                           f"from data.source={d.source}: pick the group instead, data={d.name}")

@@ -50,7 +50,8 @@ def test_hydra_rejects_typos_and_types(override, needle):
 
 SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3",
            "hardware.device=cuda",
-           "model=mixtral_8x7b", "model.dispatch=grouped train.compile=default")
+           "model=mixtral_8x7b", "model.dispatch=grouped train.compile=default",
+           "data.num_workers=100000")
 
 
 @pytest.mark.parametrize("override,key", [
@@ -102,6 +103,7 @@ SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3"
     ("++optim.ns_steps=3", "optim.ns_steps"),
     ("model.init_std=0", "model.init_std"),
     ("data.num_workers=1 data.prefetch_factor=0", "data.prefetch_factor"),
+    ("data.num_workers=100000", "data.num_workers"),  # more than the machine's cores
     ("hardware=cpu ++hardware.peak_flops.fp32=-1", "hardware.peak_flops.fp32"),
     # settings that contradict the precision option's name (which labels every result)
     ("precision.autocast_dtype=bfloat16", "precision.autocast_dtype"),
