@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 from conftest import ROOT, off_contract, run_cli
 
@@ -459,7 +460,7 @@ def test_sweep_checks_fail_before_any_job(tmp_path):
     """One line and exit 2, no job run: a sweep dir that holds another sweep's records (its
     rows would mix into this table), a baseline key or swept value no row can have (found
     only at the end before; swept or fixed), a value the key does not allow, a bad sweep.* setting (a row
-    per job before), a swept sweep.* key, a sweep whose every job is invalid."""
+    per job before), a swept sweep.* key, a sweep whose every job is invalid or skipped."""
     used = tmp_path / "used"
     (used / "0").mkdir(parents=True)
     (used / "0" / "metrics.json").write_text("{}")
@@ -501,7 +502,11 @@ def test_sweep_checks_fail_before_any_job(tmp_path):
              "optim.momentum: read by optim=muon only, and no job of this sweep has "
              "optim=muon"),  # (each job ran as adamw, the key unread)
             (tmp_path / "o", ["+case=fp32,bf16", "data=markov", "data.path=x.bin"],
-             "data.path: read by data=tokens only, and no job of this sweep has data=tokens")]:
+             "data.path: read by data=tokens only, and no job of this sweep has data=tokens"),
+            *([] if torch.cuda.is_available() else [  # (a sweep of skipped rows, exit 1, before)
+                (tmp_path / "p", ["+case=fp32", "precision=tf32,fp8"], "precision: precision=tf32 "
+                 "is not supported on hardware=cpu (supported: fp32, fp16, bf16) (every job "
+                 "of the sweep is skipped on this machine)")])]:
         r = sweep(d, *args, "logger=none")
         assert r.returncode == 2, r.stderr[-3000:]
         assert r.stderr.strip().startswith(f"error: {line}") and len(r.stderr.strip().splitlines()) == 1

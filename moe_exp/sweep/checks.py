@@ -34,9 +34,10 @@ def check_jobs(config: DictConfig, jobs: list[list[str]], validate: bool = True)
     - two jobs that would be one row (they differ only in keys their configuration does not
       read, which results.config_hash leaves out: comm.* on task=bench, a parallel=none
       run's rank settings, ...): the second's record would be dropped from the table;
-    - validate: every job invalid (a `+` key no group has, a value every combination
-      rejects): the first job's error. Jobs are validated in order until one is not
-      invalid (usually the first); invalid combinations among valid ones are rows (README:
+    - validate: every job invalid or skipped (a `+` key no group has, a value every
+      combination rejects, precision=tf32,fp8 on a CPU): the first job's error. Jobs are
+      validated in order until one can run (usually the first); invalid or skipped
+      combinations among ones that run are rows (README:
       Nothing lost). Off for launchers whose jobs resolve their hardware where they run.
     - a key only one option of its group reads (data.path, Muon's keys), where no job picks
       that option (validate.check_unread: a sweep's jobs leave it unread)
@@ -48,7 +49,7 @@ def check_jobs(config: DictConfig, jobs: list[list[str]], validate: bool = True)
 
     js = _Jobs(config)
     seen: dict[tuple, int] = {}
-    first = None
+    first, statuses = None, set()
     base = _Baseline(config)
     unread = None  # keys no job so far reads: key -> (group, the option that reads it)
     for num, overrides in enumerate(jobs):
@@ -58,8 +59,10 @@ def check_jobs(config: DictConfig, jobs: list[list[str]], validate: bool = True)
                 if validate:
                     _, rec = prepare(cfg, [o for o in overrides if not o.startswith("hydra.")],
                                      in_sweep=True)
-                    validate = rec is not None and rec["status"] == "invalid"
-                    first = first or (rec["error"] if validate else None)
+                    validate = rec is not None and rec["status"] in ("invalid", "skipped")
+                    if validate:
+                        first = first or rec["error"]
+                        statuses.add(rec["status"])
             else:
                 cfg = js.fast(overrides)
             key = js.row(cfg)
@@ -82,7 +85,9 @@ def check_jobs(config: DictConfig, jobs: list[list[str]], validate: bool = True)
                              "tell the rows apart with +extra.NAME=...")
         seen.setdefault(key, num)
     if validate and first:
-        raise SweepError(f"{first} (every job of the sweep is invalid)")
+        what = "skipped on this machine" if statuses == {"skipped"} else \
+            "invalid" if statuses == {"invalid"} else "invalid or skipped on this machine"
+        raise SweepError(f"{first} (every job of the sweep is {what})")
     base.check()
     if unread:
         k, (group, option) = next(iter(unread.items()))
