@@ -484,6 +484,9 @@ def test_sweep_checks_fail_before_any_job(tmp_path):
              "sweep.job_timeout_s: must be > 0 seconds or null, got -1"),
             (tmp_path / "h", ["+case=fp32", "+train.stepz=1,2"],  # (two invalid rows before)
              "train.stepz: no such key in train"),
+            (tmp_path / "i2", ["+case=fp32", "train.steps=3,a"],  # ([sweep] 2 jobs first)
+             "train.steps: Error merging override train.steps=a; Value 'a' of type 'str' could "
+             "not be converted to Integer"),
             (tmp_path / "i", ["+case=fp32,bf16", "train.steps=-1"],
              "train.steps: must be >= 1, got -1 (every job of the sweep is invalid)"),
             (tmp_path / "g", ["+case=fp32", "sweep.repeats=1,2"],  # (one row before)
@@ -510,6 +513,7 @@ def test_sweep_checks_fail_before_any_job(tmp_path):
         r = sweep(d, *args, "logger=none")
         assert r.returncode == 2, r.stderr[-3000:]
         assert r.stderr.strip().startswith(f"error: {line}") and len(r.stderr.strip().splitlines()) == 1
+        assert "[sweep]" not in r.stdout, r.stdout
         assert len(list(d.glob("*/metrics.json"))) == (1 if d == used else 0)
         assert not (d / "multirun.yaml").exists()
 

@@ -180,8 +180,11 @@ class _Jobs:
                 return self.full(overrides)
         cfg = self.bases[groups].copy()
         OmegaConf.set_struct(cfg, False)
-        for o in values:
-            OmegaConf.update(cfg, o.key_or_group, o.value(), merge=False, force_add=True)
+        try:
+            for o in values:
+                OmegaConf.update(cfg, o.key_or_group, o.value(), merge=False, force_add=True)
+        except Exception:  # noqa: BLE001 - e.g. train.steps=a: Hydra's own line, as the
+            return self.full(overrides)  # launcher would fail, before any job
         return cfg
 
     def _group(self, key: str) -> bool:
