@@ -339,7 +339,8 @@ def group_override_error(args) -> str | None:
                 return f"{g}: null is not an option (one of: {options})"
             if isinstance(v, list):
                 return (f"{g}: one option per run, got the list {o.input_line.split('=', 1)[1]} "
-                        f"(a sweep over them: -m {g}={','.join(map(str, v))})")
+                        f"(a sweep over them: -m {o.input_line.split('=', 1)[0]}="
+                        f"{','.join(map(str, v))})")
     return None
 
 

@@ -314,7 +314,7 @@ def check_parallel(cfg) -> None:
         raise Unsupported("parallel.backend", "nccl needs CUDA GPUs; on CPU use gloo (or auto)")
 
 
-def check_data(cfg) -> None:
+def check_data(cfg, overrides=()) -> None:
     d = cfg.data
     _at_least(cfg, "data.num_workers", 0)
     for key, on in (("prefetch_factor", d.prefetch_factor is not None),
@@ -328,10 +328,18 @@ def check_data(cfg) -> None:
         raise Unsupported("data.num_workers", f"{d.num_workers} loader workers asked for, this "
                           f"machine has {os.cpu_count()} CPU cores (a worker per core at most)")
     if d.name in ("markov", "tokens") and d.name != d.source:  # a label, not the source
+        if _chosen(overrides, "data.source"):
+            raise ConfigError("data.source", f"set by the data group: pick data={d.source} "
+                              f"instead (data={d.name} is chosen, and labels the run)")
         raise ConfigError("data.name", f"'{d.name}' only labels the run; the data would come "
                           f"from data.source={d.source}: pick the group instead, data={d.name}")
     if d.source == "markov":
-        if not 1 <= d.branching <= cfg.model.vocab_size:
+        vocab = cfg.model.vocab_size
+        if d.branching > vocab >= 1 and not _chosen(overrides, "data.branching"):
+            raise ConfigError("model.vocab_size", f"{vocab} is smaller than data.branching="
+                              f"{d.branching} (the Markov chain's next tokens per token): set "
+                              f"data.branching <= {vocab} too")
+        if not 1 <= d.branching <= vocab:
             raise ConfigError("data.branching", f"must be in 1..model.vocab_size, got {d.branching}")
     if d.source == "tokens":
         if OmegaConf.is_missing(d, "path") or not d.path:
@@ -482,6 +490,19 @@ def check_comm(cfg) -> None:
         _at_least(cfg, key, low)
     if c.max_bytes < c.min_bytes:
         raise ConfigError("comm.max_bytes", f"must be >= comm.min_bytes={c.min_bytes}")
+    mem = cfg.hardware.memory_gib
+    if cfg.task == "comm" and mem is not None:  # two buffers of the largest size per rank
+        from .bench.comm import sizes
+
+        n = _world_size(cfg.hardware.devices)
+        local = n if cfg.hardware.device == "cpu" else 1
+        largest = sizes(c, n)[0][-1]
+        need = 2 * largest * local / 2**30
+        if need > mem:
+            where = f"{local} CPU ranks together" if local > 1 else "one device"
+            raise Unsupported("comm.max_bytes", f"its largest size ({largest:,} bytes) needs >= "
+                              f"{_gib(need)} GiB on {where} (two buffers per rank); hardware="
+                              f"{cfg.hardware.name} has {_gib(mem)} GiB")
 
 
 def check_sweep(cfg) -> None:
@@ -589,7 +610,7 @@ def validate(cfg, overrides=(), in_sweep: bool = False) -> None:
     check_dispatch(cfg)
     check_parallel(cfg)
     check_unread(cfg, overrides, in_sweep)
-    check_data(cfg)
+    check_data(cfg, overrides)
     check_optim(cfg)
     check_sweep(cfg)
     check_comm(cfg)

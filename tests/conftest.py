@@ -33,10 +33,11 @@ def off_contract(rec: dict) -> set:
 
 
 def run_inproc(overrides, out_dir):
-    """One run in this process (progress bar off); returns the record."""
+    """One run in this process (progress bar off), its overrides as the CLI gives them;
+    returns the record."""
     from moe_exp.run import run
 
-    return run(compose(overrides), out_dir=out_dir, progress=False)
+    return run(compose(overrides), out_dir=out_dir, progress=False, overrides=list(overrides))
 
 
 def run_cli(args, cwd, timeout=300, env=None):

@@ -104,6 +104,10 @@ SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3"
     ("model.init_std=0", "model.init_std"),
     ("data.num_workers=1 data.prefetch_factor=0", "data.prefetch_factor"),
     ("data.num_workers=100000", "data.num_workers"),  # more than the machine's cores
+    # the key the user set is named (data.name, data.branching were, before)
+    ("data.source=tokens", "data.source"),
+    ("model.vocab_size=2", "model.vocab_size"),
+    ("model.vocab_size=8 data.branching=9", "data.branching"),
     ("hardware=cpu ++hardware.peak_flops.fp32=-1", "hardware.peak_flops.fp32"),
     # settings that contradict the precision option's name (which labels every result)
     ("precision.autocast_dtype=bfloat16", "precision.autocast_dtype"),
@@ -338,6 +342,8 @@ MODELS = ("dense_1b, mixtral_8x7b, moe_1b, seed_dense, seed_moe16, seed_moe8, sm
     (["model=[tiny_moe,small_moe]"], "model: one option per run, got the list "
                                      "[tiny_moe,small_moe] (a sweep over them: -m "
                                      "model=tiny_moe,small_moe)"),
+    (["+seed_row=[all,baseline]"], "seed_row: one option per run, got the list [all,baseline] "
+                                   "(a sweep over them: -m +seed_row=all,baseline)"),  # (+ lost)
     (["~model"], f"model: a run needs one option; it cannot be removed (one of: {MODELS})"),
     (["+sweep=optimizations"], "sweep: +sweep=optimizations is a sweep preset: run it with "
                                "-m (python -m moe_exp.run -m +sweep=optimizations)"),

@@ -262,6 +262,8 @@ def test_failure_message_names_the_cause_not_the_peer_that_lost_it():
     (["parallel=ddp", "hardware.devices=2", "parallel.backend=nccl"], "parallel.backend"),
     (["parallel=fsdp", "parallel.cpu_offload=true"], "parallel.cpu_offload"),
     (["parallel=none", "hardware.devices=2"], "hardware.devices"),
+    # 2 x 256 GiB buffers per rank (the ranks ran out of memory, before)
+    (["task=comm", "hardware.devices=2", "comm.max_bytes=1000000000000"], "comm.max_bytes"),
 ])
 def test_parallel_errors_before_any_work(override, key, tmp_path):
     if torch.cuda.is_available():
@@ -269,6 +271,20 @@ def test_parallel_errors_before_any_work(override, key, tmp_path):
     p = run_cli([*override, "logger=none"], tmp_path)
     assert p.returncode == 2
     assert p.stderr.strip().startswith(f"error: {key}: "), p.stderr
+
+
+def test_comm_sizes_are_whole_elements_per_rank_without_repeats():
+    """min_bytes=5 on 2 float32 ranks: 5, 10, 20, 40 round down to 8, 8, 16, 40 (two rows
+    of 8 bytes, before); the default 1 KiB on 3 ranks is 1020 bytes."""
+    from omegaconf import OmegaConf
+
+    from moe_exp.bench.comm import sizes
+    from moe_exp.config import CommConfig
+
+    c = OmegaConf.structured(CommConfig(min_bytes=5, max_bytes=64, factor=2))
+    assert sizes(c, 2) == ([8, 16, 40], 8)
+    c = OmegaConf.structured(CommConfig(max_bytes=4096, dtype="bfloat16"))
+    assert sizes(c, 3) == ([1020, 4092], 6)
 
 
 def test_comm_task_measures_collectives(tmp_path):

@@ -34,6 +34,17 @@ def _op(name: str, n: int, numel: int, dtype, device):
     return lambda: dist.all_to_all_single(out, x), (n - 1) / n
 
 
+def sizes(c, world: int) -> tuple[list[int], int]:
+    """The message sizes measured: comm.min_bytes x factor^k up to max_bytes, each rounded
+    down to whole elements per rank (at least one), repeats dropped; and that unit in bytes."""
+    unit = world * torch.tensor([], dtype=getattr(torch, c.dtype)).element_size()
+    out, size = [], c.min_bytes
+    while size <= c.max_bytes:
+        out.append(max(unit, size // unit * unit))
+        size *= c.factor
+    return sorted(set(out)), unit
+
+
 def measure(cfg, d, device) -> list[dict]:
     import warnings
 
@@ -42,14 +53,10 @@ def measure(cfg, d, device) -> list[dict]:
     dtype = getattr(torch, c.dtype)
     esize = torch.tensor([], dtype=dtype).element_size()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    rows, size = [], c.min_bytes
-    sizes = []
-    while size <= c.max_bytes:
-        sizes.append(size)
-        size *= c.factor
+    rows = []
     for name in c.ops:
-        for nbytes in sizes:
-            numel = max(d.world, nbytes // esize // d.world * d.world)
+        for nbytes in sizes(c, d.world)[0]:
+            numel = nbytes // esize
             fn, bus = _op(name, d.world, numel, dtype, device)
             times = []
             for i in range(c.warmup + c.iters):
@@ -76,6 +83,11 @@ def comm_bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, d) 
     from ..tracking import Tracker
 
     device = torch_device(cfg)
+    wanted, unit = cfg.comm.min_bytes, sizes(cfg.comm, d.world)[1]
+    if d.main and wanted % unit:
+        print(f"[comm] sizes are whole elements per rank: multiples of {unit} bytes ({d.world} "
+              f"ranks x {cfg.comm.dtype}); comm.min_bytes={wanted} is measured as "
+              f"{max(unit, wanted // unit * unit)}", file=sys.stderr, flush=True)
     rows = measure(cfg, d, device)
     if not d.main:
         return rec
@@ -109,7 +121,8 @@ def _print(df, d, out_dir: Path) -> None:
     for col in ("op", "size", "latency", "algbw", "busbw"):
         t.add_column(col, justify="left" if col == "op" else "right")
     for r in df.itertuples():
-        size = f"{r.bytes / 2**20:.2f} MiB" if r.bytes >= 2**20 else f"{r.bytes / 1024:.0f} KiB"
+        size = f"{r.bytes / 2**20:.2f} MiB" if r.bytes >= 2**20 else \
+            f"{r.bytes / 1024:.0f} KiB" if r.bytes >= 1024 else f"{r.bytes} B"
         t.add_row(r.op, size, f"{r.latency_us:,.1f} us", f"{r.algbw_gbps:.3f} GB/s",
                   f"{r.busbw_gbps:.3f} GB/s")
     Console(width=120).print(t)
