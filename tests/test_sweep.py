@@ -102,6 +102,15 @@ def test_resume_skips_finished_jobs_and_rebuilds_table(swept, tmp_path):
     assert list(df["tokens_per_s"].fillna(-1)) == list(old["tokens_per_s"].fillna(-1))
 
 
+def test_resume_of_a_dir_with_no_records_warns_and_runs_every_job(tmp_path):
+    """(A typo in the dir started a new sweep silently, before.)"""
+    d = tmp_path / "typo"
+    r = sweep(d, "+case=fp32", "logger=none", "sweep.resume=true")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"sweep.resume=true, but '{d}' holds no job records: nothing to resume" in r.stderr
+    assert list(pd.read_csv(d / "results.csv")["status"]) == ["ok"]
+
+
 def test_resume_with_other_values_keeps_every_finished_row(swept, tmp_path):
     """Resumed with fewer values, Hydra numbers the jobs anew: job 0 is now bf16, whose
     record sits in dir 1. fp32's record in dir 0 moves aside (it was overwritten) and

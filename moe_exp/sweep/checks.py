@@ -200,12 +200,18 @@ class _Jobs:
 
 
 def check_dir(config: DictConfig) -> None:
-    if config.sweep.resume:
-        return
+    import sys
+
     from .table import job_dirs
 
     d = Path(config.hydra.sweep.dir)
-    if n := len(job_dirs(d)):
+    n = len(job_dirs(d))
+    if config.sweep.resume:  # (a requeued job's command may resume before any record)
+        if not n:
+            print(f"[sweep] warning: sweep.resume=true, but '{d}' holds no job records: "
+                  "nothing to resume, every job runs", file=sys.stderr, flush=True)
+        return
+    if n:
         raise SweepError(f"hydra.sweep.dir: '{d}' already holds another sweep's results ({n} "
                          "job records): use a new dir, or sweep.resume=true to continue that "
                          "sweep")
