@@ -282,10 +282,14 @@ def _hydra_args(argv) -> tuple[list[str], bool] | None:
     """The overrides of a command line as Hydra reads it, and whether it is a multirun (-m,
     --multi, hydra.mode=MULTIRUN); None where it runs nothing (--cfg, --info, --help) or
     Hydra's parser refuses it (its own usage line follows)."""
+    import contextlib
+    import io
+
     from hydra._internal.utils import get_args_parser
 
-    try:
-        a, _ = get_args_parser().parse_known_args(list(argv))
+    try:  # (its usage error is Hydra's to print, once)
+        with contextlib.redirect_stderr(io.StringIO()):
+            a, _ = get_args_parser().parse_known_args(list(argv))
     except SystemExit:
         return None
     if a.help or a.hydra_help or a.cfg or a.info or a.shell_completion:

@@ -368,6 +368,12 @@ def test_a_sweep_setting_without_m_is_refused():
     assert group_override_error(["--cfg", "hydra", "+sweep=seed003"]) is None
 
 
+def test_a_usage_error_prints_hydra_usage_once(tmp_path):
+    p = run_cli(["--cfg", "bogus"], tmp_path)
+    assert p.returncode == 2 and p.stderr.count("usage: ") == 1, p.stderr
+    assert "argument --cfg/-c: invalid choice: 'bogus'" in p.stderr
+
+
 def test_an_output_dir_that_is_a_file_is_one_line(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     p = run_cli(["logger=none", "hydra.run.dir=notes.txt/run"], tmp_path)
