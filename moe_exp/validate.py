@@ -366,12 +366,15 @@ def check_data(cfg, overrides=()) -> None:
                               f"than train.seq_len+1={cfg.train.seq_len + 1}")
 
 
+MOE_MODEL = "a MoE model (model.num_experts > 0)"
+
+
 def unread_keys(cfg) -> dict[str, tuple[str, str, ConfigError]]:
     """Keys set that only another option of their group reads (data.path off data=tokens,
-    fp8's recipe off precision=fp8, Muon's keys off another optimizer): key -> (group, the
-    option that reads it, the error a run gives)."""
-    from .config import OptimConfig, PrecisionConfig
-    from .results import MUON_ONLY
+    fp8's recipe off precision=fp8, Muon's keys off another optimizer, routing keys off a
+    dense model): key -> (group, the option that reads it, the error a run gives)."""
+    from .config import ModelConfig, OptimConfig, PrecisionConfig
+    from .results import MOE_ONLY, MUON_ONLY
 
     out = {}
     d, o = cfg.data, cfg.optim
@@ -385,6 +388,12 @@ def unread_keys(cfg) -> dict[str, tuple[str, str, ConfigError]]:
         out["precision.fp8_recipe"] = ("precision", "precision=fp8", ConfigError(
             "precision.fp8_recipe", f"read by precision=fp8 only; this run's precision is "
             f"{cfg.precision.name} (use precision=fp8 precision.fp8_recipe=...)"))
+    if cfg.model.num_experts == 0:
+        for key in MOE_ONLY:
+            if cfg.model[key] != getattr(ModelConfig, key):
+                out[f"model.{key}"] = ("model", MOE_MODEL, ConfigError(
+                    f"model.{key}", f"read by MoE models only; model={cfg.model.name} is dense "
+                    "(model.num_experts=0)"))
     if o.name != "muon":
         for key in MUON_ONLY:
             if o.get(key, getattr(OptimConfig, key)) != getattr(OptimConfig, key):
@@ -398,8 +407,10 @@ def check_unread(cfg, overrides=(), in_sweep: bool = False) -> None:
     """A key its group's option does not read: surely the other option was meant. In a
     sweep job whose command line picks the group (a sweep over both options gives the key
     to every job) it is left unread; sweep.checks refuses a sweep where no job reads it."""
-    for group, _, err in unread_keys(cfg).values():
-        if not (in_sweep and _chosen(overrides, group)):
+    for group, option, err in unread_keys(cfg).values():
+        picked = _chosen(overrides, group) or (option == MOE_MODEL and _chosen(
+            overrides, "model.num_experts"))  # (a sweep over model.num_experts=0,8)
+        if not (in_sweep and picked):
             raise err
 
 

@@ -162,7 +162,9 @@ def test_validation_rejects_before_any_work(override, key, tmp_path, monkeypatch
 
 @pytest.mark.parametrize("args", [["data=markov", "data.path=corpus.bin"],
                                   ["optim=adamw", "optim.momentum=0.9"],
-                                  ["precision=bf16", "precision.fp8_recipe=rowwise"]])
+                                  ["precision=bf16", "precision.fp8_recipe=rowwise"],
+                                  ["model=tiny_dense", "model.top_k=1"],
+                                  ["model.num_experts=0", "model.dispatch=loop"]])
 def test_a_key_the_chosen_option_does_not_read_runs_only_in_a_sweep(args, tmp_path,
                                                                     monkeypatch):
     """data.path on markov data, Muon's momentum on adamw: in a sweep over both options

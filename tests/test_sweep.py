@@ -515,6 +515,9 @@ def test_sweep_checks_fail_before_any_job(tmp_path):
              "optim=muon"),  # (each job ran as adamw, the key unread)
             (tmp_path / "o", ["+case=fp32,bf16", "data=markov", "data.path=x.bin"],
              "data.path: read by data=tokens only, and no job of this sweep has data=tokens"),
+            (tmp_path / "o2", ["+case=fp32", "model=tiny_dense,small_dense", "model.top_k=1"],
+             "model.top_k: read by a MoE model (model.num_experts > 0) only, and no job of "
+             "this sweep has a MoE model"),
             *([] if torch.cuda.is_available() else [  # (a sweep of skipped rows, exit 1, before)
                 (tmp_path / "p", ["+case=fp32", "precision=tf32,fp8"], "precision: precision=tf32 "
                  "is not supported on hardware=cpu (supported: fp32, fp16, bf16) (every job "
