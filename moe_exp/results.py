@@ -44,7 +44,9 @@ HASH_EXCLUDE = ("logger", "extra", "sweep")
 # optim keys only optim=muon reads: left out of other optimizers' hashes (adamw runs keep
 # the hashes they had before muon existed, and a muon knob set on adamw changes nothing)
 MUON_ONLY = ("momentum", "nesterov", "ns_steps")
-# model keys only a MoE model (num_experts > 0) reads: a dense model's hash has their defaults
+# model keys only a MoE model (num_experts > 0) reads (kept in a dense model's hash: a dense
+# preset may inherit its MoE parent's, and a sweep over model=dense,moe x dispatch=a,b keeps
+# its dense rows apart as before)
 MOE_ONLY = ("top_k", "aux_loss_coef", "z_loss_coef", "dispatch")
 # keys added after results were recorded: left out of the hash at their default value, so
 # older sweeps' hashes stay valid (compare, resume)
@@ -99,11 +101,11 @@ def _unread_at_defaults(keep: dict) -> None:
     splits no configuration in two; with them at their defaults a hash is the one it was.
     comm.* (task=comm's); a parallel=none run's rank settings; accum_no_sync where gradients
     are reduced once per step anyway (none, expert); the other data source's key; fp8's
-    recipe off precision=fp8; a dense model's routing keys (MOE_ONLY). And
+    recipe off precision=fp8. And
     parallel.prefetch past the model's layers, which acts as prefetching all of them."""
     import dataclasses
 
-    from .config import CommConfig, DataConfig, ModelConfig, ParallelConfig, PrecisionConfig
+    from .config import CommConfig, DataConfig, ParallelConfig, PrecisionConfig
 
     if "comm" in keep:
         keep["comm"] = dataclasses.asdict(CommConfig())
@@ -114,9 +116,7 @@ def _unread_at_defaults(keep: dict) -> None:
               "data": (DataConfig, ("path",) if src == "markov" else
                        ("branching",) if src == "tokens" else ()),
               "precision": (PrecisionConfig, ("fp8_recipe",) if (keep.get("precision") or {})
-                            .get("name") != "fp8" else ()),
-              "model": (ModelConfig, MOE_ONLY if (keep.get("model") or {})
-                        .get("num_experts") == 0 else ())}
+                            .get("name") != "fp8" else ())}
     for group, (schema, keys) in unread.items():
         if keys and isinstance(keep.get(group), dict):
             keep[group] = {**keep[group], **{k: getattr(schema, k) for k in keys

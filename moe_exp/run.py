@@ -287,8 +287,8 @@ def _hydra_args(argv) -> tuple[list[str], bool] | None:
 
     from hydra._internal.utils import get_args_parser
 
-    try:  # (its usage error is Hydra's to print, once)
-        with contextlib.redirect_stderr(io.StringIO()):
+    try:  # (its usage error or --version is Hydra's to print, once)
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
             a, _ = get_args_parser().parse_known_args(list(argv))
     except SystemExit:
         return None

@@ -369,11 +369,12 @@ def check_data(cfg, overrides=()) -> None:
 MOE_MODEL = "a MoE model (model.num_experts > 0)"
 
 
-def unread_keys(cfg) -> dict[str, tuple[str, str, ConfigError]]:
+def unread_keys(cfg, overrides=()) -> dict[str, tuple[str, str, ConfigError]]:
     """Keys set that only another option of their group reads (data.path off data=tokens,
-    fp8's recipe off precision=fp8, Muon's keys off another optimizer, routing keys off a
-    dense model): key -> (group, the option that reads it, the error a run gives)."""
-    from .config import ModelConfig, OptimConfig, PrecisionConfig
+    fp8's recipe off precision=fp8, Muon's keys off another optimizer, routing keys the
+    command line sets on a dense model): key -> (group, the option that reads it, the error
+    a run gives)."""
+    from .config import OptimConfig, PrecisionConfig
     from .results import MOE_ONLY, MUON_ONLY
 
     out = {}
@@ -388,12 +389,12 @@ def unread_keys(cfg) -> dict[str, tuple[str, str, ConfigError]]:
         out["precision.fp8_recipe"] = ("precision", "precision=fp8", ConfigError(
             "precision.fp8_recipe", f"read by precision=fp8 only; this run's precision is "
             f"{cfg.precision.name} (use precision=fp8 precision.fp8_recipe=...)"))
-    if cfg.model.num_experts == 0:
+    if cfg.model.num_experts == 0:  # (a dense preset may inherit its MoE parent's values)
         for key in MOE_ONLY:
-            if cfg.model[key] != getattr(ModelConfig, key):
+            if _chosen(overrides, f"model.{key}"):
                 out[f"model.{key}"] = ("model", MOE_MODEL, ConfigError(
-                    f"model.{key}", f"read by MoE models only; model={cfg.model.name} is dense "
-                    "(model.num_experts=0)"))
+                    f"model.{key}", f"read by MoE models only; this model is dense "
+                    f"(model={cfg.model.name} with model.num_experts=0)"))
     if o.name != "muon":
         for key in MUON_ONLY:
             if o.get(key, getattr(OptimConfig, key)) != getattr(OptimConfig, key):
@@ -407,7 +408,7 @@ def check_unread(cfg, overrides=(), in_sweep: bool = False) -> None:
     """A key its group's option does not read: surely the other option was meant. In a
     sweep job whose command line picks the group (a sweep over both options gives the key
     to every job) it is left unread; sweep.checks refuses a sweep where no job reads it."""
-    for group, option, err in unread_keys(cfg).values():
+    for group, option, err in unread_keys(cfg, overrides).values():
         picked = _chosen(overrides, group) or (option == MOE_MODEL and _chosen(
             overrides, "model.num_experts"))  # (a sweep over model.num_experts=0,8)
         if not (in_sweep and picked):
@@ -502,18 +503,21 @@ def check_comm(cfg) -> None:
     if c.max_bytes < c.min_bytes:
         raise ConfigError("comm.max_bytes", f"must be >= comm.min_bytes={c.min_bytes}")
     mem = cfg.hardware.memory_gib
-    if cfg.task == "comm" and mem is not None:  # two buffers of the largest size per rank
+    if cfg.task == "comm" and mem is not None:  # the largest size's buffers, per rank
         from .bench.comm import sizes
 
         n = _world_size(cfg.hardware.devices)
         local = n if cfg.hardware.device == "cpu" else 1
         largest = sizes(c, n)[0][-1]
-        need = 2 * largest * local / 2**30
+        # all_reduce: in place; all_gather / reduce_scatter: + a rank's part; all_to_all: x2
+        bufs = max({"all_reduce": 1, "all_to_all": 2}.get(op, 1 + 1 / n) for op in c.ops)
+        need = bufs * largest * local / 2**30
         if need > mem:
             where = f"{local} CPU ranks together" if local > 1 else "one device"
+            many = f"{bufs:g} buffer" + ("s" if bufs != 1 else "")
             raise Unsupported("comm.max_bytes", f"its largest size ({largest:,} bytes) needs >= "
-                              f"{_gib(need)} GiB on {where} (two buffers per rank); hardware="
-                              f"{cfg.hardware.name} has {_gib(mem)} GiB")
+                              f"{_gib(need)} GiB on {where} ({many} of it per rank); "
+                              f"hardware={cfg.hardware.name} has {_gib(mem)} GiB")
 
 
 def check_sweep(cfg) -> None:

@@ -190,6 +190,16 @@ def test_a_key_the_chosen_option_does_not_read_runs_only_in_a_sweep(args, tmp_pa
     assert rec["status"] == "invalid" and rec["error"].startswith(f"{key}: read by ")
 
 
+def test_a_dense_models_routing_keys_are_refused_only_where_the_command_line_sets_them():
+    """A dense preset inherits its MoE parent's top_k (a custom one may differ from the
+    schema's): nothing the user set is unread."""
+    from moe_exp.validate import unread_keys
+
+    cfg = compose(["logger=none", "model=tiny_dense", "model.top_k=1"])
+    assert unread_keys(cfg, ["model=tiny_dense"]) == {}  # (as if a preset had top_k: 1)
+    assert list(unread_keys(cfg, ["model=tiny_dense", "model.top_k=1"])) == ["model.top_k"]
+
+
 def test_torchrun_ranks_need_a_parallel_strategy(tmp_path, monkeypatch):
     """Launched as several ranks with parallel=none, each would run (and record) alone."""
     import moe_exp.bench.runner as runner

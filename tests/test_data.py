@@ -91,6 +91,26 @@ def test_a_sidecar_that_does_not_describe_its_token_file_fails_before_any_work(
     assert says in rec["error"] and "\n" not in rec["error"]
 
 
+def test_a_token_file_that_cannot_be_read_is_one_line(tmp_path, monkeypatch):
+    """(An unreadable or unmappable file: a traceback and no record, before.)"""
+    import moe_exp.bench.runner as runner
+    import moe_exp.data.tokens as tokens
+
+    (tmp_path / "t.bin").write_bytes(bytes(range(100)) * 5)
+    (tmp_path / "t.bin.json").write_text('{"dtype": "int16", "vocab_size": 256, '
+                                         '"num_tokens": 250}')
+
+    def memmap(*a, **k):
+        raise OSError(19, "No such device")
+
+    monkeypatch.setattr(tokens.np, "memmap", memmap)
+    monkeypatch.setattr(runner, "bench", lambda *a, **k: pytest.fail("work started"))
+    rec = run_inproc(["logger=none", "data=tokens", f"data.path={tmp_path / 't.bin'}"],
+                     tmp_path / "run")
+    assert rec["status"] == "invalid" and rec["error"].startswith("data.path: ")
+    assert "cannot be read as tokens (OSError: [Errno 19] No such device)" in rec["error"]
+
+
 def test_prepare_cli_rejects_missing_input(tmp_path):
     p = subprocess.run([sys.executable, "-m", "moe_exp.data", "prepare", "nope.txt",
                         str(tmp_path / "o.bin")], capture_output=True, text=True, cwd=ROOT)

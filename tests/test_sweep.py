@@ -119,7 +119,9 @@ def test_resume_with_other_values_keeps_every_finished_row(swept, tmp_path):
     d = tmp_path / "s"
     shutil.copytree(d0, d, ignore=shutil.ignore_patterns("wandb", "results.*"))
     old = pd.read_parquet(d0 / "results.parquet")
-    r = sweep(d, "+case=bf16", "logger=none", "sweep.resume=true")
+    # a baseline only the dir's earlier rows have (no job now is fp32): not refused
+    r = sweep(d, "+case=bf16", "logger=none", "sweep.resume=true",
+              "++sweep.baseline={precision: fp32}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr.count("already done") == 1 and "moved to" in r.stderr
     fp32_hash = old.loc[0, "config_hash"]
@@ -130,6 +132,7 @@ def test_resume_with_other_values_keeps_every_finished_row(swept, tmp_path):
     df = pd.read_parquet(d / "results.parquet")
     assert sorted(df["config_hash"]) == sorted(old["config_hash"])
     assert set(df["status"]) == {"ok", "invalid", "diverged"}
+    assert list(df.loc[df["baseline"], "precision"]) == ["fp32"]
     done = next(ln for ln in r.stdout.splitlines() if ln.startswith("[sweep] done"))
     assert done.startswith("[sweep] done: 1 jobs in ") and "(the table: 4 rows, with the " \
         "sweep dir's other configurations)" in done, done  # one job ran; the table: all
@@ -473,8 +476,13 @@ def test_sweep_checks_fail_before_any_job(tmp_path):
     used = tmp_path / "used"
     (used / "0").mkdir(parents=True)
     (used / "0" / "metrics.json").write_text("{}")
+    reps = tmp_path / "reps"  # a job cut short during its repeats: its first repeat's record
+    (reps / "0" / "rep0").mkdir(parents=True)
+    (reps / "0" / "rep0" / "metrics.json").write_text("{}")
     for d, args, line in [
             (used, ["+case=fp32"], f"hydra.sweep.dir: '{used}' already holds another sweep's"),
+            (reps, ["+case=fp32"], f"hydra.sweep.dir: '{reps}' already holds another sweep's "
+             "results (1 job records)"),
             (tmp_path / "b", ["+case=fp32,bf16", "++sweep.baseline={precison:fp32}"],
              "sweep.baseline: 'precison' is not a column"),
             (tmp_path / "c", ["+case=fp32", "train.activation_checkpointing=nope,none"],
@@ -527,6 +535,7 @@ def test_sweep_checks_fail_before_any_job(tmp_path):
         assert r.stderr.strip().startswith(f"error: {line}") and len(r.stderr.strip().splitlines()) == 1
         assert "[sweep]" not in r.stdout, r.stdout
         assert len(list(d.glob("*/metrics.json"))) == (1 if d == used else 0)
+        assert len(list(d.glob("*/rep*/metrics.json"))) == (1 if d == reps else 0)
         assert not (d / "multirun.yaml").exists()
 
 

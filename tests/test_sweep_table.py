@@ -106,6 +106,9 @@ def test_baseline_value_check_types_swept_values_as_the_table_does():
 
     check({"extra.tag": "true"}, ["'true'", "b"])
     check({"optim.lr": 0.001}, ["1e-3", "3e-3"], "optim.lr")
+    check({"optim.lr": 1.0}, ["1", "2"], "optim.lr")  # (refused as text, before)
+    with pytest.raises(SweepError, match="extra.tag=1 is not among the swept values"):
+        check({"extra.tag": 1}, ["true", "b"])  # (True is not 1)
     with pytest.raises(SweepError, match="optim.lr=0.002 is not among the swept values"):
         check({"optim.lr": 0.002}, ["1e-3", "3e-3"], "optim.lr")
 

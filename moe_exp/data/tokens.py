@@ -45,10 +45,15 @@ def read_meta(path: str | Path) -> dict:
                          "python -m moe_exp.data prepare")
     vocab = meta["vocab_size"]
     if n and (dtype.kind == "i" or np.iinfo(dtype).max >= vocab):  # ids the dtype allows
-        lo, hi = _id_range(str(Path(path).resolve()), dtype.str, st.st_size, st.st_mtime_ns)
+        try:
+            lo, hi = _id_range(str(Path(path).resolve()), dtype.str, st.st_size, st.st_mtime_ns)
+        except (OSError, ValueError) as e:  # unreadable, or not a file that maps
+            raise ValueError(f"{path} cannot be read as tokens ({type(e).__name__}: {e})") \
+                from None
         if lo < 0 or hi >= vocab:
             raise ValueError(f"{path} holds token id {lo if lo < 0 else hi}, outside its "
-                             f"vocabulary 0..{vocab - 1} ({mp.name}): remake them together with "
+                             f"vocabulary 0..{vocab - 1} ({mp.name}): correct vocab_size there "
+                             "(a tokenizer's added tokens count), or remake the file with "
                              "python -m moe_exp.data prepare")
     return meta
 

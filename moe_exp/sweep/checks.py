@@ -67,7 +67,7 @@ def check_jobs(config: DictConfig, jobs: list[list[str]], validate: bool = True)
                 cfg = js.fast(overrides)
             key = js.row(cfg)
             base.add(cfg, overrides)
-            here = {k: v[:2] for k, v in unread_keys(cfg).items()}
+            here = {k: v[:2] for k, v in unread_keys(cfg, overrides).items()}
             unread = here if unread is None else {k: v for k, v in unread.items() if k in here}
             same = key in seen and js.row(js.full(jobs[seen[key]])) == js.row(
                 js.full(overrides))
@@ -107,9 +107,11 @@ class _Baseline:
         from .callback import baseline_of
         from .table import ADDED, _norm_key
 
-        self.want = baseline_of(config.sweep) or {}
+        # (a resumed dir's table also has the rows of earlier values: not checked)
+        self.want = {} if config.sweep.resume else (baseline_of(config.sweep) or {})
         other = {*FIELDS, *EXTRAS, *ADDED} - self.FIXED  # known only once a job runs
-        if any(_norm_key(k) in other for k in self.want):
+        if any(_norm_key(k) in other or _norm_key(k).startswith("busbw_gbps_") or
+               _norm_key(k).endswith(("_min", "_max")) for k in self.want):
             self.want = {}
         self.seen: dict[str, set[str]] = {k: set() for k in self.want}
         self.matched = not self.want
@@ -119,13 +121,17 @@ class _Baseline:
             return
         from ..results import new_record
         from ..run import _container
-        from .table import _value
+        from .table import _value, same_value
 
-        row = new_record(_container(cfg), list(overrides))
-        got = {k: str(_value(row, k, "sweep.baseline")) for k in self.want}
+        try:
+            row = new_record(_container(cfg), list(overrides))
+            got = {k: _value(row, k, "sweep.baseline") for k in self.want}
+        except Exception:  # noqa: BLE001 - not known before the job runs: not checked
+            self.matched = True
+            return
         for k, v in got.items():
-            self.seen[k].add(v)
-        self.matched = all(v == str(self.want[k]) for k, v in got.items())
+            self.seen[k].add(str(v))
+        self.matched = all(same_value(v, self.want[k]) for k, v in got.items())
 
     def check(self) -> None:
         if self.matched:
@@ -205,7 +211,8 @@ def check_dir(config: DictConfig) -> None:
     from .table import job_dirs
 
     d = Path(config.hydra.sweep.dir)
-    n = len(job_dirs(d))
+    # jobs with a record: a job's, or a repeat's (a job cut short during its repeats)
+    n = len({*job_dirs(d), *(p.parent.parent for p in d.glob("*/rep*/metrics.json"))})
     if config.sweep.resume:  # (a requeued job's command may resume before any record)
         if not n:
             print(f"[sweep] warning: sweep.resume=true, but '{d}' holds no job records: "
@@ -296,7 +303,7 @@ def check_baseline(config: DictConfig, params: dict) -> None:
     this sweep sets on the command line or in a preset."""
     from ..config import override_texts
     from ..results import EXTRAS, FIELDS
-    from .table import ADDED, _norm_key, _typed
+    from .table import ADDED, _norm_key, _typed, same_value
 
     columns = {*FIELDS, *EXTRAS, *ADDED}
     overridden = {_norm_key(k) for k in [*params, *(o.split("=", 1)[0] for o in override_texts(
@@ -319,13 +326,14 @@ def check_baseline(config: DictConfig, params: dict) -> None:
                                  "sets")
     # swept values as written: '1e-3' quoted is the string a job's table row compares
     swept = {_norm_key(k): v for k, v in params.items()}
-    for key, want in baseline.items():  # a swept key: every row has one of its values
+    for key, want in baseline.items() if not config.sweep.get("resume") else ():  # (a resumed
+        # dir's table also has the rows of earlier values) a swept key: a row per value
         values = swept.get(_norm_key(key))
-        if values and str(want) not in {str(_typed(v)) for v in values}:
+        if values and not any(same_value(_typed(v), want) for v in values):
             raise SweepError(f"sweep.baseline: {key}={want} is not among the swept values "
                              f"({', '.join(values)}): no row could be the baseline")
         labels = None if values or not isinstance(extras, dict) else extras.get(_norm_key(key))
-        if labels and str(want) not in labels:  # a label the swept options set (seed_row)
+        if labels and not any(same_value(v, want) for v in labels):  # a label the swept options set (seed_row)
             raise SweepError(f"sweep.baseline: {key}={want} is not a value any job has "
                              f"({', '.join(sorted(labels))}): no row could be the baseline")
 

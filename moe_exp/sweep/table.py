@@ -214,8 +214,18 @@ def _typed(text: str):
         return text
 
 
+def same_value(a, b) -> bool:
+    """A row's value and a baseline's, as text, or as numbers (1 and 1.0; not True and 1)."""
+    import numbers
+
+    if str(a) == str(b):
+        return True
+    num = [isinstance(x, numbers.Number) and not isinstance(x, bool) for x in (a, b)]
+    return all(num) and float(a) == float(b)
+
+
 def _matches(row, baseline: dict, what: str = "sweep.baseline") -> bool:
-    return all(str(_value(row, key, what)) == str(want) for key, want in baseline.items())
+    return all(same_value(_value(row, key, what), want) for key, want in baseline.items())
 
 
 def _check_keys(records: list[dict], keys, what: str) -> None:
