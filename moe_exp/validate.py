@@ -324,9 +324,6 @@ def check_data(cfg, overrides=()) -> None:
                               "loads in the training process)")
     if d.prefetch_factor is not None and d.prefetch_factor < 1:
         raise ConfigError("data.prefetch_factor", f"must be >= 1 or null, got {d.prefetch_factor}")
-    if d.num_workers > (os.cpu_count() or 1):
-        raise Unsupported("data.num_workers", f"{d.num_workers} loader workers asked for, this "
-                          f"machine has {os.cpu_count()} CPU cores (a worker per core at most)")
     if d.name in ("markov", "tokens") and d.name != d.source:  # a label, not the source
         if _chosen(overrides, "data.source"):
             raise ConfigError("data.source", f"set by the data group: pick data={d.source} "
@@ -488,6 +485,14 @@ def check_memory(cfg) -> None:
                           "parallel=fsdp or expert_fsdp over more devices, or a smaller model)")
 
 
+def check_workers(cfg) -> None:
+    """(A limit of this machine: after the mistakes, as a sweep row says which it is.)"""
+    n = cfg.data.num_workers
+    if n > (os.cpu_count() or 1):
+        raise Unsupported("data.num_workers", f"{n} loader workers asked for, this machine "
+                          f"has {os.cpu_count()} CPU cores (a worker per core at most)")
+
+
 def check_comm(cfg) -> None:
     c = cfg.comm
     bad = [op for op in c.ops if op not in ("all_reduce", "all_gather", "reduce_scatter",
@@ -629,5 +634,6 @@ def validate(cfg, overrides=(), in_sweep: bool = False) -> None:
     check_optim(cfg)
     check_sweep(cfg)
     check_comm(cfg)
+    check_workers(cfg)
     check_memory(cfg)
     check_logger(cfg)
