@@ -486,7 +486,8 @@ def check_memory(cfg) -> None:
 
 
 def check_workers(cfg) -> None:
-    """(A limit of this machine: after the mistakes, as a sweep row says which it is.)"""
+    """More loader workers than cores: a limit of this machine (skipped), so checked after
+    the config's mistakes (invalid)."""
     n = cfg.data.num_workers
     if n > (os.cpu_count() or 1):
         raise Unsupported("data.num_workers", f"{n} loader workers asked for, this machine "

@@ -326,14 +326,15 @@ def check_baseline(config: DictConfig, params: dict) -> None:
                                  "sets")
     # swept values as written: '1e-3' quoted is the string a job's table row compares
     swept = {_norm_key(k): v for k, v in params.items()}
-    for key, want in baseline.items() if not config.sweep.get("resume") else ():  # (a resumed
-        # dir's table also has the rows of earlier values) a swept key: a row per value
+    # a swept key: a row per value (a resumed dir's table also has earlier values' rows)
+    for key, want in ({} if config.sweep.get("resume") else baseline).items():
         values = swept.get(_norm_key(key))
         if values and not any(same_value(_typed(v), want) for v in values):
             raise SweepError(f"sweep.baseline: {key}={want} is not among the swept values "
                              f"({', '.join(values)}): no row could be the baseline")
         labels = None if values or not isinstance(extras, dict) else extras.get(_norm_key(key))
-        if labels and not any(same_value(v, want) for v in labels):  # a label the swept options set (seed_row)
+        # a label the swept options set (seed_row)
+        if labels and not any(same_value(v, want) for v in labels):
             raise SweepError(f"sweep.baseline: {key}={want} is not a value any job has "
                              f"({', '.join(sorted(labels))}): no row could be the baseline")
 
