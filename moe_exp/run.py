@@ -282,21 +282,41 @@ def _hydra_args(argv) -> tuple[list[str], bool] | None:
     """The overrides of a command line as Hydra reads it, and whether it is a multirun (-m,
     --multi, hydra.mode=MULTIRUN); None where it runs nothing (--cfg, --info, --help) or
     Hydra's parser refuses it (its own usage line follows)."""
-    import contextlib
-    import io
-
-    from hydra._internal.utils import get_args_parser
-
-    try:  # (its usage error or --version is Hydra's to print, once)
-        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-            a, _ = get_args_parser().parse_known_args(list(argv))
-    except SystemExit:
+    a = _flags(argv)
+    if a is None:
         return None
     if a.help or a.hydra_help or a.cfg or a.info or a.shell_completion:
         return None
     multirun = a.multirun or any(o.replace(" ", "").lstrip("+") == "hydra.mode=MULTIRUN"
                                  for o in a.overrides)
     return list(a.overrides), multirun
+
+
+def _flags(argv):
+    """Hydra's parse of a command line; None where its parser refuses it or prints and
+    exits (a usage error, --version: Hydra's to print, once)."""
+    import contextlib
+    import io
+
+    from hydra._internal.utils import get_args_parser
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            return get_args_parser().parse_known_args(list(argv))[0]
+    except SystemExit:
+        return None
+
+
+def flag_error(argv) -> str | None:
+    """Hydra's own flag conflicts (it raises a ValueError for them: a traceback)."""
+    a = _flags(argv)
+    if a is None:
+        return None
+    if a.run + (a.cfg is not None) + a.multirun + a.shell_completion + (a.info is not None) > 1:
+        return "only one of --run, --multirun (-m), --cfg, --info and --shell-completion at a time"
+    if a.resolve and a.cfg is None and not a.help:
+        return "--resolve goes with --cfg or --help"
+    return None
 
 
 def group_override_error(args) -> str | None:
@@ -356,7 +376,7 @@ def cli() -> None:
 
     full = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting 1
-    if (line := group_override_error(sys.argv[1:])) is not None and \
+    if (line := flag_error(sys.argv[1:]) or group_override_error(sys.argv[1:])) is not None and \
             (not full or line.startswith("sweep.")):  # (no Hydra error to show for those)
         print(f"error: {line}", file=sys.stderr)
         sys.exit(EXIT_INVALID)

@@ -386,6 +386,15 @@ def test_a_usage_error_prints_hydra_usage_once(tmp_path):
     assert "argument --cfg/-c: invalid choice: 'bogus'" in p.stderr
 
 
+@pytest.mark.parametrize("args,line", [  # (Hydra's ValueError traceback, before)
+    (["-m", "--cfg", "job"], "only one of --run, --multirun (-m), --cfg, --info and "
+                             "--shell-completion at a time"),
+    (["--resolve"], "--resolve goes with --cfg or --help")])
+def test_conflicting_hydra_flags_are_one_line(args, line, tmp_path):
+    p = run_cli([*args, "logger=none"], tmp_path, env={"HYDRA_FULL_ERROR": ""})
+    assert (p.returncode, p.stderr.strip()) == (2, f"error: {line}")
+
+
 def test_an_output_dir_that_is_a_file_is_one_line(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     p = run_cli(["logger=none", "hydra.run.dir=notes.txt/run"], tmp_path)
