@@ -74,7 +74,7 @@ class SweepCallback(Callback):
         jobs, swept = plan(config)
         self.total = len(jobs) if jobs is not None else None
         self.varying = list(swept)
-        from .checks import SweepError, check_jobs, check_sweep, claim_dir
+        from .checks import SweepError, check_jobs, check_sweep, claim_dir, resume_warning
 
         launcher = str(config.hydra.launcher.get("_target_", ""))
         try:  # before any job
@@ -85,6 +85,8 @@ class SweepCallback(Callback):
         except SweepError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None  # run.EXIT_INVALID (Hydra passes SystemExit on)
+        if warning := resume_warning(config):
+            print(warning, file=sys.stderr, flush=True)
         self.t0 = time.time()
         n = f"{self.total} jobs" if self.total else "jobs"
         print(f"[sweep] {n} -> {config.hydra.sweep.dir}", flush=True)

@@ -205,20 +205,28 @@ class _Jobs:
         return row_key(_key_record(_container(cfg)))
 
 
-def check_dir(config: DictConfig) -> None:
-    import sys
-
+def _recorded_jobs(d: Path) -> int:
+    """Jobs with a record: a job's, or a repeat's (a job cut short during its repeats)."""
     from .table import job_dirs
 
+    return len({*job_dirs(d), *(p.parent.parent for p in d.glob("*/rep*/metrics.json"))})
+
+
+def resume_warning(config: DictConfig) -> str | None:
+    """sweep.resume on a dir with no records (a typo; or a requeued job's first start,
+    which is why it runs): said once the dir is this sweep's (claim_dir)."""
     d = Path(config.hydra.sweep.dir)
-    # jobs with a record: a job's, or a repeat's (a job cut short during its repeats)
-    n = len({*job_dirs(d), *(p.parent.parent for p in d.glob("*/rep*/metrics.json"))})
-    if config.sweep.resume:  # (a requeued job's command may resume before any record)
-        if not n:
-            print(f"[sweep] warning: sweep.resume=true, but '{d}' holds no job records: "
-                  "nothing to resume, every job runs", file=sys.stderr, flush=True)
+    if config.sweep.resume and not _recorded_jobs(d):
+        return (f"[sweep] warning: sweep.resume=true, but '{d}' holds no job records: nothing "
+                "to resume, every job runs")
+    return None
+
+
+def check_dir(config: DictConfig) -> None:
+    if config.sweep.resume:
         return
-    if n:
+    d = Path(config.hydra.sweep.dir)
+    if n := _recorded_jobs(d):
         raise SweepError(f"hydra.sweep.dir: '{d}' already holds another sweep's results ({n} "
                          "job records): use a new dir, or sweep.resume=true to continue that "
                          "sweep")
