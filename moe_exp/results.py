@@ -44,10 +44,6 @@ HASH_EXCLUDE = ("logger", "extra", "sweep")
 # optim keys only optim=muon reads: left out of other optimizers' hashes (adamw runs keep
 # the hashes they had before muon existed, and a muon knob set on adamw changes nothing)
 MUON_ONLY = ("momentum", "nesterov", "ns_steps")
-# model keys only a MoE model (num_experts > 0) reads (kept in a dense model's hash: a dense
-# preset may inherit its MoE parent's, and a sweep over model=dense,moe x dispatch=a,b keeps
-# its dense rows apart as before)
-MOE_ONLY = ("top_k", "aux_loss_coef", "z_loss_coef", "dispatch")
 # keys added after results were recorded: left out of the hash at their default value, so
 # older sweeps' hashes stay valid (compare, resume)
 ADDED_AT_DEFAULT = {("parallel", "prefetch"): 0}

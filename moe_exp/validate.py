@@ -363,39 +363,43 @@ def check_data(cfg, overrides=()) -> None:
                               f"than train.seq_len+1={cfg.train.seq_len + 1}")
 
 
-MOE_MODEL = "a MoE model (model.num_experts > 0)"
+# model keys only a MoE model (num_experts > 0) reads (kept in a dense model's hash: a dense
+# preset may inherit its MoE parent's, and a sweep over model=dense,moe x dispatch=a,b keeps
+# its dense rows apart)
+MOE_ONLY = ("top_k", "aux_loss_coef", "z_loss_coef", "dispatch")
 
 
-def unread_keys(cfg, overrides=()) -> dict[str, tuple[str, str, ConfigError]]:
+def unread_keys(cfg, overrides=()) -> dict[str, tuple[tuple[str, ...], str, ConfigError]]:
     """Keys set that only another option of their group reads (data.path off data=tokens,
     fp8's recipe off precision=fp8, Muon's keys off another optimizer, routing keys the
-    command line sets on a dense model): key -> (group, the option that reads it, the error
-    a run gives)."""
+    command line sets on a dense model): key -> (the keys whose choice picks that option,
+    the group first; the option that reads it; the error a run gives)."""
     from .config import OptimConfig, PrecisionConfig
-    from .results import MOE_ONLY, MUON_ONLY
+    from .results import MUON_ONLY
 
     out = {}
     d, o = cfg.data, cfg.optim
     if d.source != "tokens" and not OmegaConf.is_missing(d, "path") and d.path is not None:
         from .data.tokens import path_override
 
-        out["data.path"] = ("data", "data=tokens", ConfigError(
+        out["data.path"] = (("data",), "data=tokens", ConfigError(
             "data.path", f"read by data=tokens only; this run's data is {d.source} (train on "
             f"the file: data=tokens {path_override(d.path)})"))
     if cfg.precision.name != "fp8" and cfg.precision.fp8_recipe != PrecisionConfig.fp8_recipe:
-        out["precision.fp8_recipe"] = ("precision", "precision=fp8", ConfigError(
+        out["precision.fp8_recipe"] = (("precision",), "precision=fp8", ConfigError(
             "precision.fp8_recipe", f"read by precision=fp8 only; this run's precision is "
             f"{cfg.precision.name} (use precision=fp8 precision.fp8_recipe=...)"))
     if cfg.model.num_experts == 0:  # (a dense preset may inherit its MoE parent's values)
         for key in MOE_ONLY:
             if _chosen(overrides, f"model.{key}"):
-                out[f"model.{key}"] = ("model", MOE_MODEL, ConfigError(
+                out[f"model.{key}"] = (("model", "model.num_experts"), "a MoE model (model."
+                                       "num_experts > 0)", ConfigError(
                     f"model.{key}", f"read by MoE models only; this model is dense "
                     f"(model={cfg.model.name} with model.num_experts=0)"))
     if o.name != "muon":
         for key in MUON_ONLY:
             if o.get(key, getattr(OptimConfig, key)) != getattr(OptimConfig, key):
-                out[f"optim.{key}"] = ("optim", "optim=muon", ConfigError(
+                out[f"optim.{key}"] = (("optim",), "optim=muon", ConfigError(
                     f"optim.{key}", f"read by optim=muon only; this run's optimizer is "
                     f"{o.name} (use optim=muon optim.{key}=...)"))
     return out
@@ -405,10 +409,8 @@ def check_unread(cfg, overrides=(), in_sweep: bool = False) -> None:
     """A key its group's option does not read: surely the other option was meant. In a
     sweep job whose command line picks the group (a sweep over both options gives the key
     to every job) it is left unread; sweep.checks refuses a sweep where no job reads it."""
-    for group, option, err in unread_keys(cfg, overrides).values():
-        picked = _chosen(overrides, group) or (option == MOE_MODEL and _chosen(
-            overrides, "model.num_experts"))  # (a sweep over model.num_experts=0,8)
-        if not (in_sweep and picked):
+    for picks, _, err in unread_keys(cfg, overrides).values():
+        if not (in_sweep and any(_chosen(overrides, k) for k in picks)):
             raise err
 
 

@@ -53,9 +53,9 @@ def measure(cfg, d, device) -> list[dict]:
     dtype = getattr(torch, c.dtype)
     esize = torch.tensor([], dtype=dtype).element_size()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    rows = []
+    rows, measured = [], sizes(c, d.world)[0]
     for name in c.ops:
-        for nbytes in sizes(c, d.world)[0]:
+        for nbytes in measured:
             numel = nbytes // esize
             fn, bus = _op(name, d.world, numel, dtype, device)
             times = []
@@ -83,11 +83,11 @@ def comm_bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, d) 
     from ..tracking import Tracker
 
     device = torch_device(cfg)
-    wanted, unit = cfg.comm.min_bytes, sizes(cfg.comm, d.world)[1]
-    if d.main and wanted % unit:
+    measured, unit = sizes(cfg.comm, d.world)
+    if d.main and cfg.comm.min_bytes % unit:
         print(f"[comm] sizes are whole elements per rank: multiples of {unit} bytes ({d.world} "
-              f"ranks x {cfg.comm.dtype}); comm.min_bytes={wanted} is measured as "
-              f"{max(unit, wanted // unit * unit)}", file=sys.stderr, flush=True)
+              f"ranks x {cfg.comm.dtype}); comm.min_bytes={cfg.comm.min_bytes} is measured as "
+              f"{measured[0]}", file=sys.stderr, flush=True)
     rows = measure(cfg, d, device)
     if not d.main:
         return rec

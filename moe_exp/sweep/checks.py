@@ -51,7 +51,7 @@ def check_jobs(config: DictConfig, jobs: list[list[str]], validate: bool = True)
     seen: dict[tuple, int] = {}
     first, statuses = None, set()
     base = _Baseline(config)
-    unread = None  # keys no job so far reads: key -> (group, the option that reads it)
+    unread = None  # keys no job so far reads: key -> (what picks, the option that reads it)
     for num, overrides in enumerate(jobs):
         try:
             if validate or num == 0:
@@ -90,9 +90,9 @@ def check_jobs(config: DictConfig, jobs: list[list[str]], validate: bool = True)
         raise SweepError(f"{first} (every job of the sweep is {what})")
     base.check()
     if unread:
-        k, (group, option) = next(iter(unread.items()))
+        k, (picks, option) = next(iter(unread.items()))
         raise SweepError(f"{k}: read by {option} only, and no job of this sweep has "
-                         f"{option}: add it to the sweep's {group} options, or leave {k} out")
+                         f"{option}: add it to the sweep's {picks[0]} options, or leave {k} out")
 
 
 class _Baseline:
