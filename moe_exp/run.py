@@ -368,12 +368,32 @@ def group_override_error(args) -> str | None:
     return None
 
 
+def writable_std() -> None:
+    """A closed (`2>&-`) or read-only stdout / stderr becomes /dev/null: a progress bar or
+    the summary cannot then fail the run (its record and run.log still say what happened)."""
+    import fcntl
+
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        try:
+            ok = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
+        except OSError:  # closed
+            ok = False
+        if not ok:
+            nul = os.open(os.devnull, os.O_WRONLY)
+            if nul != fd:
+                os.dup2(nul, fd)
+                os.close(nul)
+        if getattr(sys, name) is None:  # Python found the fd closed at start-up
+            setattr(sys, name, open(fd, "w", buffering=1, closefd=False))
+
+
 def cli() -> None:
     """`python -m moe_exp.run`. Hydra's own config errors (unknown key or option, wrong type,
     bad override syntax) come out as one line and exit code 2, like moe_exp's checks;
     HYDRA_FULL_ERROR=1 keeps Hydra's own report."""
     from hydra.errors import CompactHydraException
 
+    writable_std()
     full = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting 1
     if (line := flag_error(sys.argv[1:]) or group_override_error(sys.argv[1:])) is not None and \

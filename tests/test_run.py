@@ -651,3 +651,28 @@ def test_cudagraph_skips_counted_where_cuda_graphs_were_asked_for():
                                         "cudagraph_skips": 3, "null_reasons": {}})
     assert any(k == "NOTE" and "3 compiled graph(s) ran without the CUDA graphs" in v
                for k, v in rows)
+
+
+@pytest.mark.parametrize("how", ["closed", "read-only"])
+def test_run_with_unwritable_stderr(tmp_path, how):
+    """`2>&-` (or a read-only fd 2, as a pyenv shim leaves it): the progress bar does not
+    fail the run; stderr goes to /dev/null and the summary still reaches stdout."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    def fd2():
+        if how == "closed":
+            os.close(2)
+        else:
+            os.dup2(os.open(os.devnull, os.O_RDONLY), 2)
+
+    p = subprocess.run([sys.executable, "-m", "moe_exp.run", "logger=none", "train.steps=2",
+                        "train.warmup_steps=1", f"hydra.run.dir={tmp_path}"], cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                       text=True, timeout=300, preexec_fn=fd2)
+    assert p.returncode == 0, p.stdout[-2000:]
+    assert json.loads((tmp_path / "metrics.json").read_text())["status"] == "ok"
+    assert "tokens/s" in p.stdout
