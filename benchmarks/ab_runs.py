@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -49,7 +48,6 @@ def main(argv=None) -> int:
         ap.error("argument --variant: give two or more, with distinct names")
     common = a.overrides or ["logger=none"]
     check_config(ap, [[*common, *o] for o in variants.values()])
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     runs = interleaved({n: [*common, *o] for n, o in variants.items()}, a.rounds)
     rows = [summarize(n, recs) for n, recs in runs.items()]
     print_rows(rows)

@@ -155,8 +155,8 @@ def main(argv=None):
                   f"{r['dropped_rounds']} dropped{', CONTENDED' if r['contended'] else ''}]",
                   flush=True)
             torch._dynamo.reset()
-    if a.json:
-        save_json(a.json, dev_name, rows)
+            if a.json:  # after every row: a run cut short keeps what it measured
+                save_json(a.json, dev_name, rows)
     return rows
 
 

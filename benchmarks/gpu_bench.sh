@@ -1,28 +1,57 @@
 #!/usr/bin/env bash
-# Every GPU figure of issue 5 in one command (goals 1, 2, 4), records under
-# benchmarks/results/<gpu>-<date>/:
-#   moe_layer.json    MoE layer fwd+bwd: grouped_mm vs the naive loop (tiny, small, moe_1b)
-#   compile_step.json whole train step, compiled vs eager (tiny_moe, small_moe, moe_1b)
-#   optimizer_step.json AdamW vs Muon step (small_moe, moe_1b)
-#   row_moves.json    the dispatch's row moves: autograd indexing vs gather_rows
-#   mfu/              moe_1b bf16 MFU (benchmarks/gpu_mfu.sh)
-# Same requirements as gpu_mfu.sh (hydra-core/omegaconf wheels in .whl/ where missing).
-set -euo pipefail
+# Every GPU figure of issue 5 (goals 1, 2, 4), by stage: each stage fits one 10-minute
+# call of the lent machine, and they run in the order given (default: all, in this order):
+#
+#   bash benchmarks/gpu_bench.sh [STAGE ...]
+#
+#   check    the gpu tests (tests/test_gpu.py; the grouped dispatch's first)  ~2 min
+#   layer    moe_layer.py: grouped_mm vs the naive loop (goal 1), then at moe_1b with a
+#            skewed router (--skew 2)                                         ~4 min
+#   mfu      gpu_mfu.sh: moe_1b bf16 MFU (goal 4; MFU_RUNS picks runs)       ~6-9 min
+#   compile  compile_step.py: whole step compiled vs eager (goal 2)         ~4-6 min
+#   optim    optimizer_step.py (AdamW vs Muon), row_moves.py                 ~2 min
+#   det      ab_runs.py: hardware.deterministic's cost at moe_1b             ~4 min
+#
+# (times are estimates.) Each stage's JSON is written after every row and its printout
+# goes to <stage>.txt beside it, all under benchmarks/results/<gpu>-<date>/. A failing
+# stage does not stop the next; the exit code says whether any failed. Where $OUT is set
+# (the lent machine), the results dir is packed into $OUT/results-<stages>.tgz after every
+# stage. Needs a CUDA GPU and hydra-core + omegaconf (see _gpu_env.sh).
+set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else \
-  'error: no CUDA GPU visible (these are the GPU figures)')"
-if ! "$PY" -c "import hydra, omegaconf" 2>/dev/null && compgen -G ".whl/*" >/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
-    --target /tmp/site .whl/*
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-dev=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '_'))")
-out=benchmarks/results/${dev}-$(date +%Y-%m-%d)
-mkdir -p "$out"
-"$PY" benchmarks/moe_layer.py --json "$out/moe_layer.json"
-"$PY" benchmarks/compile_step.py --json "$out/compile_step.json"
-"$PY" benchmarks/optimizer_step.py --json "$out/optimizer_step.json"
-"$PY" benchmarks/row_moves.py --json "$out/row_moves.json"
-bash benchmarks/gpu_mfu.sh "$@"
+STAGES=(check layer mfu compile optim det)
+for s in "$@"; do  # all checked before any work
+  [[ " ${STAGES[*]} " == *" $s "* ]] || {
+    echo "error: stage '$s' is not one of: ${STAGES[*]}" >&2; exit 2; }
+done
+(($#)) || set -- "${STAGES[@]}"
+set -e
+source benchmarks/_gpu_env.sh
+set +e
+export PACK=results-$(IFS=-; echo "$*")  # (gpu_mfu.sh packs into the same file)
+
+stage() {  # NAME: the stage's commands
+  case $1 in
+    check) "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py ;;
+    layer) "$PY" benchmarks/moe_layer.py --json "$res/moe_layer.json" &&
+           "$PY" benchmarks/moe_layer.py --shapes 1b --skew 2 --json "$res/moe_layer_skew2.json" ;;
+    mfu) bash benchmarks/gpu_mfu.sh ;;
+    compile) "$PY" benchmarks/compile_step.py --json "$res/compile_step.json" ;;
+    optim) "$PY" benchmarks/optimizer_step.py --json "$res/optimizer_step.json" &&
+           "$PY" benchmarks/row_moves.py --json "$res/row_moves.json" ;;
+    det) "$PY" benchmarks/ab_runs.py --rounds 2 --variant "off:" \
+           --variant "det:hardware.deterministic=true" --json "$res/deterministic.json" -- \
+           logger=none model=moe_1b precision=bf16 train.micro_batch_size=4 \
+           train.steps=20 train.warmup_steps=3 ;;
+  esac
+}
+
+failed=()
+for s in "$@"; do
+  echo "== $s ($(date +%T))"
+  stage "$s" 2>&1 | tee "$res/$s.txt"
+  rc=${PIPESTATUS[0]}
+  ((rc == 0)) || { failed+=("$s"); echo "== $s failed (exit $rc)"; }
+  pack
+done
+((${#failed[@]} == 0)) || { echo "failed stages: ${failed[*]}" >&2; exit 1; }

@@ -312,12 +312,12 @@ def main(argv=None):
                          f"{r['dropped_rounds']} dropped"
                          + (", CONTENDED]" if r["contended"] else "]"))
             print(f"{s:8} {dims:>24} {dn:>8}  " + "  ".join(cells), flush=True)
-    if a.json:
-        meta = {"device": dev_name, "torch": torch.__version__, "date": str(dt.date.today()),
-                "command": " ".join(sys.argv), "reps": a.reps, "skew": a.skew,
-                "malloc_retain": a.malloc_retain}
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+            if a.json:  # after every row: a run cut short keeps what it measured
+                meta = {"device": dev_name, "torch": torch.__version__,
+                        "date": str(dt.date.today()), "command": " ".join(sys.argv),
+                        "reps": a.reps, "skew": a.skew, "malloc_retain": a.malloc_retain}
+                Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(a.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     return rows
 
 

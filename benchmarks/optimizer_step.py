@@ -104,8 +104,8 @@ def main(argv=None):
         print(f"{'':10} [{r['params_m']:.1f}M params, {r['rounds']} rounds, "
               f"{r['dropped_rounds']} dropped{', CONTENDED' if r['contended'] else ''}]",
               flush=True)
-    if a.json:
-        save_json(a.json, dev_name, rows)
+        if a.json:  # after every row: a run cut short keeps what it measured
+            save_json(a.json, dev_name, rows)
     return rows
 
 

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     overrides = a.overrides or ["precision=bf16", "train.steps=40", "logger=none"]
     check_config(ap, [["model.dispatch=padded", *overrides, f"train.compile={mode}"]
                       for mode in a.compile.split(",")])
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1" if (os.cpu_count() or 1) <= 4 else "8")
     rows = []
     for mode in a.compile.split(","):
         names = {f"compile={mode} pad={m}": m for m in a.multiples}

@@ -104,8 +104,8 @@ def main(argv=None):
                       f"{rows[-1]['speedup']:7.2f}x  [{r['rounds']} rounds, "
                       f"{r['dropped_rounds']} dropped"
                       f"{', CONTENDED' if r['contended'] else ''}]", flush=True)
-    if a.json:
-        save_json(a.json, dev_name, rows)
+                if a.json:  # after every row: a run cut short keeps what it measured
+                    save_json(a.json, dev_name, rows)
     return rows
 
 

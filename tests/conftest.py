@@ -8,7 +8,8 @@ import torch
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+if (os.cpu_count() or 1) <= 4:  # (a GPU machine's 16 cores compile in parallel)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "moe_exp" / "conf"

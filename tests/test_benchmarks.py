@@ -156,6 +156,27 @@ def test_ab_runs_benchmark_rows(tmp_path):
     assert rows[0]["loss_last"] == rows[1]["loss_last"]  # checkpointing changes no math
 
 
+def test_mfu_table_rows_and_best(tmp_path, capsys, monkeypatch):
+    """gpu_mfu.sh's table: a row per run (a failed run's cells —) and the best MFU."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import mfu_table
+
+    ok = {"status": "ok", "step_time_ms": 812.5, "tokens_per_s": 40321.0, "mfu": 0.4123,
+          "tflops_per_device": 408.0, "peak_mem_gib": 61.2, "data_share": 0.0004,
+          "micro_batch_size": 8, "compile": "default", "device_name": "NVIDIA H100",
+          "torch_version": "2.11.0"}
+    for name, rec in {"mbs8_compile": ok, "mbs16_compile": {"status": "oom", "mfu": None},
+                      "mbs8_eager": {**ok, "mfu": 0.30, "compile": "off"}}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.json").write_text(json.dumps(rec))
+    assert mfu_table.main([str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    row = {line.split()[0]: line.split() for line in lines if line.startswith("mbs")}
+    assert row["mbs8_compile"][1:] == ["ok", "812.5", "40,321", "408.0", "41.2", "61.2", "0.04"]
+    assert row["mbs16_compile"][1:] == ["oom"] + ["—"] * 6
+    assert any(line.startswith("best MFU 41.2%") and "compile=default" in line for line in lines)
+
+
 @pytest.mark.parametrize("args, says", [
     (["moe_layer.py", "--skew", "nan"], "--skew"),
     (["moe_layer.py", "--json", f"{__file__}/x.json"], "--json"),  # a file as its folder
@@ -166,6 +187,7 @@ def test_ab_runs_benchmark_rows(tmp_path):
     (["pad_multiple.py", "--multiples", "0"], "--multiples"),
     (["ab_runs.py", "--rounds", "0", "--variant", "a:", "--variant", "b:"], "--rounds"),
     (["ab_runs.py", "--variant", "precision=bf16", "--variant", "b:"], "NAME:override"),
+    (["mfu_table.py", "/nonexistent"], "folder"),
 ])
 def test_bad_input_fails_first_with_one_line(args, says):
     """Bad flags and configs end the script before any work: exit 2, one error line."""
