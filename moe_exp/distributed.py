@@ -93,9 +93,11 @@ def launch(entry, n: int, *args, run_id: str | None = None):
         logging.getLogger(name).addFilter(_no_failure_dump)
     try:
         return elastic_launch(lc, entry)(*args)[0]
-    except SignalException as e:  # the agent stopped the ranks on a signal: Ctrl-C is an
-        if e.sigval == signal.SIGINT:  # interrupt (rank 0 recorded it), not a failure
+    except SignalException as e:  # the agent stopped the ranks on a signal: Ctrl-C or
+        if e.sigval == signal.SIGINT:  # SIGTERM is an interrupt (rank 0 recorded it)
             raise KeyboardInterrupt from None
+        if e.sigval == signal.SIGTERM:
+            raise KeyboardInterrupt("SIGTERM") from None
         raise
     finally:
         for name in AGENT_LOGS:
@@ -163,6 +165,9 @@ def rank_entry(fn, *args):
     the agent sees the peer's own failure before this one: else, on a loaded machine, the
     peer could still be exiting when the agent stops every rank, and the run would name
     the connection, not the cause."""
+    from .results import stop_on_sigterm
+
+    stop_on_sigterm()  # the agent passes a SIGTERM on to the ranks: rank 0 records it
     try:
         return fn(*args)
     except Exception as e:

@@ -167,6 +167,27 @@ def write_json_atomic(path: str | Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM (timeout, SLURM's scancel or time limit, docker stop) stops a run as Ctrl-C
+    does: KeyboardInterrupt("SIGTERM"), so its record says crashed: interrupted and a
+    sweep's table keeps its rows. Once: a second SIGTERM is ignored while those are written."""
+    import signal
+
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt("SIGTERM")
+
+    try:
+        signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread
+        pass
+
+
+def stop_signal(e: BaseException) -> str:
+    """What stopped a run, from its KeyboardInterrupt (see stop_on_sigterm)."""
+    return "SIGTERM" if e.args[:1] == ("SIGTERM",) else "Ctrl-C / SIGINT"
+
+
 def hold_sigint():
     """Ignore SIGINT for now, while an interrupted run's record and table are written (a
     second Ctrl-C cut them short); returns the handler to put back (None: not ours)."""

@@ -16,7 +16,7 @@ from . import config as _config  # noqa: F401  (registers the schemas)
 from .config import override_texts
 from .hardware import ConfigError
 from .ranks import rank_env
-from .results import failed_record, new_record, write_json_atomic
+from .results import failed_record, new_record, stop_on_sigterm, stop_signal, write_json_atomic
 
 EXIT_INVALID, EXIT_FAILED = 2, 1
 _STARTED = False  # main() has been called: Hydra's own set-up (the output dir) is done
@@ -394,6 +394,7 @@ def cli() -> None:
     from hydra.errors import CompactHydraException
 
     writable_std()
+    stop_on_sigterm()
     full = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting 1
     if (line := flag_error(sys.argv[1:]) or group_override_error(sys.argv[1:])) is not None and \
@@ -416,9 +417,10 @@ def cli() -> None:
         print(f"error: cannot make the output dir '{e.filename}': {e.strerror}",
               file=sys.stderr)
         sys.exit(EXIT_INVALID)
-    except KeyboardInterrupt:  # the run's record (if it got one) says `crashed: interrupted`
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as e:  # the run's record (if it got one) says `crashed: interrupted`
+        term = stop_signal(e) == "SIGTERM"
+        print("terminated (SIGTERM)" if term else "interrupted", file=sys.stderr)
+        sys.exit(143 if term else 130)
 
 
 if __name__ == "__main__":

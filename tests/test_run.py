@@ -406,9 +406,12 @@ def test_distributed_breakdown_is_the_slowest_ranks_own():
 
 
 @pytest.mark.slow
-def test_ctrl_c_leaves_a_record_that_says_so(tmp_path):
-    """SIGINT mid-run: the record says `crashed: interrupted` (it said `error` with no
-    reason), W&B is not started for it, exit code 130, no traceback."""
+@pytest.mark.parametrize("sig, rc, says", [("SIGINT", 130, "Ctrl-C / SIGINT"),
+                                           ("SIGTERM", 143, "SIGTERM")])
+def test_ctrl_c_leaves_a_record_that_says_so(tmp_path, sig, rc, says):
+    """SIGINT (Ctrl-C) or SIGTERM (timeout, SLURM, docker stop; it used to kill the run
+    with no record) mid-run: the record says `crashed: interrupted (SIG...)` (it said
+    `error` with no reason), W&B is not started for it, exit code 130 / 143, no traceback."""
     import signal
     import subprocess
     import sys
@@ -431,14 +434,14 @@ def test_ctrl_c_leaves_a_record_that_says_so(tmp_path):
             break
         time.sleep(0.2)
     time.sleep(1)
-    p.send_signal(signal.SIGINT)
+    p.send_signal(getattr(signal, sig))
     p.wait(timeout=120)
     reader.join(timeout=30)
     err = "".join(chunks)
-    assert p.returncode == 130, err[-2000:]
+    assert p.returncode == rc, err[-2000:]
     assert "Traceback" not in err
     rec = json.loads((out / "metrics.json").read_text())
-    assert rec["status"] == "crashed" and rec["error"].startswith("interrupted")
+    assert rec["status"] == "crashed" and rec["error"].startswith(f"interrupted ({says}) at")
     assert not (out / "wandb").exists()
     done = int(re.search(r"at step (\d+) of \d+", rec["error"]).group(1))
     assert done > 0 and len(rec["losses"]) == done  # every step done, logged or not

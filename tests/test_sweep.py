@@ -175,21 +175,24 @@ def test_killed_job_is_crashed_row_and_sweep_goes_on(tmp_path):
     assert df.loc[0, "config_hash"] and pd.isna(df.loc[0, "tokens_per_s"])
 
 
-def test_ctrl_c_stops_the_sweep_and_keeps_the_running_job_as_a_row(tmp_path):
-    """SIGINT to the sweep (Ctrl-C): the job process is killed, the job it was running
-    becomes a `crashed: interrupted` row in the table, the sweep exits 130."""
+@pytest.mark.parametrize("sig, rc", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_ctrl_c_stops_the_sweep_and_keeps_the_running_job_as_a_row(tmp_path, sig, rc):
+    """SIGINT (Ctrl-C) or SIGTERM (SLURM, timeout: it used to leave the job's process
+    running and the table short of the job) to the sweep: the job process is killed, the
+    job it was running becomes a `crashed: interrupted` row, exit 130 / 143."""
     d = tmp_path / "s"
     proc = _sweep_in_background(d, "+case=fast,long")
     child = _child_of(d / "1")
     time.sleep(2)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, sig))
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130, err[-3000:]
+    assert proc.returncode == rc, err[-3000:]
     with pytest.raises(ProcessLookupError):  # the job process went with it
         os.kill(child, 0)
     df = pd.read_csv(d / "results.csv")
     assert list(df["status"]) == ["ok", "crashed"]
     assert "interrupted" in df.loc[1, "error"] and df.loc[1, "config_hash"]
+    assert ("SIGTERM" in df.loc[1, "error"]) == (sig == "SIGTERM")
 
 
 def test_ctrl_c_in_an_in_process_sweep_keeps_the_runs_own_record(tmp_path):

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from ..config import total_steps
-from ..results import fill_null_reasons, hold_sigint, release_sigint, write_json_atomic
+from ..results import (fill_null_reasons, hold_sigint, release_sigint, stop_signal,
+                       write_json_atomic)
 from .flops import analytic
 from .load import other_share
 
@@ -92,7 +93,7 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
         # reruns it), with the losses of the steps done
         done, total = getattr(e, "steps", (None, None))
         at = f" at step {done} of {total}" if done is not None else " before the run finished"
-        rec.update(status="crashed", error=f"interrupted (Ctrl-C / SIGINT){at}")
+        rec.update(status="crashed", error=f"interrupted ({stop_signal(e)}){at}")
         if losses := getattr(e, "losses", None):
             rec.update(losses=losses, loss_first=losses[0], loss_last=losses[-1])
         held = hold_sigint()  # a second SIGINT (ranks get one from the agent too) must

@@ -9,9 +9,11 @@ from pathlib import Path
 def main(spec_path: str) -> int:
     from omegaconf import OmegaConf
 
+    from ..results import stop_on_sigterm
     from ..run import run
     from .job import load_spec
 
+    stop_on_sigterm()
     spec = load_spec(spec_path)
     cfg = OmegaConf.create(spec["config"])
     run(cfg, out_dir=Path(spec_path).parent, progress=spec.get("progress", False),

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 from ..config import override_texts
 from ..results import (config_hash, failed_record, hold_sigint, release_sigint,
-                       row_key, write_json_atomic)
+                       row_key, stop_signal, write_json_atomic)
 from .table import DONE, combine, read_record
 
 
@@ -73,14 +73,14 @@ def _run_job(cfg, job_dir: Path, sweep_dir: Path, overrides, choices, num: int) 
     t0 = time.time()
     try:
         return _repeats(cfg, cfg_dict, job_dir, sweep_dir, overrides, choices, num)
-    except KeyboardInterrupt:  # Ctrl-C: the sweep stops; this job is a row that says so
+    except KeyboardInterrupt as e:  # Ctrl-C: the sweep stops; this job is a row that says so
         from .callback import update_table
 
         held = hold_sigint()
         try:  # the run's own record where it wrote one (in this process: the steps it did)
             rec = _interrupted_record(job_dir, t0) or failed_record(
                 cfg_dict, overrides, "crashed",
-                "interrupted (Ctrl-C): the sweep stopped during this job",
+                f"interrupted ({stop_signal(e)}): the sweep stopped during this job",
                 "not measured: interrupted")
             rec["job"] = num
             write_json_atomic(job_dir / "metrics.json", rec)
