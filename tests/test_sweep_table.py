@@ -608,7 +608,11 @@ def test_compare_reads_records_warns_on_broken_ones_and_flags_contention(tmp_pat
                       (json.dumps(rec(1, 1.0, 1.0, status="fine")),
                        "not a record (status 'fine' is not one"),
                       (json.dumps(rec(1, 1.0, 1.0) | {"tokens_per_s": "fast"}),  # by hand
-                       "not a record (tokens_per_s is 'fast', not a number)")]:
+                       "not a record (tokens_per_s is 'fast', not a number)"),
+                      (json.dumps(rec(1, 1.0, 1.0) | {"config_hash": ["x"]}),  # crashed
+                       "not a record (config_hash is ['x'], not text)"),  # collect, compare
+                      (json.dumps(rec(1, 1.0, 1.0) | {"overrides": 5}),
+                       "not a record (overrides is 5, not a list of text)")]:
         (d / "1" / "metrics.json").write_text(text)
         assert list(load(d)["job"]) == [0]
         assert f"{d / '1' / 'metrics.json'}: {why}" in capsys.readouterr().err, text

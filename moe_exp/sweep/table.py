@@ -36,13 +36,21 @@ _TEXT = ("status", "error", "model", "precision", "parallel", "hardware", "data"
 
 
 def _not_a_number(rec: dict) -> str | None:
-    """The first number field of a record that holds something else (a hand-edited file)."""
+    """The first field of a record that holds the wrong kind of value (a hand-edited file):
+    a number field something else, a text field not text, overrides not a list of text."""
     from ..results import FIELDS
 
     for k in FIELDS:
         v = rec.get(k)
-        if k not in _TEXT and v is not None and (
-                isinstance(v, bool) or not isinstance(v, (int, float))):
+        if v is None:
+            continue
+        if k == "overrides":
+            if not isinstance(v, list) or not all(isinstance(o, str) for o in v):
+                return f"overrides is {v!r}, not a list of text"
+        elif k in _TEXT:
+            if not isinstance(v, str):
+                return f"{k} is {v!r}, not text"
+        elif isinstance(v, bool) or not isinstance(v, (int, float)):
             return f"{k} is {v!r}, not a number"
     return None
 
