@@ -43,14 +43,35 @@ def load(path: Path):
         raise FileNotFoundError(f"{path}: no job records and no results.parquet{single}")
     try:
         if path.suffix == ".parquet":
-            return pd.read_parquet(path)
+            return _numbers(pd.read_parquet(path), path)
         if path.suffix == ".csv":
             # (a hash of digits, or digits and one e, would read as a number)
-            return pd.read_csv(path, dtype={"config_hash": str})
+            return _numbers(pd.read_csv(path, dtype={"config_hash": str}), path)
     except (OSError, ValueError) as e:  # (an empty file, not a table)
+        if str(e).startswith(f"{path}: "):  # (_numbers: names the column)
+            raise
         raise ValueError(f"{path}: not a readable table ({str(e).strip() or type(e).__name__})"
                          ) from None
     raise FileNotFoundError(f"{path}: not a sweep dir, .csv or .parquet file")
+
+
+def _numbers(df, path: Path):
+    """A table file's number columns as numbers; a cell that is not one (a hand-edited
+    table) is a ValueError naming the file, the column and the cell."""
+    import pandas as pd
+
+    from .results import FIELDS
+    from .sweep.table import _TEXT
+
+    for col in df.columns:
+        base = col[:-4] if col.endswith(("_min", "_max")) else col
+        if base in FIELDS and base not in _TEXT and not pd.api.types.is_numeric_dtype(df[col]):
+            num = pd.to_numeric(df[col], errors="coerce")
+            bad = df[col][num.isna() & df[col].notna()]
+            if len(bad):
+                raise ValueError(f"{path}: column {col}: {bad.iloc[0]!r} is not a number")
+            df[col] = num
+    return df
 
 
 def _val(row, key):

@@ -626,6 +626,10 @@ def test_compare_reads_records_warns_on_broken_ones_and_flags_contention(tmp_pat
     (tmp_path / "empty.csv").write_text("")
     with pytest.raises(ValueError, match="empty.csv: not a readable table"):
         load(tmp_path / "empty.csv")
+    pd.DataFrame([{"config_hash": "h0", "status": "ok", "tokens_per_s": "abc",
+                   "peak_mem_gib": 1.0}]).to_csv(tmp_path / "edited.csv", index=False)
+    with pytest.raises(ValueError, match="edited.csv: column tokens_per_s: 'abc' is not a n"):
+        load(tmp_path / "edited.csv")  # (it said only: could not convert string to float)
 
 
 def test_report_wandb_group_is_the_sweeps_own(tmp_path):
