@@ -457,7 +457,8 @@ def _gib(x: float) -> str:
 def check_memory(cfg) -> None:
     """Weights + grads + optimizer state in fp32 (16 B/param with AdamW, 12 for Muon's
     matrices) must fit: a lower bound, once
-    sharded (FSDP over all ranks, expert parallel's experts over its group). A GPU holds one
+    sharded (FSDP over all ranks, expert parallel's experts over its group); and with them
+    the activations no setting avoids (activation_lower_bound). A GPU holds one
     rank; a CPU's memory (memory_gib is all of it) holds this machine's ranks together."""
     mem = cfg.hardware.memory_gib
     if mem is None:
@@ -485,6 +486,25 @@ def check_memory(cfg) -> None:
                           f"{cfg.optim.name}) under parallel={p.name}; "
                           f"hardware={cfg.hardware.name} has {_gib(mem)} GiB (shard it: "
                           "parallel=fsdp or expert_fsdp over more devices, or a smaller model)")
+    act = activation_lower_bound(cfg) * local / 2**30
+    if need + act > mem:
+        t = cfg.train
+        raise Unsupported("train.micro_batch_size", f"{t.micro_batch_size} x seq_len "
+                          f"{t.seq_len} needs >= {_gib(act)} GiB of activations per step "
+                          f"(the loss's fp32 log-probabilities, each layer's input) besides "
+                          f"{_gib(need)} GiB of weights and optimizer state; hardware="
+                          f"{cfg.hardware.name} has {_gib(mem)} GiB (a smaller "
+                          "train.micro_batch_size, with train.grad_accum_steps for the batch)")
+
+
+def activation_lower_bound(cfg) -> float:
+    """Bytes of activations one rank holds at its step's peak whatever the settings: the
+    fp32 log-probabilities the loss saves (micro-batch x seq x vocab) and each layer's input
+    (kept under any activation checkpointing)."""
+    m, t = cfg.model, cfg.train
+    tokens = t.micro_batch_size * t.seq_len
+    width = 2 if cfg.precision.autocast_dtype else 4
+    return tokens * (4 * m.vocab_size + width * m.num_layers * m.hidden_size)
 
 
 def check_workers(cfg) -> None:

@@ -269,6 +269,10 @@ def test_memory_check_counts_what_sharding_saves(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     cfg = compose(["model=mixtral_8x7b", "hardware=h100", "hardware.memory_gib=400",
                    "hardware.devices=2", "parallel=fsdp"])
+    with pytest.raises(Unsupported, match=r"train.micro_batch_size: 8 x seq_len 32768 needs "
+                                          r">= 159 GiB of activations .* besides 348 GiB"):
+        check_memory(cfg)  # the loss's fp32 log-probabilities alone: 8 x 32768 x 32000 x 4 B
+    cfg.train.micro_batch_size, cfg.train.seq_len = 1, 1024  # activations ~0.6 GiB
     check_memory(cfg)  # ~348 GiB per GPU once sharded over 2
     for name in ("ddp", "expert"):  # replicated: ~696 GiB; expert: attention etc. replicated
         cfg.parallel.name = name
