@@ -251,8 +251,15 @@ def check_parallel(cfg) -> None:
     if local is not None and local != n:  # (the record's config and hash say devices)
         raise ConfigError("hardware.devices", f"torchrun's LOCAL_WORLD_SIZE is {local} (ranks "
                           f"on this node), but hardware.devices={n}: set hardware.devices={local}")
-    if p.timeout_s < 1:  # (less fails the rendezvous itself)
-        raise ConfigError("parallel.timeout_s", f"must be >= 1 second, got {p.timeout_s}")
+    if env is not None and (p.name != "none" or n > 1 or cfg.task == "comm"):
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+        if missing:  # RANK and WORLD_SIZE set by hand: torch's env:// rendezvous needs these
+            raise NotReady(missing[0], f"RANK and WORLD_SIZE are set (a rank of torchrun or "
+                           f"SLURM), but {' and '.join(missing)} not: set them (the rank-0 "
+                           "host and a free port), or unset RANK and WORLD_SIZE to let "
+                           "moe_exp launch its own ranks")
+    if not 1 <= p.timeout_s <= 1e9:  # (less fails the rendezvous; more overflows torch's)
+        raise ConfigError("parallel.timeout_s", f"must be 1 to 1e9 seconds, got {p.timeout_s}")
     _at_least(cfg, "parallel.profile_steps", 0)
     if p.name in ("expert", "expert_fsdp"):
         if m.num_experts == 0:

@@ -560,3 +560,25 @@ def test_wandb_names_are_checked_before_the_run(args, key, tmp_path, monkeypatch
     monkeypatch.setattr(runner, "bench", lambda *a, **k: pytest.fail("work started"))
     rec = run_inproc(["logger=wandb", *args], tmp_path)
     assert rec["status"] == "invalid" and rec["error"].startswith(f"{key}: ")
+
+
+def test_rank_env_without_master_and_huge_timeout_fail_first(monkeypatch):
+    """RANK/WORLD_SIZE set by hand without MASTER_ADDR/PORT (torch's rendezvous traceback,
+    no record) and a parallel.timeout_s torch cannot hold (it failed in the ranks): one line
+    each, before any work."""
+    from moe_exp.hardware import ConfigError, NotReady
+    from moe_exp.validate import check_parallel
+
+    for k in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = compose(["parallel=ddp", "hardware=cpu", "hardware.devices=2"])
+    with pytest.raises(NotReady, match="MASTER_ADDR: RANK and WORLD_SIZE are set"):
+        check_parallel(cfg)
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    check_parallel(cfg)
+    cfg.parallel.timeout_s = 1e14
+    with pytest.raises(ConfigError, match="parallel.timeout_s: must be 1 to 1e9 seconds"):
+        check_parallel(cfg)
