@@ -493,6 +493,8 @@ def check_memory(cfg) -> None:
                           f"{cfg.optim.name}) under parallel={p.name}; "
                           f"hardware={cfg.hardware.name} has {_gib(mem)} GiB (shard it: "
                           "parallel=fsdp or expert_fsdp over more devices, or a smaller model)")
+    if cfg.task != "bench":  # (task=comm trains nothing)
+        return
     act = activation_lower_bound(cfg) * local / 2**30
     if need + act > mem:
         t = cfg.train
