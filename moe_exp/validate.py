@@ -251,13 +251,6 @@ def check_parallel(cfg) -> None:
     if local is not None and local != n:  # (the record's config and hash say devices)
         raise ConfigError("hardware.devices", f"torchrun's LOCAL_WORLD_SIZE is {local} (ranks "
                           f"on this node), but hardware.devices={n}: set hardware.devices={local}")
-    if env is not None and (p.name != "none" or n > 1 or cfg.task == "comm"):
-        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
-        if missing:  # RANK and WORLD_SIZE set by hand: torch's env:// rendezvous needs these
-            raise NotReady(missing[0], f"RANK and WORLD_SIZE are set (a rank of torchrun or "
-                           f"SLURM), but {' and '.join(missing)} not: set them (the rank-0 "
-                           "host and a free port), or unset RANK and WORLD_SIZE to let "
-                           "moe_exp launch its own ranks")
     if not 1 <= p.timeout_s <= 1e9:  # (less fails the rendezvous; more overflows torch's)
         raise ConfigError("parallel.timeout_s", f"must be 1 to 1e9 seconds, got {p.timeout_s}")
     _at_least(cfg, "parallel.profile_steps", 0)
@@ -516,6 +509,21 @@ def activation_lower_bound(cfg) -> float:
     return tokens * (4 * m.vocab_size + width * m.num_layers * m.hidden_size)
 
 
+def check_rendezvous(cfg) -> None:
+    """A rank (RANK and WORLD_SIZE set) of a run with ranks joins torch's env:// rendezvous,
+    which needs MASTER_ADDR and MASTER_PORT: this environment not ready (status error),
+    checked after the config's mistakes."""
+    p = cfg.parallel
+    if rank_env() is not None and (p.name != "none" or cfg.hardware.devices > 1
+                                   or cfg.task == "comm"):
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+        if missing:
+            raise NotReady(missing[0], f"RANK and WORLD_SIZE are set (a rank of torchrun or "
+                           f"SLURM), but {' and '.join(missing)} not: set them (the rank-0 "
+                           "host and a free port), or unset RANK and WORLD_SIZE to let "
+                           "moe_exp launch its own ranks")
+
+
 def check_workers(cfg) -> None:
     """More loader workers than cores: a limit of this machine (skipped), so checked after
     the config's mistakes (invalid)."""
@@ -668,4 +676,5 @@ def validate(cfg, overrides=(), in_sweep: bool = False) -> None:
     check_comm(cfg)
     check_workers(cfg)
     check_memory(cfg)
+    check_rendezvous(cfg)
     check_logger(cfg)

@@ -244,6 +244,8 @@ def test_expert_parallel_checks_use_the_whole_world(extra, error, tmp_path, monk
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "localhost")  # (torchrun sets them)
+    monkeypatch.setenv("MASTER_PORT", "29500")
 
     class Started(Exception):
         pass
@@ -567,7 +569,7 @@ def test_rank_env_without_master_and_huge_timeout_fail_first(monkeypatch):
     no record) and a parallel.timeout_s torch cannot hold (it failed in the ranks): one line
     each, before any work."""
     from moe_exp.hardware import ConfigError, NotReady
-    from moe_exp.validate import check_parallel
+    from moe_exp.validate import check_parallel, check_rendezvous
 
     for k in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)
@@ -575,10 +577,10 @@ def test_rank_env_without_master_and_huge_timeout_fail_first(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = compose(["parallel=ddp", "hardware=cpu", "hardware.devices=2"])
     with pytest.raises(NotReady, match="MASTER_ADDR: RANK and WORLD_SIZE are set"):
-        check_parallel(cfg)
+        check_rendezvous(cfg)
     monkeypatch.setenv("MASTER_ADDR", "localhost")
     monkeypatch.setenv("MASTER_PORT", "29500")
-    check_parallel(cfg)
+    check_rendezvous(cfg)
     cfg.parallel.timeout_s = 1e14
     with pytest.raises(ConfigError, match="parallel.timeout_s: must be 1 to 1e9 seconds"):
         check_parallel(cfg)
