@@ -679,3 +679,18 @@ def test_run_with_unwritable_stderr(tmp_path, how):
     assert p.returncode == 0, p.stdout[-2000:]
     assert json.loads((tmp_path / "metrics.json").read_text())["status"] == "ok"
     assert "tokens/s" in p.stdout
+
+
+@pytest.mark.parametrize("choice", ["file", "disabled", "stdout", "default"])
+def test_any_hydra_job_logging_option_runs(tmp_path, choice):
+    """Ours (`file`: run.log only) is an option of Hydra's job_logging group, so a user's
+    choice replaces it whole (Hydra's own options crashed on our root handler `file`)."""
+    p = run_cli(["logger=none", "train.steps=2", "train.warmup_steps=1",
+                 f"hydra/job_logging={choice}", f"hydra.run.dir={tmp_path}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads((tmp_path / "metrics.json").read_text())["status"] == "ok"
+    assert "tokens/s" in p.stdout
+    log = tmp_path / "run.log"
+    has_log = log.is_file() and "loss: 5.5743" in log.read_text()
+    assert has_log == (choice in ("file", "default"))
+    assert ("][INFO] - loss:" in p.stdout) == (choice == "default")  # console only there
