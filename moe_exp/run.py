@@ -259,6 +259,20 @@ def hydra_error_line(e: Exception) -> str:
     return f"{key}: {what}" if key else what
 
 
+def interpolation_error_line(e: Exception, argv) -> str:
+    """A ${...} Hydra resolves before the run (hydra.run.dir, hydra.job.name, --cfg --resolve):
+    the override that holds it where the command line has one, and OmegaConf's first line."""
+    key = getattr(e, "full_key", None) or "config"
+    what = (str(e).splitlines() or [""])[0]
+    sets = [a.lstrip("+~").split("=", 1) for a in argv if "=" in a and not a.startswith("-")]
+    k, v = next((kv for kv in sets if kv[0] == key), None) or \
+        next((kv for kv in sets if "${" in kv[1]), (key, None))
+    if v is None:
+        return f"{key}: does not resolve: {what}"
+    return f"{k}: '{v}' does not resolve: {what}" + (f" (read by {key})" if key not in
+                                                      (k, "config") else "")
+
+
 def parse_error_line(override: str, message: str) -> str:
     """An override Hydra's grammar cannot read: the character, and the fix where it is in the
     value (a path with ~ or a space: quote it)."""
@@ -392,6 +406,7 @@ def cli() -> None:
     bad override syntax) come out as one line and exit code 2, like moe_exp's checks;
     HYDRA_FULL_ERROR=1 keeps Hydra's own report."""
     from hydra.errors import CompactHydraException
+    from omegaconf.errors import InterpolationResolutionError
 
     writable_std()
     stop_on_sigterm()
@@ -410,6 +425,11 @@ def cli() -> None:
         if full:
             raise
         print(f"error: {hydra_error_line(e)}", file=sys.stderr)
+        sys.exit(EXIT_INVALID)
+    except InterpolationResolutionError as e:  # in Hydra's set-up, before any run
+        if full or _STARTED:
+            raise
+        print(f"error: {interpolation_error_line(e, sys.argv[1:])}", file=sys.stderr)
         sys.exit(EXIT_INVALID)
     except OSError as e:  # Hydra's set-up: hydra.run.dir a file, or not writable
         if full or not e.filename or _STARTED:

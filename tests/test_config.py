@@ -401,6 +401,22 @@ def test_conflicting_hydra_flags_are_one_line(args, line, tmp_path):
     assert (p.returncode, p.stderr.strip()) == (2, f"error: {line}")
 
 
+@pytest.mark.parametrize("args,line", [  # (OmegaConf's traceback from Hydra's set-up, before)
+    (["hydra.run.dir=${oops}"], "hydra.run.dir: '${oops}' does not resolve: Interpolation key "
+                                "'oops' not found"),
+    (["hydra.job.name=${oc.env:NO_SUCH_VAR}"], "hydra.job.name: '${oc.env:NO_SUCH_VAR}' does "
+     "not resolve: KeyError raised while resolving interpolation: \"Environment variable "
+     "'NO_SUCH_VAR' not found\" (read by hydra.job_logging.handlers.file.filename)"),
+    (["-m", "hydra.sweep.dir=${bogus:x}", "train.steps=2,3"],
+     "hydra.sweep.dir: '${bogus:x}' does not resolve: Unsupported interpolation type bogus"),
+    (["--cfg", "job", "--resolve", "train.steps=${oops}"],
+     "train.steps: '${oops}' does not resolve: Interpolation key 'oops' not found")])
+def test_an_interpolation_hydra_resolves_first_is_one_line(args, line, tmp_path):
+    p = run_cli([*args, "logger=none"], tmp_path, env={"HYDRA_FULL_ERROR": ""})
+    assert (p.returncode, p.stderr.strip()) == (2, f"error: {line}")
+    assert not list(tmp_path.glob("**/metrics.json")) and "[sweep]" not in p.stdout
+
+
 def test_an_output_dir_that_is_a_file_is_one_line(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     p = run_cli(["logger=none", "hydra.run.dir=notes.txt/run"], tmp_path)

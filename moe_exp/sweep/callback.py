@@ -10,6 +10,7 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+from omegaconf.errors import InterpolationResolutionError
 
 from ..config import override_texts
 
@@ -82,8 +83,11 @@ class SweepCallback(Callback):
             if jobs:  # (submitit: jobs resolve their hardware where they run)
                 check_jobs(config, jobs, validate="submitit" not in launcher)
             self.lock = claim_dir(Path(config.hydra.sweep.dir))
-        except SweepError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        except (SweepError, InterpolationResolutionError) as e:
+            from ..run import interpolation_error_line
+
+            line = e if isinstance(e, SweepError) else interpolation_error_line(e, sys.argv[1:])
+            print(f"error: {line}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None  # run.EXIT_INVALID (Hydra passes SystemExit on)
         if warning := resume_warning(config):
             print(warning, file=sys.stderr, flush=True)
