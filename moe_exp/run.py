@@ -330,6 +330,13 @@ def flag_error(argv) -> str | None:
         return "only one of --run, --multirun (-m), --cfg, --info and --shell-completion at a time"
     if a.resolve and a.cfg is None and not a.help:
         return "--resolve goes with --cfg or --help"
+    if a.shell_completion and sum(o.split("=", 1)[0] in ("install", "uninstall", "query")
+                                  for o in a.overrides) != 1:
+        return ("--shell-completion (-sc) takes one of install=SHELL, uninstall=SHELL, "
+                "query=SHELL (eval \"$(python -m moe_exp.run -sc install=bash)\")")
+    if a.experimental_rerun is not None:  # (it skips the set-up a run records itself with)
+        return ("--experimental-rerun is not supported: rerun with the overrides of the run's "
+                "record (metrics.json `overrides`, or .hydra/overrides.yaml)")
     return None
 
 

@@ -395,7 +395,11 @@ def test_a_usage_error_prints_hydra_usage_once(tmp_path):
 @pytest.mark.parametrize("args,line", [  # (Hydra's ValueError traceback, before)
     (["-m", "--cfg", "job"], "only one of --run, --multirun (-m), --cfg, --info and "
                              "--shell-completion at a time"),
-    (["--resolve"], "--resolve goes with --cfg or --help")])
+    (["--resolve"], "--resolve goes with --cfg or --help"),
+    (["-sc"], "--shell-completion (-sc) takes one of install=SHELL, uninstall=SHELL, "
+              'query=SHELL (eval "$(python -m moe_exp.run -sc install=bash)")'),
+    (["--experimental-rerun", "x.pickle"], "--experimental-rerun is not supported: rerun with "
+     "the overrides of the run's record (metrics.json `overrides`, or .hydra/overrides.yaml)")])
 def test_conflicting_hydra_flags_are_one_line(args, line, tmp_path):
     p = run_cli([*args, "logger=none"], tmp_path, env={"HYDRA_FULL_ERROR": ""})
     assert (p.returncode, p.stderr.strip()) == (2, f"error: {line}")
