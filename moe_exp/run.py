@@ -66,8 +66,6 @@ def run(cfg: DictConfig, out_dir: Path | None = None, progress: bool = True,
     """Run one benchmark; never raises for a run's failure: the record's status says it.
     shared_process: a later run of an in-process sweep (see bench.runner.shared_process).
     in_sweep: a sweep's job (validate.check_unread)."""
-    if (os.cpu_count() or 1) <= 4:
-        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     hydra_dir, hydra_overrides, hydra_choices, _ = _hydra_info()
     overrides = hydra_overrides if overrides is None else overrides
     choices = hydra_choices if choices is None else choices
@@ -85,6 +83,8 @@ def run(cfg: DictConfig, out_dir: Path | None = None, progress: bool = True,
     from .hardware import hardware_env
 
     with hardware_env(cfg.hardware):
+        if (os.cpu_count() or 1) <= 4:  # (after hardware.env, which may set it)
+            os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
         rec = _run(cfg, out_dir, overrides, choices, progress, shared_process)
     if rec is not None:
         log_record(rec)

@@ -161,6 +161,12 @@ def check_train(cfg) -> None:
     if cfg.train.compile != "off" and cfg.train.warmup_steps < 1:
         raise ConfigError("train.warmup_steps", f"must be >= 1 with train.compile="
                           f"{cfg.train.compile} (the first step compiles: it must not be measured)")
+    if cfg.train.compile != "off":  # inductor reads it when compiling first (a ValueError)
+        name = "TORCHINDUCTOR_COMPILE_THREADS"
+        key, v = (f"{name} (environment)", os.environ[name]) if name in os.environ else \
+            (f"hardware.env.{name}", (cfg.hardware.env or {}).get(name, "1"))
+        if not str(v).strip().isdigit() or int(v) < 1:
+            raise ConfigError(key, f"must be a whole number >= 1 (compile workers), got {v!r}")
     if cfg.train.seq_len > cfg.model.max_seq_len:
         raise ConfigError("train.seq_len", f"{cfg.train.seq_len} exceeds model.max_seq_len="
                           f"{cfg.model.max_seq_len}")

@@ -477,6 +477,37 @@ def test_hardware_env_is_set_for_its_run_only(tmp_path, monkeypatch):
     assert "MOE_EXP_T1" not in os.environ and os.environ["MOE_EXP_T2"] == "mine"
 
 
+@pytest.mark.parametrize("env,hw,says", [
+    ("abc", None, "TORCHINDUCTOR_COMPILE_THREADS (environment): must be a whole number >= 1 "
+                  "(compile workers), got 'abc'"),
+    (None, "0", "hardware.env.TORCHINDUCTOR_COMPILE_THREADS: must be a whole number >= 1 "
+                "(compile workers), got '0'"),
+    (None, "3", None)])
+def test_compile_threads_are_checked_first_and_hardware_env_sets_them(env, hw, says, tmp_path,
+                                                                      monkeypatch):
+    """Inductor reads TORCHINDUCTOR_COMPILE_THREADS when it first compiles (a bad one was a
+    ValueError mid-run); hardware.env's value is not overridden by the run's default of 1 on
+    a machine of <= 4 cores (it was, before)."""
+    import os
+
+    import moe_exp.bench.runner as runner
+
+    seen = []
+    monkeypatch.setattr(runner, "bench", lambda cfg, cfg_dict, rec, *a, **k: seen.append(
+        os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")) or rec)
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    if env is not None:
+        monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", env)
+    args = ["logger=none", "train.compile=default"]
+    if hw is not None:
+        args.append(f"++hardware.env.TORCHINDUCTOR_COMPILE_THREADS={hw}")
+    rec = run_inproc(args, tmp_path)
+    if says:
+        assert (rec["status"], rec["error"], seen) == ("invalid", says, [])
+    else:
+        assert seen == [hw]
+
+
 def test_gaudi_bridge_is_imported_under_hardware_env(tmp_path, monkeypatch):
     """hardware=gaudi3 sets PT_HPU_LAZY_MODE=0, which Gaudi's bridge reads when imported: the
     import (in the device check, before the run) sees it; afterwards it is unset again.
