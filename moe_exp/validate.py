@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -22,11 +23,23 @@ def not_one_of(value, allowed) -> str:
     return f"'{value}' is not one of: {', '.join(allowed)}"
 
 
+def env_source(cfg, key: str) -> str | None:
+    """The environment variable a key's value is read from (`${oc.env:NAME,...}`), or None."""
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    if node is None or not OmegaConf.is_interpolation(node, leaf):
+        return None
+    m = re.fullmatch(r"\$\{oc\.env:(\w+)(,.*)?\}", str(node._get_node(leaf)._value()))
+    return m.group(1) if m else None
+
+
 def check_choices(cfg) -> None:
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         if value not in allowed:
-            raise ConfigError(key, not_one_of(value, allowed))
+            env = env_source(cfg, key)  # (the user set the variable, not the key)
+            raise ConfigError(env or key, not_one_of(value, allowed) +
+                              (f" (it sets {key})" if env else ""))
 
 
 def check_resolves(cfg) -> None:
@@ -391,6 +404,16 @@ def unread_keys(cfg, overrides=()) -> dict[str, tuple[tuple[str, ...], str, Conf
         out["data.path"] = (("data",), "data=tokens", ConfigError(
             "data.path", f"read by data=tokens only; this run's data is {d.source} (train on "
             f"the file: data=tokens {path_override(d.path)})"))
+    if d.source == "tokens" and _chosen(overrides, "data.branching"):
+        out["data.branching"] = (("data",), "data=markov", ConfigError(
+            "data.branching", "read by data=markov only; this run's data is a token file "
+            "(data=tokens)"))
+    if cfg.logger.name == "none":
+        for key in ("project", "entity", "group", "tags", "mode"):
+            if _chosen(overrides, f"logger.{key}"):
+                out[f"logger.{key}"] = (("logger",), "logger=wandb", ConfigError(
+                    f"logger.{key}", "read by logger=wandb only; logger=none logs to no "
+                    f"tracker (use logger=wandb logger.{key}=...)"))
     if cfg.precision.name != "fp8" and cfg.precision.fp8_recipe != PrecisionConfig.fp8_recipe:
         out["precision.fp8_recipe"] = (("precision",), "precision=fp8", ConfigError(
             "precision.fp8_recipe", f"read by precision=fp8 only; this run's precision is "

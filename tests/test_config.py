@@ -164,7 +164,9 @@ def test_validation_rejects_before_any_work(override, key, tmp_path, monkeypatch
                                   ["optim=adamw", "optim.momentum=0.9"],
                                   ["precision=bf16", "precision.fp8_recipe=rowwise"],
                                   ["model=tiny_dense", "model.top_k=1"],
-                                  ["model.num_experts=0", "model.dispatch=loop"]])
+                                  ["model.num_experts=0", "model.dispatch=loop"],
+                                  ["logger=none", "logger.project=x"],
+                                  ["data=tokens", "data.path={tokens}", "data.branching=8"]])
 def test_a_key_the_chosen_option_does_not_read_runs_only_in_a_sweep(args, tmp_path,
                                                                     monkeypatch):
     """data.path on markov data, Muon's momentum on adamw: in a sweep over both options
@@ -182,6 +184,12 @@ def test_a_key_the_chosen_option_does_not_read_runs_only_in_a_sweep(args, tmp_pa
     from moe_exp.run import run
 
     monkeypatch.setattr(runner, "bench", bench)
+    if any("{tokens}" in a for a in args):
+        from moe_exp.data.tokens import prepare
+
+        (tmp_path / "t.txt").write_text("some text to train on " * 50)
+        prepare([tmp_path / "t.txt"], tmp_path / "t.bin")
+        args = [a.replace("{tokens}", str(tmp_path / "t.bin")) for a in args]
     args = ["logger=none", *args]
     with pytest.raises(Started):  # (the overrides as Hydra passes them on the command line)
         run(compose(args), tmp_path, progress=False, overrides=args, in_sweep=True)
@@ -635,3 +643,16 @@ def test_rank_env_without_master_and_huge_timeout_fail_first(monkeypatch):
     cfg.parallel.timeout_s = 1e14
     with pytest.raises(ConfigError, match="parallel.timeout_s: must be 1 to 1e9 seconds"):
         check_parallel(cfg)
+
+
+def test_a_choice_read_from_the_environment_names_the_variable(tmp_path, monkeypatch):
+    """logger.mode is ${oc.env:WANDB_MODE,offline}: the user set WANDB_MODE, not the key."""
+    import moe_exp.bench.runner as runner
+
+    monkeypatch.setattr(runner, "bench", lambda *a, **k: pytest.fail("work started"))
+    monkeypatch.setenv("WANDB_MODE", "dryrun")
+    rec = run_inproc(["train.steps=2"], tmp_path)
+    assert (rec["status"], rec["error"]) == ("invalid", "WANDB_MODE: 'dryrun' is not one of: "
+                                             "offline, online, disabled (it sets logger.mode)")
+    rec = run_inproc(["train.steps=2", "logger.mode=dryrun"], tmp_path)
+    assert rec["error"].startswith("logger.mode: 'dryrun' is not one of")
