@@ -35,6 +35,17 @@ def _hydra_info() -> tuple[Path | None, list[str], dict, bool]:
             hc.mode == RunMode.MULTIRUN)
 
 
+def from_launch_dir(path: str) -> str:
+    """A relative path from where the command was run: hydra.job.chdir=true moves the run into
+    its output dir (unchanged otherwise, so the config hash is too)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if os.path.isabs(path) or not HydraConfig.initialized():
+        return path
+    start = HydraConfig.get().runtime.cwd
+    return path if os.path.realpath(start) == os.getcwd() else os.path.join(start, path)
+
+
 def prepare(cfg: DictConfig, overrides: list[str],
             in_sweep: bool = False) -> tuple[DictConfig, dict | None]:
     """Resolve the hardware and validate, before any work. Returns (cfg, None) when the run
@@ -50,7 +61,7 @@ def prepare(cfg: DictConfig, overrides: list[str],
         check_resolves(cfg)
         check_complete(cfg)
         if not OmegaConf.is_missing(cfg.data, "path") and isinstance(cfg.data.path, str):
-            cfg.data.path = os.path.expanduser(cfg.data.path)  # data.path=~/corpus.bin
+            cfg.data.path = from_launch_dir(os.path.expanduser(cfg.data.path))  # ~/corpus.bin
         resolve(cfg)
         validate(cfg, overrides, in_sweep)
     except ConfigError as e:

@@ -71,6 +71,22 @@ def test_prepare_cli_and_token_source_run(tmp_path, monkeypatch):
     assert failed is None and cfg.data.path == str(out)
 
 
+def test_a_relative_token_path_is_read_from_the_launch_dir_under_chdir(tmp_path):
+    """hydra.job.chdir=true runs in the output dir: data.path=corpus.bin is still the file
+    beside the command (it was 'no token file at corpus.bin')."""
+    import json
+
+    from conftest import run_cli
+
+    (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    prepare([tmp_path / "a.txt"], tmp_path / "corpus.bin")
+    p = run_cli(["logger=none", "data=tokens", "data.path=corpus.bin", "train.steps=1",
+                 "train.warmup_steps=1", "hydra.job.chdir=true", "hydra.run.dir=out"], tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rec = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert rec["status"] == "ok" and rec["data"] == "tokens"
+
+
 @pytest.mark.parametrize("sidecar,says", [
     ("{not json", "is not a token file's JSON sidecar (JSONDecodeError"),
     ('{"dtype": "float32", "vocab_size": 256, "num_tokens": 500}', "lacks an integer dtype"),
