@@ -351,6 +351,17 @@ def flag_error(argv) -> str | None:
     return None
 
 
+def job_name_error(args) -> str | None:
+    """hydra.job.name names the run's log file (<name>.log in its dir): a path there would
+    write it elsewhere."""
+    read = _hydra_args(args)
+    for o in read[0] if read else []:
+        key, _, value = o.lstrip("+").partition("=")
+        if key == "hydra.job.name" and ("/" in value or value.strip(" '\"") in ("", ".", "..")):
+            return f"hydra.job.name: {value!r} names the run's log file: a plain name (no '/', not '.' or '..')"
+    return None
+
+
 def group_override_error(args) -> str | None:
     """Hydra takes a config group set to null (it then fails with a traceback), to a list
     (it merges every listed config into one run) or deleted (`~model`: the schema's
@@ -430,7 +441,8 @@ def cli() -> None:
     stop_on_sigterm()
     full = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting 1
-    if (line := flag_error(sys.argv[1:]) or group_override_error(sys.argv[1:])) is not None and \
+    if (line := flag_error(sys.argv[1:]) or job_name_error(sys.argv[1:]) or
+            group_override_error(sys.argv[1:])) is not None and \
             (not full or line.startswith("sweep.")):  # (no Hydra error to show for those)
         print(f"error: {line}", file=sys.stderr)
         sys.exit(EXIT_INVALID)

@@ -406,6 +406,8 @@ def test_a_usage_error_prints_hydra_usage_once(tmp_path):
     (["--resolve"], "--resolve goes with --cfg or --help"),
     (["-sc"], "--shell-completion (-sc) takes one of install=SHELL, uninstall=SHELL, "
               'query=SHELL (eval "$(python -m moe_exp.run -sc install=bash)")'),
+    (["hydra.job.name=../../x"], "hydra.job.name: '../../x' names the run's log file: a plain "
+                                 "name (no '/', not '.' or '..')"),
     (["--experimental-rerun", "x.pickle"], "--experimental-rerun is not supported: rerun with "
      "the overrides of the run's record (metrics.json `overrides`, or .hydra/overrides.yaml)")])
 def test_conflicting_hydra_flags_are_one_line(args, line, tmp_path):
