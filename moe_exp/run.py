@@ -358,7 +358,8 @@ def job_name_error(args) -> str | None:
     for o in read[0] if read else []:
         key, _, value = o.lstrip("+").partition("=")
         if key == "hydra.job.name" and ("/" in value or value.strip(" '\"") in ("", ".", "..")):
-            return f"hydra.job.name: {value!r} names the run's log file: a plain name (no '/', not '.' or '..')"
+            return (f"hydra.job.name: {value!r} names the run's log file: a plain name "
+                    "(no '/', not '.' or '..')")
     return None
 
 
