@@ -381,7 +381,8 @@ def group_override_error(args) -> str | None:
                                     .startswith("sweep.")), None)):
         return (f"{a.split('=', 1)[0].lstrip('+~')}: a sweep's setting, read only with -m "
                 f"(python -m moe_exp.run -m {a} ...)")
-    groups = {p.name for p in CONF.iterdir() if p.is_dir() and p.name[0] not in "_." and p.name != "hydra"}
+    groups = {p.name for p in CONF.iterdir()  # (conf/hydra/ holds Hydra's own groups)
+              if p.is_dir() and p.name[0] not in "_." and p.name != "hydra"}
     mine = [a for a in args if a.split("=", 1)[0].lstrip("+~") in groups]
     if not mine:
         return None
