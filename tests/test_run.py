@@ -91,6 +91,9 @@ def test_dense_model_has_null_expert_stats_with_reason(tmp_path):
     rec = run_inproc(["model=tiny_dense", "logger=none", "train.steps=4"], tmp_path)
     assert rec["status"] == "ok"
     assert rec["expert_load_cv"] is None and "dense" in rec["null_reasons"]["expert_load_cv"]
+    # every null field says why (moe_dispatch did not)
+    assert not [k for k, v in rec.items() if v is None and k not in rec["null_reasons"]
+                and k != "error"]
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])

@@ -260,7 +260,7 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
         rec["z_loss"] = res.z
     else:
         for k in ("aux_loss", "expert_load_cv", "expert_load_max_over_mean",
-                  "expert_load_step_max_over_mean"):
+                  "expert_load_step_max_over_mean", "moe_dispatch"):
             rec[k] = None
             why[k] = DENSE
 
