@@ -90,6 +90,7 @@ def test_a_relative_token_path_is_read_from_the_launch_dir_under_chdir(tmp_path)
 @pytest.mark.parametrize("sidecar,says", [
     ("{not json", "is not a token file's JSON sidecar (JSONDecodeError"),
     ('{"dtype": "float32", "vocab_size": 256, "num_tokens": 500}', "lacks an integer dtype"),
+    ('{"dtype": "uint8", "vocab_size": true, "num_tokens": 500}', "lacks an integer dtype"),
     ('{"dtype": "uint8", "vocab_size": 256, "num_tokens": 5000}',
      "holds 500 bytes, but t.bin.json says 5000 uint8 tokens (5000 bytes)"),
     ('{"dtype": "uint8", "vocab_size": 50, "num_tokens": 500}',

@@ -31,8 +31,8 @@ def read_meta(path: str | Path) -> dict:
                          "python -m moe_exp.data prepare") from None
     try:
         dtype, n = np.dtype(meta["dtype"]), meta["num_tokens"]
-        ok = dtype.kind in "ui" and isinstance(n, int) and n >= 0 \
-            and isinstance(meta["vocab_size"], int) and meta["vocab_size"] > 0
+        whole = [isinstance(v, int) and not isinstance(v, bool) for v in (n, meta["vocab_size"])]
+        ok = dtype.kind in "ui" and all(whole) and n >= 0 and meta["vocab_size"] > 0
     except (TypeError, KeyError, ValueError):
         ok = False
     if not ok:
