@@ -556,10 +556,12 @@ def check_rendezvous(cfg) -> None:
 def check_workers(cfg) -> None:
     """More loader workers than cores: a limit of this machine (skipped), so checked after
     the config's mistakes (invalid)."""
-    n = cfg.data.num_workers
-    if n > (os.cpu_count() or 1):
-        raise Unsupported("data.num_workers", f"{n} loader workers asked for, this machine "
-                          f"has {os.cpu_count()} CPU cores (a worker per core at most)")
+    n, env = cfg.data.num_workers, rank_env()
+    ranks = env.local_world if env and env.local_world else cfg.hardware.devices  # here
+    if n * ranks > (os.cpu_count() or 1):
+        each = f" per rank x {ranks} ranks on this machine" if ranks > 1 else ""
+        raise Unsupported("data.num_workers", f"{n} loader workers asked for{each}, this "
+                          f"machine has {os.cpu_count()} CPU cores (a worker per core at most)")
 
 
 def check_comm(cfg) -> None:

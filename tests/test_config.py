@@ -1,5 +1,6 @@
 """Every config option composes; bad input fails before any work with one clear line."""
 import json
+import os
 
 import pytest
 import torch
@@ -48,10 +49,12 @@ def test_hydra_rejects_typos_and_types(override, needle):
     assert needle in str(err.value)
 
 
+# each of 2 ranks has its own loader workers: more than half the cores each is too many
+WORKERS_2_RANKS = f"parallel=ddp hardware.devices=2 data.num_workers={(os.cpu_count() or 1) // 2 + 1}"
 SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3",
            "hardware.device=cuda",
            "model=mixtral_8x7b", "model.dispatch=grouped train.compile=default",
-           "data.num_workers=100000")
+           "data.num_workers=100000", WORKERS_2_RANKS)
 
 
 @pytest.mark.parametrize("override,key", [
@@ -104,6 +107,7 @@ SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3"
     ("model.init_std=0", "model.init_std"),
     ("data.num_workers=1 data.prefetch_factor=0", "data.prefetch_factor"),
     ("data.num_workers=100000", "data.num_workers"),  # more than the machine's cores
+    (WORKERS_2_RANKS, "data.num_workers"),
     # the key the user set is named (data.name, data.branching were, before)
     ("data.source=tokens", "data.source"),
     ("model.vocab_size=2", "model.vocab_size"),
