@@ -89,10 +89,13 @@ DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 def env_for(hw) -> dict:
     """The run's variables that the environment does not set already (it wins):
-    hardware.env, and with hardware.deterministic on CUDA, DETERMINISTIC_ENV."""
+    hardware.env, with hardware.deterministic on CUDA DETERMINISTIC_ENV, and on <= 4 cores
+    TORCHINDUCTOR_COMPILE_THREADS=1."""
     env = dict(hw.get("env") or {})
     if hw.get("deterministic") and hw.get("device") == "cuda":
         env = {**DETERMINISTIC_ENV, **env}
+    if (os.cpu_count() or 1) <= 4:  # inductor's default: a worker per core, on 2 cores slower
+        env = {"TORCHINDUCTOR_COMPILE_THREADS": "1", **env}
     return {k: str(v) for k, v in env.items() if k not in os.environ}
 
 

@@ -94,8 +94,6 @@ def run(cfg: DictConfig, out_dir: Path | None = None, progress: bool = True,
     from .hardware import hardware_env
 
     with hardware_env(cfg.hardware):
-        if (os.cpu_count() or 1) <= 4:  # (after hardware.env, which may set it)
-            os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
         rec = _run(cfg, out_dir, overrides, choices, progress, shared_process)
     if rec is not None:
         log_record(rec)
@@ -277,7 +275,8 @@ def interpolation_error_line(e: Exception, argv) -> str:
     what = (str(e).splitlines() or [""])[0]
     sets = [a.lstrip("+~").split("=", 1) for a in argv if "=" in a and not a.startswith("-")]
     k, v = next((kv for kv in sets if kv[0] == key), None) or \
-        next((kv for kv in sets if "${" in kv[1]), (key, None))
+        next((kv for kv in sets if "${" in kv[1] and (kv[0].startswith("hydra.") or
+                                                     key == "config")), (key, None))
     if v is None:
         return f"{key}: does not resolve: {what}"
     return f"{k}: '{v}' does not resolve: {what}" + (f" (read by {key})" if key not in

@@ -174,12 +174,13 @@ def check_train(cfg) -> None:
     if cfg.train.compile != "off" and cfg.train.warmup_steps < 1:
         raise ConfigError("train.warmup_steps", f"must be >= 1 with train.compile="
                           f"{cfg.train.compile} (the first step compiles: it must not be measured)")
-    if cfg.train.compile != "off":  # inductor reads it when compiling first (a ValueError)
-        name = "TORCHINDUCTOR_COMPILE_THREADS"
-        key, v = (f"{name} (environment)", os.environ[name]) if name in os.environ else \
-            (f"hardware.env.{name}", (cfg.hardware.env or {}).get(name, "1"))
-        if not str(v).strip().isdigit() or int(v) < 1:
-            raise ConfigError(key, f"must be a whole number >= 1 (compile workers), got {v!r}")
+    # inductor's config reads it when imported (a ValueError mid-run): by torch.compile, and
+    # by torch.use_deterministic_algorithms, which every run calls
+    name = "TORCHINDUCTOR_COMPILE_THREADS"
+    key, v = (f"{name} (environment)", os.environ[name]) if name in os.environ else \
+        (f"hardware.env.{name}", (cfg.hardware.env or {}).get(name, "1"))
+    if not str(v).strip().isdigit() or int(v) < 1:
+        raise ConfigError(key, f"must be a whole number >= 1 (compile workers), got {v!r}")
     if cfg.train.seq_len > cfg.model.max_seq_len:
         raise ConfigError("train.seq_len", f"{cfg.train.seq_len} exceeds model.max_seq_len="
                           f"{cfg.model.max_seq_len}")
@@ -410,7 +411,8 @@ def unread_keys(cfg, overrides=()) -> dict[str, tuple[tuple[str, ...], str, Conf
             "(data=tokens)"))
     if cfg.logger.name == "none":
         for key in ("project", "entity", "group", "tags", "mode"):
-            if _chosen(overrides, f"logger.{key}"):
+            if _chosen(overrides, f"logger.{key}") and \
+                    (key != "mode" or cfg.logger.mode != "disabled"):  # (what none means)
                 out[f"logger.{key}"] = (("logger",), "logger=wandb", ConfigError(
                     f"logger.{key}", "read by logger=wandb only; logger=none logs to no "
                     f"tracker (use logger=wandb logger.{key}=...)"))
@@ -671,8 +673,9 @@ def check_logger(cfg) -> None:
             raise ConfigError("logger.tags", f"{tag!r}: a W&B tag is a string of 1 to 64 "
                               "characters")
     if lg.mode == "online" and not wandb_credentials():
-        raise NotReady("logger.mode", "online needs W&B credentials and none were found: run "
-                       "`wandb login` or set WANDB_API_KEY, or use logger.mode=offline")
+        raise NotReady(env_source(cfg, "logger.mode") or "logger.mode", "online needs W&B "
+                       "credentials and none were found: run `wandb login` or set "
+                       "WANDB_API_KEY, or use logger.mode=offline")
 
 
 def check_model_label(overrides) -> None:

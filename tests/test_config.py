@@ -169,7 +169,6 @@ def test_validation_rejects_before_any_work(override, key, tmp_path, monkeypatch
                                   ["precision=bf16", "precision.fp8_recipe=rowwise"],
                                   ["model=tiny_dense", "model.top_k=1"],
                                   ["model.num_experts=0", "model.dispatch=loop"],
-                                  ["logger=none", "logger.project=x"],
                                   ["data=tokens", "data.path={tokens}", "data.branching=8"]])
 def test_a_key_the_chosen_option_does_not_read_runs_only_in_a_sweep(args, tmp_path,
                                                                     monkeypatch):
@@ -427,6 +426,10 @@ def test_conflicting_hydra_flags_are_one_line(args, line, tmp_path):
      "'NO_SUCH_VAR' not found\" (read by hydra.job_logging.handlers.file.filename)"),
     (["-m", "hydra.sweep.dir=${bogus:x}", "train.steps=2,3"],
      "hydra.sweep.dir: '${bogus:x}' does not resolve: Unsupported interpolation type bogus"),
+    (["train.steps=${oc.decode:2}", "hydra.job.name=${oc.env:NO_SUCH_VAR}"],  # (not the first)
+     "hydra.job.name: '${oc.env:NO_SUCH_VAR}' does not resolve: KeyError raised while "
+     "resolving interpolation: \"Environment variable 'NO_SUCH_VAR' not found\" (read by "
+     "hydra.job_logging.handlers.file.filename)"),
     (["--cfg", "job", "--resolve", "train.steps=${oops}"],
      "train.steps: '${oops}' does not resolve: Interpolation key 'oops' not found")])
 def test_an_interpolation_hydra_resolves_first_is_one_line(args, line, tmp_path):
@@ -496,12 +499,15 @@ def test_hardware_env_is_set_for_its_run_only(tmp_path, monkeypatch):
                   "(compile workers), got 'abc'"),
     (None, "0", "hardware.env.TORCHINDUCTOR_COMPILE_THREADS: must be a whole number >= 1 "
                 "(compile workers), got '0'"),
-    (None, "3", None)])
-def test_compile_threads_are_checked_first_and_hardware_env_sets_them(env, hw, says, tmp_path,
-                                                                      monkeypatch):
-    """Inductor reads TORCHINDUCTOR_COMPILE_THREADS when it first compiles (a bad one was a
-    ValueError mid-run); hardware.env's value is not overridden by the run's default of 1 on
-    a machine of <= 4 cores (it was, before)."""
+    (None, "3", None),
+    (None, None, None)])
+@pytest.mark.parametrize("compile_", ["off", "default"])
+def test_compile_threads_are_checked_first_and_hardware_env_sets_them(env, hw, says, compile_,
+                                                                      tmp_path, monkeypatch):
+    """Inductor reads TORCHINDUCTOR_COMPILE_THREADS when its config is imported, by compile
+    and by use_deterministic_algorithms in every run (a bad one was a ValueError mid-run);
+    hardware.env's value is not overridden by the run's default of 1 on a machine of <= 4
+    cores (it was, before), and that default is the run's alone."""
     import os
 
     import moe_exp.bench.runner as runner
@@ -512,14 +518,15 @@ def test_compile_threads_are_checked_first_and_hardware_env_sets_them(env, hw, s
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     if env is not None:
         monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", env)
-    args = ["logger=none", "train.compile=default"]
+    args = ["logger=none", f"train.compile={compile_}"]
     if hw is not None:
         args.append(f"++hardware.env.TORCHINDUCTOR_COMPILE_THREADS={hw}")
     rec = run_inproc(args, tmp_path)
     if says:
         assert (rec["status"], rec["error"], seen) == ("invalid", says, [])
     else:
-        assert seen == [hw]
+        assert seen == [hw or ("1" if (os.cpu_count() or 1) <= 4 else None)]
+        assert "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ  # (not left to later runs)
 
 
 def test_gaudi_bridge_is_imported_under_hardware_env(tmp_path, monkeypatch):
@@ -662,3 +669,18 @@ def test_a_choice_read_from_the_environment_names_the_variable(tmp_path, monkeyp
                                              "offline, online, disabled (it sets logger.mode)")
     rec = run_inproc(["train.steps=2", "logger.mode=dryrun"], tmp_path)
     assert rec["error"].startswith("logger.mode: 'dryrun' is not one of")
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setattr("moe_exp.validate.wandb_credentials", lambda: False)
+    rec = run_inproc(["train.steps=2"], tmp_path)
+    assert rec["error"].startswith("WANDB_MODE: online needs W&B credentials")
+    # logger=none with the mode it means is not a key left unread
+    monkeypatch.delenv("WANDB_MODE")
+    class Started(Exception):
+        pass
+
+    def bench(*a, **k):
+        raise Started
+
+    monkeypatch.setattr(runner, "bench", bench)
+    with pytest.raises(Started):  # (nothing refused it)
+        run_inproc(["logger=none", "logger.mode=disabled"], tmp_path)

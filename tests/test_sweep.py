@@ -526,6 +526,9 @@ def test_sweep_checks_fail_before_any_job(tmp_path):
              "optim=muon"),  # (each job ran as adamw, the key unread)
             (tmp_path / "o", ["+case=fp32,bf16", "data=markov", "data.path=x.bin"],
              "data.path: read by data=tokens only, and no job of this sweep has data=tokens"),
+            (tmp_path / "o3", ["+case=fp32,bf16", "logger.project=x"],  # (logger is not swept)
+             "logger.project: read by logger=wandb only, and no job of this sweep has "
+             "logger=wandb: use logger=wandb, or leave logger.project out"),
             (tmp_path / "o2", ["+case=fp32", "model=tiny_dense,small_dense", "model.top_k=1"],
              "model.top_k: read by a MoE model (model.num_experts > 0) only, and no job of "
              "this sweep has a MoE model"),

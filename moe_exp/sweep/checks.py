@@ -91,8 +91,10 @@ def check_jobs(config: DictConfig, jobs: list[list[str]], validate: bool = True)
     base.check()
     if unread:
         k, (picks, option) = next(iter(unread.items()))
+        fix = f"use {option}" if picks[0] == "logger" else \
+            f"add it to the sweep's {picks[0]} options"  # (logger is not swept: check_measured)
         raise SweepError(f"{k}: read by {option} only, and no job of this sweep has "
-                         f"{option}: add it to the sweep's {picks[0]} options, or leave {k} out")
+                         f"{option}: {fix}, or leave {k} out")
 
 
 class _Baseline:
