@@ -570,7 +570,7 @@ def test_online_wandb_without_a_login_fails_before_any_work(tmp_path, monkeypatc
                WANDB_IDENTITY_TOKEN_FILE="", WANDB_BASE_URL="")
     r = run_cli([f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env)
     assert r.returncode == 1, r.stderr[-2000:]
-    assert "logger.mode: online needs W&B credentials" in r.stderr
+    assert "WANDB_MODE: online needs W&B credentials" in r.stderr
     rec = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert rec["status"] == "error" and rec["step_time_ms"] is None
     for k, v in env.items():
