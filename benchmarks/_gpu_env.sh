@@ -13,8 +13,9 @@ if ! "$PY" -c "import hydra, omegaconf" 2>/dev/null; then
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   else
     echo "error: hydra-core and omegaconf are not installed and .whl/ is empty: download" \
-         "their wheels into .whl/ (python3 -m pip download --no-deps -d .whl hydra-core==1.3.2" \
-         "omegaconf==2.3.0 antlr4-python3-runtime==4.9.3) and carry .whl" >&2
+         "their wheels into .whl/ (python3 -m pip wheel --no-deps -w .whl hydra-core==1.3.8" \
+         "omegaconf==2.3.1 antlr4-python3-runtime==4.9.3: pip wheel builds antlr4's, which" \
+         "is a source archive only) and carry .whl" >&2
     exit 2
   fi
 fi
