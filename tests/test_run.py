@@ -691,9 +691,10 @@ def test_any_hydra_job_logging_option_runs(tmp_path, choice):
     p = run_cli(["logger=none", "train.steps=2", "train.warmup_steps=1",
                  f"hydra/job_logging={choice}", f"hydra.run.dir={tmp_path}"], tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert json.loads((tmp_path / "metrics.json").read_text())["status"] == "ok"
+    rec = json.loads((tmp_path / "metrics.json").read_text())
+    assert rec["status"] == "ok"
     assert "tokens/s" in p.stdout
-    log = tmp_path / "run.log"
-    has_log = log.is_file() and "loss: 5.5743" in log.read_text()
+    log = tmp_path / "run.log"  # (the losses differ between torch versions: read the record's)
+    has_log = log.is_file() and f"loss: {rec['loss_first']:.4f} → " in log.read_text()
     assert has_log == (choice in ("file", "default"))
     assert ("][INFO] - loss:" in p.stdout) == (choice == "default")  # console only there
