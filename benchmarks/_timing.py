@@ -187,12 +187,15 @@ def check_config(ap, runs) -> None:
 
 
 def device_name(device) -> str:
-    """The GPU's name, or the CPU's cores and torch threads: each table's first line."""
+    """The GPU's name, or the CPU's model, cores and torch threads: each table's first
+    line (the CPU figures depend on the model: bf16 matmuls on AMX or not)."""
     import torch
+
+    from moe_exp.hardware import cpu_name
 
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    return f"cpu ({cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)"
 
 
 def save_json(path: str, device: str, rows: list) -> None:

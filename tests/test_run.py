@@ -55,6 +55,34 @@ def test_default_record_is_complete_and_sane(default_record):
     assert rec["compile_s"] is None and rec["null_reasons"]["compile_s"] == "train.compile=off"
     assert rec["startup_s"] > 0  # its own process: process start -> first measured step
     assert len(rec["config_hash"]) == 12 and rec["torch_version"] == torch.__version__
+    from moe_exp.hardware import cpu_name
+
+    # which GPU (hardware=auto picks one where there is one), or which CPU: its figures
+    # depend on it
+    assert rec["device_name"] == (torch.cuda.get_device_name(0) if torch.cuda.is_available()
+                                  else cpu_name())
+
+
+def test_cpu_name_gives_the_model_and_vector_units(monkeypatch, tmp_path):
+    """From /proc/cpuinfo's first model name, with torch's CPU capability and AMX when the
+    CPU has it (bf16 matmuls on AMX are several times faster: figures differ by far)."""
+    import builtins
+
+    from moe_exp import hardware
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n"
+                    "processor\t: 1\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n")
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: real_open(
+        info if f == "/proc/cpuinfo" else f, *a, **k))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert hardware.cpu_name() == "Intel(R) Xeon(R) Platinum 8480+ (AVX512, AMX)"
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    info.write_text("processor\t: 0\n")  # no model name (some ARM kernels)
+    monkeypatch.setattr(hardware.platform, "processor", lambda: "")
+    assert hardware.cpu_name() == "cpu (AVX512)"
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

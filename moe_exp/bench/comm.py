@@ -79,7 +79,7 @@ def measure(cfg, d, device) -> list[dict]:
 def comm_bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, d) -> dict:
     import pandas as pd
 
-    from ..hardware import torch_device
+    from ..hardware import device_name, torch_device
     from ..tracking import Tracker
 
     device = torch_device(cfg)
@@ -96,8 +96,8 @@ def comm_bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, d) 
     (out_dir / "comm.md").write_text(df.to_markdown(index=False, floatfmt=".3f") + "\n")
     best = df.loc[df.groupby("op")["busbw_gbps"].idxmax()]
     rec.update(status="ok", task="comm", comm=rows, world_size=d.world,
-               device_name=torch.cuda.get_device_name(device) if device.type == "cuda"
-               else "cpu", torch_version=torch.__version__, comm_backend=dist.get_backend(),
+               device_name=device_name(device), torch_version=torch.__version__,
+               comm_backend=dist.get_backend(),
                **{f"busbw_gbps_{r.op}": r.busbw_gbps for r in best.itertuples()})
     fill_null_reasons(rec, "task=comm measures collectives, not training")
     write_json_atomic(out_dir / "metrics.json", rec)

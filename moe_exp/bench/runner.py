@@ -64,12 +64,11 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
     global loss); other errors propagate so the launcher stops all ranks and names this one.
     Rank 0 alone logs to W&B, writes the record and prints the summary.
     shared: a later run of an in-process sweep (see shared_process)."""
-    from ..hardware import torch_device
+    from ..hardware import device_name, torch_device
     from ..tracking import Tracker
 
     device = torch_device(cfg)
-    rec["device_name"] = (torch.cuda.get_device_name(device) if device.type == "cuda"
-                          else device.type)
+    rec["device_name"] = device_name(device)
     rec["torch_version"] = torch.__version__
     name = "-".join([cfg.model.name, cfg.precision.name, f"ac_{cfg.train.activation_checkpointing}",
                      f"compile_{cfg.train.compile}"])
