@@ -191,11 +191,11 @@ def device_name(device) -> str:
     line (the CPU figures depend on the model: bf16 matmuls on AMX or not)."""
     import torch
 
-    from moe_exp.hardware import cpu_name
+    from moe_exp.hardware import device_name as name
 
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    if device.type != "cpu":
+        return name(device)
+    return f"cpu ({name(device)}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)"
 
 
 def save_json(path: str, device: str, rows: list) -> None:
