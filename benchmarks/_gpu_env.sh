@@ -25,8 +25,21 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 res=benchmarks/results/$("$PY" -c "import torch; print(torch.cuda.get_device_name(0)\
 .replace(' ', '_'))")-$(date +%Y-%m-%d)
 mkdir -p "$res"
+# what produced these results (the device's copy has no .git: pass GIT_SHA=<commit>)
+echo "$(date '+%F %T') $0 $* | commit ${GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}" \
+  "| $("$PY" -c "import sys, torch; print('torch', torch.__version__, 'python',
+  sys.version.split()[0], torch.cuda.get_device_name(0))")" >> "$res/provenance.txt"
 
-pack() {
+pack() {  # never fails: a pack that cannot be made must not stop the measuring
   [[ -n ${OUT:-} ]] || return 0
-  tar czf "$OUT/${PACK:-results}.tgz" "$res" && echo "packed $res into \$OUT/${PACK:-results}.tgz"
+  local part=$OUT/part-$BASHPID.tmp rc=0
+  # to a temporary name, then renamed: a call killed mid-tar keeps the last whole pack;
+  # tar's exit 1 (a log still being written while read) still makes a whole archive
+  tar czf "$part" "$res" || rc=$?
+  if ((rc <= 1)) && mv -f "$part" "$OUT/${PACK:-results}.tgz"; then
+    echo "packed $res into \$OUT/${PACK:-results}.tgz"
+  else
+    rm -f "$part"; echo "could not pack $res (tar exit $rc)" >&2
+  fi
+  return 0
 }

@@ -53,8 +53,10 @@ def main(argv=None) -> int:
     print_rows(rows)
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        first = next(iter(runs.values()))[0]
         Path(a.json).write_text(json.dumps({
-            "date": dt.date.today().isoformat(), "common": common, "variants": variants,
+            "date": dt.date.today().isoformat(), "device": first.get("device_name"),
+            "torch": first.get("torch_version"), "common": common, "variants": variants,
             "rows": rows, "command": "python benchmarks/ab_runs.py " +
             " ".join(argv or sys.argv[1:])}, indent=2))
     return 0

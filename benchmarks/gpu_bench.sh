@@ -16,7 +16,8 @@
 # goes to <stage>.txt beside it, all under benchmarks/results/<gpu>-<date>/. A failing
 # stage does not stop the next; the exit code says whether any failed. Where $OUT is set
 # (the lent machine), the results dir is packed into $OUT/results-<stages>.tgz after every
-# stage. Needs a CUDA GPU and hydra-core + omegaconf (see _gpu_env.sh).
+# stage and every minute. Needs a CUDA GPU and hydra-core + omegaconf (see _gpu_env.sh).
+# Pass GIT_SHA=<commit> (the device's copy has no .git): it goes into provenance.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STAGES=(check layer mfu compile optim det)
@@ -28,7 +29,9 @@ done
 set -e
 source benchmarks/_gpu_env.sh
 set +e
-export PACK=results-$(IFS=-; echo "$*")  # (gpu_mfu.sh packs into the same file)
+# (gpu_mfu.sh packs into the same file; a split mfu stage's calls get different names)
+mfu=$([[ " $* " == *" mfu "* && -n ${MFU_RUNS:-} ]] && echo "-${MFU_RUNS//[^A-Za-z0-9_]/-}")
+export PACK=results-$(IFS=-; echo "$*")$mfu
 
 stage() {  # NAME: the stage's commands
   case $1 in
@@ -46,6 +49,11 @@ stage() {  # NAME: the stage's commands
   esac
 }
 
+if [[ -n ${OUT:-} ]]; then  # and every minute: a stage cut off at the call's limit keeps
+  ( while sleep 60; do pack >/dev/null; done ) &  # what it has written
+  packer=$!
+  trap 'pkill -P $packer 2>/dev/null; kill $packer 2>/dev/null; rm -f "$OUT"/part-*.tmp' EXIT
+fi
 failed=()
 for s in "$@"; do
   echo "== $s ($(date +%T))"

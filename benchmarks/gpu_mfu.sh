@@ -12,10 +12,10 @@
 #
 # Needs a CUDA GPU, torch >= 2.11, and hydra-core + omegaconf (+ antlr4-python3-runtime).
 # Where they are missing (the lent H100/H200 image has neither), put them in .whl/ first:
-#   python3 -m pip download --no-deps -d .whl hydra-core==1.3.2 omegaconf==2.3.0 \
-#       antlr4-python3-runtime==4.9.3      # antlr4 4.9.3 is an sdist: no --only-binary
+#   python3 -m pip wheel --no-deps -w .whl hydra-core==1.3.8 omegaconf==2.3.1 \
+#       antlr4-python3-runtime==4.9.3      # (pip wheel builds antlr4's: it is an sdist)
 # and _gpu_env.sh installs them into /tmp/site. W&B is not needed (logger=none). Where $OUT
-# is set (the lent machine), the records are packed into $OUT/mfu.tgz after every run.
+# is set (the lent machine), the records are packed into $OUT/$PACK.tgz after every run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # MFU_RUNS picks some of the runs (the lent GPU allows 10 minutes a command: split them

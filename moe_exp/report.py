@@ -132,16 +132,17 @@ def own_logger(sweep_dir: Path):
 
 
 def find_sweep_dir(sweep_dir=None, start: Path | None = None) -> Path:
-    """The notebook's SWEEP_DIR: None -> the newest multirun/<date>/<time> in `start` (the
-    cwd) or a parent; a relative path -> the first of start, its parents that has it
+    """The notebook's SWEEP_DIR: None -> the newest sweep (a dir with Hydra's multirun.yaml:
+    multirun/<date>/<time>, or a hydra.sweep.dir=multirun/NAME) under multirun/ in `start`
+    (the cwd) or a parent; a relative path -> the first of start, its parents that has it
     (Jupyter runs in notebooks/, a sweep prints its dir relative to where it ran)."""
     start = Path(start or Path.cwd()).resolve()
     here = (start, *start.parents)
     if sweep_dir is None:
-        runs = [p for d in here for p in (d / "multirun").glob("*/*") if p.is_dir()]
+        runs = [p.parent for d in here for p in (d / "multirun").rglob("multirun.yaml")]
         if not runs:
-            raise FileNotFoundError(f"no multirun/<date>/<time> in {start} or a parent dir: "
-                                    "set SWEEP_DIR")
+            raise FileNotFoundError(f"no sweep (multirun/.../multirun.yaml) in {start} or a "
+                                    "parent dir: set SWEEP_DIR")
         return max(runs, key=lambda p: p.stat().st_mtime)
     p = Path(sweep_dir).expanduser()
     found = p if p.is_absolute() else next((d / p for d in here if (d / p).is_dir()), None)

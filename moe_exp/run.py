@@ -4,7 +4,9 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
 import sys
 from pathlib import Path
@@ -94,7 +96,14 @@ def run(cfg: DictConfig, out_dir: Path | None = None, progress: bool = True,
     from .hardware import hardware_env
 
     with hardware_env(cfg.hardware):
-        rec = _run(cfg, out_dir, overrides, choices, progress, shared_process)
+        try:
+            rec = _run(cfg, out_dir, overrides, choices, progress, shared_process)
+        except KeyboardInterrupt:  # Ctrl-C / SIGTERM: the record it wrote, into run.log too
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                done = json.loads((out_dir / "metrics.json").read_text())
+                if done["status"] == "crashed" and "interrupted" in (done["error"] or ""):
+                    log_record(done)
+            raise
     if rec is not None:
         log_record(rec)
     return rec
@@ -350,15 +359,20 @@ def flag_error(argv) -> str | None:
     return None
 
 
+NAME_MAX = 255  # bytes in a file name (Linux, macOS)
+
+
 def job_name_error(args) -> str | None:
     """hydra.job.name names the run's log file (<name>.log in its dir): a path there would
     write it elsewhere."""
     read = _hydra_args(args)
     for o in read[0] if read else []:
         key, _, value = o.lstrip("+").partition("=")
-        if key == "hydra.job.name" and ("/" in value or value.strip(" '\"") in ("", ".", "..")):
-            return (f"hydra.job.name: {value!r} names the run's log file: a plain name "
-                    "(no '/', not '.' or '..')")
+        if key == "hydra.job.name" and ("/" in value or value.strip(" '\"") in ("", ".", "..")
+                                        or len(f"{value}.log".encode()) > NAME_MAX):
+            return (f"hydra.job.name: {value[:40]!r}{'...' if len(value) > 40 else ''} names "
+                    f"the run's log file: a plain name (no '/', not '.' or '..', at most "
+                    f"{NAME_MAX - 4} bytes)")
     return None
 
 

@@ -129,6 +129,7 @@ def _at_least(cfg, key: str, low: int) -> None:
 MAX_STEPS = 10_000_000
 MAX_POSITIONS = 2**20
 SEEDS = 2**32  # (numpy's range, the narrowest a seed goes to)
+MAX_BUCKET_MB = 2**20  # DDP takes the bytes as a C++ int64 (1e300 MB raised mid-launch)
 
 
 def check_model(m) -> None:
@@ -169,8 +170,17 @@ def check_train(cfg) -> None:
         # past this the run's per-step buffers, and its duration, are no longer sensible)
         if _get(cfg, key) > MAX_STEPS:
             raise ConfigError(key, f"must be <= {MAX_STEPS:,}, got {_get(cfg, key):,}")
+    micro = (cfg.train.steps + cfg.train.warmup_steps) * cfg.train.grad_accum_steps
+    if micro > MAX_STEPS:  # (the data is sized for every micro-batch of the run)
+        raise ConfigError("train.grad_accum_steps", f"{cfg.train.grad_accum_steps:,} x ("
+                          "train.steps + train.warmup_steps) = "
+                          f"{micro:,} micro-batches: at most {MAX_STEPS:,}")
     if not 0 <= cfg.train.seed < SEEDS:
         raise ConfigError("train.seed", f"must be in 0..{SEEDS - 1}, got {cfg.train.seed}")
+    if cfg.train.compile == "reduce-overhead" and cfg.hardware.device != "cuda":
+        raise Unsupported("train.compile", "reduce-overhead is torch.compile with CUDA graphs: "
+                          f"it needs a CUDA GPU; this run's device is {cfg.hardware.device} "
+                          "(elsewhere it is train.compile=default under another name)")
     if cfg.train.compile != "off" and cfg.train.warmup_steps < 1:
         raise ConfigError("train.warmup_steps", f"must be >= 1 with train.compile="
                           f"{cfg.train.compile} (the first step compiles: it must not be measured)")
@@ -201,6 +211,10 @@ def check_precision(cfg) -> None:
     if p not in hw.precisions:
         raise Unsupported("precision", f"precision={p} is not supported on hardware={hw.name} "
                           f"(supported: {', '.join(hw.precisions)})")
+    if p == "tf32" and hw.device != "cuda":  # (torch has no TF32 elsewhere: the run
+        # would be fp32 labelled tf32)
+        raise Unsupported("precision", f"precision=tf32 needs a CUDA GPU (compute capability "
+                          f">= 8.0); this run's device is {hw.device}")
     if p == "fp8":
         if hw.device != "cuda" or torch.cuda.get_device_capability(0) < (8, 9):
             raise Unsupported("precision", "precision=fp8 needs a CUDA GPU with compute "
@@ -300,8 +314,9 @@ def check_parallel(cfg) -> None:
                 raise ConfigError(f"parallel.{key}", f"only for parallel={' or '.join(names)}, "
                                   f"not parallel={p.name} (leave it at its default, "
                                   f"{str(getattr(ParallelConfig, key)).lower()})")
-    if p.bucket_cap_mb <= 0:
-        raise ConfigError("parallel.bucket_cap_mb", f"must be > 0 MB, got {p.bucket_cap_mb}")
+    if not 0 < p.bucket_cap_mb <= MAX_BUCKET_MB:
+        raise ConfigError("parallel.bucket_cap_mb", f"must be > 0 and <= {MAX_BUCKET_MB:,} MB, "
+                          f"got {p.bucket_cap_mb}")
     if p.name == "ddp" and p.static_graph and p.accum_no_sync and cfg.train.grad_accum_steps > 1:
         raise ConfigError("parallel.static_graph", "not with train.grad_accum_steps > 1 and "
                           "parallel.accum_no_sync=true: DDP's static graph breaks under no_sync "

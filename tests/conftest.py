@@ -48,6 +48,15 @@ def run_cli(args, cwd, timeout=300, env=None):
                           capture_output=True, text=True, timeout=timeout)
 
 
+def in_pairs(fn, items):
+    """[fn(*item) for item in items], two at a time: for subprocesses that mostly start
+    (import torch, compose the config) and fail, which one core each serves."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda item: fn(*item), items))
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -51,8 +51,9 @@ def test_hydra_rejects_typos_and_types(override, needle):
 
 # each of 2 ranks has its own loader workers: more than half the cores each is too many
 WORKERS_2_RANKS = f"parallel=ddp hardware.devices=2 data.num_workers={(os.cpu_count() or 1) // 2 + 1}"
+TF32_LISTED = "hardware=cpu hardware.precisions=[fp32,tf32] precision=tf32"
 SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3",
-           "hardware.device=cuda",
+           "hardware.device=cuda", TF32_LISTED, "train.compile=reduce-overhead",
            "model=mixtral_8x7b", "model.dispatch=grouped train.compile=default",
            "data.num_workers=100000", WORKERS_2_RANKS)
 
@@ -123,6 +124,13 @@ SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3"
     ("parallel=expert hardware.devices=2 parallel.expert_parallel_size=0",
      "parallel.expert_parallel_size"),  # (0 is not "all ranks": null is)
     ("parallel=ddp hardware.devices=2 parallel.bucket_cap_mb=-1", "parallel.bucket_cap_mb"),
+    # found mid-run before: DDP's int64 bytes; a sampler's range; an OOM or a long wait
+    ("parallel=ddp hardware.devices=2 parallel.bucket_cap_mb=1e300", "parallel.bucket_cap_mb"),
+    ("train.grad_accum_steps=9223372036854775807", "train.grad_accum_steps"),
+    ("train.grad_accum_steps=3000000", "train.grad_accum_steps"),
+    # what CPU torch cannot do, even where the profile lists it: it ran, labelled as done
+    (TF32_LISTED, "precision"),
+    ("train.compile=reduce-overhead", "train.compile"),  # CUDA graphs
     # another strategy's key: nothing would read it
     ("parallel=fsdp hardware.devices=2 parallel.static_graph=true", "parallel.static_graph"),
     ("parallel=ddp hardware.devices=2 parallel.reshard_after_forward=false",
@@ -151,7 +159,8 @@ def test_validation_rejects_before_any_work(override, key, tmp_path, monkeypatch
     import torch
 
     if torch.cuda.is_available() and override in ("hardware=h100", "precision=tf32",
-                                                  "precision=fp8", "hardware.device=cuda"):
+                                                  "precision=fp8", "hardware.device=cuda",
+                                                  "train.compile=reduce-overhead"):
         pytest.skip("valid on a GPU")
     import moe_exp.bench.runner as runner
 
@@ -410,7 +419,9 @@ def test_a_usage_error_prints_hydra_usage_once(tmp_path):
     (["-sc"], "--shell-completion (-sc) takes one of install=SHELL, uninstall=SHELL, "
               'query=SHELL (eval "$(python -m moe_exp.run -sc install=bash)")'),
     (["hydra.job.name=../../x"], "hydra.job.name: '../../x' names the run's log file: a plain "
-                                 "name (no '/', not '.' or '..')"),
+                                 "name (no '/', not '.' or '..', at most 251 bytes)"),
+    ([f"hydra.job.name={'d' * 252}"], f"hydra.job.name: '{'d' * 40}'... names the run's log "
+     "file: a plain name (no '/', not '.' or '..', at most 251 bytes)"),  # (a traceback before)
     (["--experimental-rerun", "x.pickle"], "--experimental-rerun is not supported: rerun with "
      "the overrides of the run's record (metrics.json `overrides`, or .hydra/overrides.yaml)")])
 def test_conflicting_hydra_flags_are_one_line(args, line, tmp_path):

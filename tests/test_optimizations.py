@@ -9,7 +9,7 @@ import torch
 from moe_exp.bench.loop import micro_step
 from moe_exp.model import build_model
 
-from conftest import compose, run_cli, run_inproc
+from conftest import compose, in_pairs, run_cli, run_inproc
 
 
 def _grads(model):
@@ -87,10 +87,15 @@ def test_compile_cache_hit_share_tells_a_cold_cache_from_a_warm_one(tmp_path):
     args = ["logger=none", "model=tiny_dense", "train.steps=2", "train.warmup_steps=1",
             "train.compile=default"]
     cache = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    runs = [("cold", cache), ("warm", cache),
+            ("off", {**cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"})]
+
+    def run(name, env):
+        return run_cli([*args, f"hydra.run.dir={tmp_path / name}"], tmp_path, env=env)
+
+    procs = [run(*runs[0]), *in_pairs(run, runs[1:])]  # warm and off after cold, together
     shares = []
-    for name, env in (("cold", cache), ("warm", cache),
-                      ("off", {**cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"})):
-        p = run_cli([*args, f"hydra.run.dir={tmp_path / name}"], tmp_path, env=env)
+    for (name, _), p in zip(runs, procs):
         assert p.returncode == 0, p.stderr[-3000:]
         rec = json.loads((tmp_path / name / "metrics.json").read_text())
         shares.append(rec["compile_cache_hit_share"])

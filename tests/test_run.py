@@ -12,7 +12,7 @@ import torch
 from moe_exp.results import FIELDS
 from moe_exp.tracking import read_offline_run
 
-from conftest import compose, off_contract, run_cli, run_inproc
+from conftest import compose, in_pairs, off_contract, run_cli, run_inproc
 
 
 @pytest.fixture(scope="module")
@@ -272,13 +272,15 @@ def test_cpu_peak_memory_does_not_grow_with_the_runs_length(tmp_path):
     ~10%: torch 2.11 gave 0.113 / 0.123 / 0.119 GiB at 20 / 400 / 1000 steps). Before:
     small tensors kept from every step pinned freed heap (2.2x at 400 steps), and the
     markov data was made for every step up front."""
+    def run(steps):
+        return run_cli(["logger=none", f"train.steps={steps}", f"train.log_every={steps}",
+                        f"hydra.run.dir={tmp_path / str(steps)}"], tmp_path)
+
     peaks = {}
-    for steps in (20, 400):
-        d = tmp_path / str(steps)
-        p = run_cli(["logger=none", f"train.steps={steps}", f"train.log_every={steps}",
-                     f"hydra.run.dir={d}"], tmp_path)
+    for steps, p in zip((20, 400), in_pairs(run, [(20,), (400,)])):  # (each its own RSS)
         assert p.returncode == 0, p.stderr[-3000:]
-        peaks[steps] = json.loads((d / "metrics.json").read_text())["peak_mem_gib"]
+        peaks[steps] = json.loads((tmp_path / str(steps) / "metrics.json").read_text())[
+            "peak_mem_gib"]
     assert peaks[400] <= 1.2 * peaks[20], peaks
 
 
@@ -442,7 +444,8 @@ def test_distributed_breakdown_is_the_slowest_ranks_own():
 def test_ctrl_c_leaves_a_record_that_says_so(tmp_path, sig, rc, says):
     """SIGINT (Ctrl-C) or SIGTERM (timeout, SLURM, docker stop; it used to kill the run
     with no record) mid-run: the record says `crashed: interrupted (SIG...)` (it said
-    `error` with no reason), W&B is not started for it, exit code 130 / 143, no traceback."""
+    `error` with no reason), and so does run.log; W&B is not started for it, exit code
+    130 / 143, no traceback."""
     import signal
     import subprocess
     import sys
@@ -478,6 +481,8 @@ def test_ctrl_c_leaves_a_record_that_says_so(tmp_path, sig, rc, says):
     assert done > 0 and len(rec["losses"]) == done  # every step done, logged or not
     assert rec["loss_first"] == rec["losses"][0] and rec["loss_last"] == rec["losses"][-1]
     assert all(math.isfinite(v) for v in rec["losses"])
+    log = (out / "run.log").read_text()  # (it was empty: the interrupt skipped it)
+    assert f"status: crashed: {rec['error']}" in log and "overrides: train.steps=100000" in log
 
 
 def test_ctrl_c_on_a_distributed_run_is_an_interrupt(monkeypatch):

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import ROOT, off_contract, run_cli
+from conftest import ROOT, in_pairs, off_contract, run_cli
 
 CASES = f"hydra.searchpath=[file://{ROOT / 'tests' / 'sweep_cases'}]"
 pytestmark = pytest.mark.slow
@@ -134,7 +134,7 @@ def test_resume_with_other_values_keeps_every_finished_row(swept, tmp_path):
     assert set(df["status"]) == {"ok", "invalid", "diverged"}
     assert list(df.loc[df["baseline"], "precision"]) == ["fp32"]
     done = next(ln for ln in r.stdout.splitlines() if ln.startswith("[sweep] done"))
-    assert done.startswith("[sweep] done: 1 jobs in ") and "(the table: 4 rows, with the " \
+    assert done.startswith("[sweep] done: 1 job in ") and "(the table: 4 rows, with the " \
         "sweep dir's other configurations)" in done, done  # one job ran; the table: all
 
 
@@ -442,7 +442,7 @@ def test_sweep_with_no_finished_job_says_so_and_exits_1(tmp_path):
     d = tmp_path / "s"
     r = sweep(d, "+case=diverge", "logger=none")
     assert r.returncode == 1, r.stderr[-3000:]
-    assert "[sweep] done: 1 jobs" in r.stdout and ": 1 diverged" in r.stdout
+    assert "[sweep] done: 1 job" in r.stdout and ": 1 diverged" in r.stdout
     assert "no job finished ok" in r.stderr
     assert list(pd.read_csv(d / "results.csv")["status"]) == ["diverged"]
 
@@ -482,61 +482,64 @@ def test_sweep_checks_fail_before_any_job(tmp_path):
     reps = tmp_path / "reps"  # a job cut short during its repeats: its first repeat's record
     (reps / "0" / "rep0").mkdir(parents=True)
     (reps / "0" / "rep0" / "metrics.json").write_text("{}")
-    for d, args, line in [
-            (used, ["+case=fp32"], f"hydra.sweep.dir: '{used}' already holds another sweep's"),
-            (reps, ["+case=fp32"], f"hydra.sweep.dir: '{reps}' already holds another sweep's "
-             "results (1 job records)"),
-            (tmp_path / "b", ["+case=fp32,bf16", "++sweep.baseline={precison:fp32}"],
-             "sweep.baseline: 'precison' is not a column"),
-            (tmp_path / "c", ["+case=fp32", "train.activation_checkpointing=nope,none"],
-             "train.activation_checkpointing: 'nope' is not one of: none, full, selective"),
-            (tmp_path / "d", ["+case=fp32", "precision=fp32,fp16", "++sweep.baseline={precision: bf16}"],
-             "sweep.baseline: precision=bf16 is not among the swept values (fp32, fp16)"),
-            (tmp_path / "d2", ["+case=fp32,bf16", "++sweep.baseline={compile: max-autotune}"],
-             "sweep.baseline: no job of this sweep has compile=max-autotune (its jobs have "
-             "compile: off)"),  # (an unswept column: found after every job ran, before)
-            (tmp_path / "d3", ["+case=fp32,bf16", "optim.lr=0.01", "++sweep.baseline={optim.lr: 0.5}"],
-             "sweep.baseline: no job of this sweep has optim.lr=0.5 (its jobs have optim.lr: "
-             "0.01)"),
-            (tmp_path / "e", ["+case=fp32", "train.activation_checkpointing=none,full",
-                              "sweep.repeats=0"], "sweep.repeats: must be >= 1, got 0"),
-            (tmp_path / "f", ["+case=fp32,bf16", "sweep.job_timeout_s=-1"],
-             "sweep.job_timeout_s: must be > 0 seconds or null, got -1"),
-            (tmp_path / "h", ["+case=fp32", "+train.stepz=1,2"],  # (two invalid rows before)
-             "train.stepz: no such key in train"),
-            (tmp_path / "i2", ["+case=fp32", "train.steps=3,a"],  # ([sweep] 2 jobs first)
-             "train.steps: Error merging override train.steps=a; Value 'a' of type 'str' could "
-             "not be converted to Integer"),
-            (tmp_path / "i", ["+case=fp32,bf16", "train.steps=-1"],
-             "train.steps: must be >= 1, got -1 (every job of the sweep is invalid)"),
-            (tmp_path / "g", ["+case=fp32", "sweep.repeats=1,2"],  # (one row before)
-             "sweep.repeats: a setting of the sweep or its logging, not of what a job "
-             "measures: give it one value (got 1, 2)"),
-            (tmp_path / "j", ["+case=fp32", "precision=bf16,bogus"],  # (Hydra's line, after
-             "precision: 'bogus' is not one of: bf16, fp16, fp32, fp8, tf32"),  # multirun.yaml)
-            (tmp_path / "k", ["+case=fp32,bf16", "+extra.tag=a", "sweep.baseline_by=[extra.tagg]"],
-             "sweep.baseline_by: 'extra.tagg' is a label no job of this sweep has (its labels: "
-             "extra.tag)"),  # (found after every job ran, before)
-            (tmp_path / "l", ["+case=fp32", "comm.iters=3,5"],  # (one row of two jobs)
-             "comm.iters=5: job #1 would measure what job #0 (comm.iters=3) does, one row"),
-            (tmp_path / "m", ["+case=fp32,fp3"],  # a group on Hydra's search path
-             "case: 'fp3' is not one of: bf16, diverge, fast, fp32, invalid, long"),
-            (tmp_path / "n", ["+case=fp32,bf16", "optim=adamw", "optim.momentum=0.9"],
-             "optim.momentum: read by optim=muon only, and no job of this sweep has "
-             "optim=muon"),  # (each job ran as adamw, the key unread)
-            (tmp_path / "o", ["+case=fp32,bf16", "data=markov", "data.path=x.bin"],
-             "data.path: read by data=tokens only, and no job of this sweep has data=tokens"),
-            (tmp_path / "o3", ["+case=fp32,bf16", "logger.project=x"],  # (logger is not swept)
-             "logger.project: read by logger=wandb only, and no job of this sweep has "
-             "logger=wandb: use logger=wandb, or leave logger.project out"),
-            (tmp_path / "o2", ["+case=fp32", "model=tiny_dense,small_dense", "model.top_k=1"],
-             "model.top_k: read by a MoE model (model.num_experts > 0) only, and no job of "
-             "this sweep has a MoE model"),
-            *([] if torch.cuda.is_available() else [  # (a sweep of skipped rows, exit 1, before)
-                (tmp_path / "p", ["+case=fp32", "precision=tf32,fp8"], "precision: precision=tf32 "
-                 "is not supported on hardware=cpu (supported: fp32, fp16, bf16) (every job "
-                 "of the sweep is skipped on this machine)")])]:
-        r = sweep(d, *args, "logger=none")
+    cases = [
+        (used, ["+case=fp32"], f"hydra.sweep.dir: '{used}' already holds another sweep's"),
+        (reps, ["+case=fp32"], f"hydra.sweep.dir: '{reps}' already holds another sweep's "
+         "results (1 job records)"),
+        (tmp_path / "b", ["+case=fp32,bf16", "++sweep.baseline={precison:fp32}"],
+         "sweep.baseline: 'precison' is not a column"),
+        (tmp_path / "c", ["+case=fp32", "train.activation_checkpointing=nope,none"],
+         "train.activation_checkpointing: 'nope' is not one of: none, full, selective"),
+        (tmp_path / "d", ["+case=fp32", "precision=fp32,fp16", "++sweep.baseline={precision: bf16}"],
+         "sweep.baseline: precision=bf16 is not among the swept values (fp32, fp16)"),
+        (tmp_path / "d2", ["+case=fp32,bf16", "++sweep.baseline={compile: max-autotune}"],
+         "sweep.baseline: no job of this sweep has compile=max-autotune (its jobs have "
+         "compile: off)"),  # (an unswept column: found after every job ran, before)
+        (tmp_path / "d3", ["+case=fp32,bf16", "optim.lr=0.01", "++sweep.baseline={optim.lr: 0.5}"],
+         "sweep.baseline: no job of this sweep has optim.lr=0.5 (its jobs have optim.lr: "
+         "0.01)"),
+        (tmp_path / "e", ["+case=fp32", "train.activation_checkpointing=none,full",
+                          "sweep.repeats=0"], "sweep.repeats: must be >= 1, got 0"),
+        (tmp_path / "f", ["+case=fp32,bf16", "sweep.job_timeout_s=-1"],
+         "sweep.job_timeout_s: must be > 0 seconds or null, got -1"),
+        (tmp_path / "h", ["+case=fp32", "+train.stepz=1,2"],  # (two invalid rows before)
+         "train.stepz: no such key in train"),
+        (tmp_path / "i2", ["+case=fp32", "train.steps=3,a"],  # ([sweep] 2 jobs first)
+         "train.steps: Error merging override train.steps=a; Value 'a' of type 'str' could "
+         "not be converted to Integer"),
+        (tmp_path / "i", ["+case=fp32,bf16", "train.steps=-1"],
+         "train.steps: must be >= 1, got -1 (every job of the sweep is invalid)"),
+        (tmp_path / "g", ["+case=fp32", "sweep.repeats=1,2"],  # (one row before)
+         "sweep.repeats: a setting of the sweep or its logging, not of what a job "
+         "measures: give it one value (got 1, 2)"),
+        (tmp_path / "j", ["+case=fp32", "precision=bf16,bogus"],  # (Hydra's line, after
+         "precision: 'bogus' is not one of: bf16, fp16, fp32, fp8, tf32"),  # multirun.yaml)
+        (tmp_path / "k", ["+case=fp32,bf16", "+extra.tag=a", "sweep.baseline_by=[extra.tagg]"],
+         "sweep.baseline_by: 'extra.tagg' is a label no job of this sweep has (its labels: "
+         "extra.tag)"),  # (found after every job ran, before)
+        (tmp_path / "l", ["+case=fp32", "comm.iters=3,5"],  # (one row of two jobs)
+         "comm.iters=5: job #1 would measure what job #0 (comm.iters=3) does, one row"),
+        (tmp_path / "q", ["+case=fp32", "train.seed=1,2,1"],  # (an explanation that did not
+     "train.seed=1 listed twice: job #2 is job #0 again: give each value once"),  # fit, before)
+    (tmp_path / "m", ["+case=fp32,fp3"],  # a group on Hydra's search path
+         "case: 'fp3' is not one of: bf16, diverge, fast, fp32, invalid, long"),
+        (tmp_path / "n", ["+case=fp32,bf16", "optim=adamw", "optim.momentum=0.9"],
+         "optim.momentum: read by optim=muon only, and no job of this sweep has "
+         "optim=muon"),  # (each job ran as adamw, the key unread)
+        (tmp_path / "o", ["+case=fp32,bf16", "data=markov", "data.path=x.bin"],
+         "data.path: read by data=tokens only, and no job of this sweep has data=tokens"),
+        (tmp_path / "o3", ["+case=fp32,bf16", "logger.project=x"],  # (logger is not swept)
+         "logger.project: read by logger=wandb only, and no job of this sweep has "
+         "logger=wandb: use logger=wandb, or leave logger.project out"),
+        (tmp_path / "o2", ["+case=fp32", "model=tiny_dense,small_dense", "model.top_k=1"],
+         "model.top_k: read by a MoE model (model.num_experts > 0) only, and no job of "
+         "this sweep has a MoE model"),
+        *([] if torch.cuda.is_available() else [  # (a sweep of skipped rows, exit 1, before)
+            (tmp_path / "p", ["+case=fp32", "precision=tf32,fp8"], "precision: precision=tf32 "
+             "is not supported on hardware=cpu (supported: fp32, fp16, bf16) (every job "
+             "of the sweep is skipped on this machine)")])]
+    results = in_pairs(lambda d, args, line: sweep(d, *args, "logger=none"), cases)
+    for (d, args, line), r in zip(cases, results):
         assert r.returncode == 2, r.stderr[-3000:]
         assert r.stderr.strip().startswith(f"error: {line}") and len(r.stderr.strip().splitlines()) == 1
         assert "[sweep]" not in r.stdout, r.stdout

@@ -531,14 +531,23 @@ def test_seed_memory_table_with_null_peak_says_dash_not_nan():
 
 def test_notebook_table_finds_relative_dirs_and_rejects_what_matches_nothing(tmp_path,
                                                                               monkeypatch):
+    import os
+
     from moe_exp.report import find_sweep_dir, notebook_table
 
     sweep = tmp_path / "multirun" / "2026-01-01" / "10-00-00"
     _write_jobs(sweep, [rec(0, 1.0, 1.0), rec(1, 2.0, 1.0, precision="bf16")])
+    (sweep / "multirun.yaml").write_text("{}")  # (Hydra writes it in every sweep's dir)
     (tmp_path / "notebooks").mkdir()
     monkeypatch.chdir(tmp_path / "notebooks")  # where Jupyter starts
     rel = "multirun/2026-01-01/10-00-00"  # as the sweep printed it
     assert find_sweep_dir(rel) == sweep.resolve() == find_sweep_dir(None)
+    named = tmp_path / "multirun" / "seed"  # hydra.sweep.dir=multirun/seed, newer: found,
+    (named / "0").mkdir(parents=True)  # not its newest sub-dir (it was plots/)
+    (named / "multirun.yaml").write_text("{}")
+    (named / "plots").mkdir()
+    os.utime(named, (2e9, 2e9))
+    assert find_sweep_dir(None) == named.resolve()
     d, df = notebook_table(rel, {"precision": "bf16"})
     assert d == sweep.resolve() and list(df["baseline"]) == [False, True]
     with pytest.raises(FileNotFoundError, match="SWEEP_DIR: no directory multirun/typo"):

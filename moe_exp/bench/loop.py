@@ -190,7 +190,8 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                 values = new.tolist()  # one sync per log interval
                 logged = step + 1
                 res.losses.extend(values)
-                bar.set_postfix(loss=f"{values[-1]:.3f}")
+                bar.set_postfix(loss=f"{values[-1]:.3f}", refresh=tty)  # (off a terminal:
+                # the bar every 10 s, not every log)
                 if on_log:
                     on_log(step, values)
                 first = len(res.losses) - len(values)  # step of values[0]

@@ -77,7 +77,11 @@ def check_jobs(config: DictConfig, jobs: list[list[str]], validate: bool = True)
             return  # escaping the callback would skip the rest of the sweep's start)
         if same:
             other = jobs[seen[key]]
-            mine = " ".join(o for o in overrides if o not in other) or "(the same overrides)"
+            if sorted(overrides) == sorted(other):  # a value listed twice (precision=fp32,fp32)
+                raise SweepError(f"{_listed_twice(config) or ' '.join(overrides)}: job #{num} "
+                                 f"is job #{seen[key]} again: give each value once "
+                                 "(sweep.repeats=N runs every job N times)")
+            mine = " ".join(o for o in overrides if o not in other)
             theirs = " ".join(o for o in other if o not in overrides)
             raise SweepError(f"{mine}: job #{num} would measure what job #{seen[key]} "
                              f"({theirs}) does, one row: its configuration does not read "
@@ -95,6 +99,22 @@ def check_jobs(config: DictConfig, jobs: list[list[str]], validate: bool = True)
             f"add it to the sweep's {picks[0]} options"  # (logger is not swept: check_measured)
         raise SweepError(f"{k}: read by {option} only, and no job of this sweep has "
                          f"{option}: {fix}, or leave {k} out")
+
+
+def _listed_twice(config) -> str | None:
+    """'KEY=VALUE listed twice' for the first swept value given twice, if any."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
+    except Exception:  # noqa: BLE001 - only for the message
+        return None
+    for o in parsed:
+        if o.is_sweep_override():
+            values = list(o.sweep_string_iterator())
+            if twice := next((v for i, v in enumerate(values) if v in values[:i]), None):
+                return f"{o.get_key_element()}={twice} listed twice"
+    return None
 
 
 class _Baseline:

@@ -207,8 +207,10 @@ def run_child(cfg_dict: dict, overrides, choices, out_dir: Path, s) -> dict:
     metrics = out_dir / "metrics.json"
     metrics.unlink(missing_ok=True)
     spec = out_dir / "job.json"
+    # progress on: its bar (every 10 s off a terminal) is what job.log holds of a job killed
+    # at sweep.job_timeout_s or by a signal (it was empty)
     write_json_atomic(spec, {"config": cfg_dict, "overrides": overrides, "choices": choices,
-                             "progress": sys.stderr.isatty()})
+                             "progress": True})
     from ..hardware import env_for
 
     env = {**os.environ, **env_for(cfg_dict["hardware"])}  # set from its start

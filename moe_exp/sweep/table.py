@@ -326,7 +326,12 @@ def flat(df):
 
 def _fmt(v, spec: str, suffix: str = "") -> str:
     v = _num(v)
-    return "—" if v is None else f"{v:{spec}}{suffix}"
+    if v is None:
+        return "—"
+    text = f"{v:{spec}}"
+    if text.startswith("-") and not text.strip("-0."):  # -0.3 -> "0", not "-0"
+        text = text[1:]
+    return text + suffix
 
 
 def sweep_settings(sweep_dir: Path) -> tuple[dict | None, list[str]]:
