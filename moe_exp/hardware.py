@@ -120,6 +120,14 @@ def _profile_device(name: str) -> str | None:
         else None
 
 
+def _relabelled(hw) -> bool:
+    """hardware.name set to a shipped profile's name on another profile (hardware=cpu
+    hardware.name=h100): neither its peaks nor its precisions are that profile's."""
+    prof = load_profile(hw.name)
+    return prof.get("peak_flops") != dict(hw.peak_flops) and \
+        prof.get("precisions") != list(hw.precisions)
+
+
 def check_device(cfg) -> None:
     hw = cfg.hardware
     own = _profile_device(hw.name)  # (None: no shipped profile of that name)
@@ -128,7 +136,12 @@ def check_device(cfg) -> None:
             raise Unsupported("hardware", f"hardware={hw.name} needs a CUDA GPU and none is "
                               "visible; use hardware=auto or hardware=cpu")
         raise Unsupported("hardware.device", "cuda: no CUDA GPU is visible; use "
-                          "hardware.device=cpu (or auto)")
+                          "hardware=auto or hardware=cpu (a CUDA profile's peaks on a CPU "
+                          "would not be this machine's)")
+    if own not in (None, "cpu") and hw.device != own and _relabelled(hw):
+        raise ConfigError("hardware.name", f"'{hw.name}' is the name of a shipped {own} "
+                          f"profile, and this profile (device {hw.device}) is another: pick "
+                          f"hardware={hw.name}, or another name (it labels every result)")
     if own not in (None, "cpu") and hw.device != own:  # (its peaks and memory are the GPU's)
         raise ConfigError("hardware.device", f"{hw.device} with hardware={hw.name}, a profile "
                           f"of a {own} device (its peak FLOP/s and memory): leave "

@@ -147,6 +147,7 @@ SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3"
     ("~train", "train"),
     ("model.name=", "model.name"),
     ("hardware=h100 hardware.device=cpu", "hardware.device"),  # an H100's peak on a CPU
+    ("hardware=cpu hardware.name=h100", "hardware.name"),  # (it blamed hardware.device)
     ("hardware=cpu hardware.precisions=[]", "hardware.precisions"),
     ("precision.fp8_recipe=bogus", "precision.fp8_recipe"),
     ("precision.fp8_recipe=rowwise", "precision.fp8_recipe"),  # fp32: nothing reads it
