@@ -20,15 +20,16 @@ if ! "$PY" -c "import hydra, omegaconf" 2>/dev/null; then
   fi
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else \
-  'error: no CUDA GPU visible (these are the GPU figures)')"
-res=benchmarks/results/$("$PY" -c "import torch; print(torch.cuda.get_device_name(0)\
-.replace(' ', '_'))")-$(date +%Y-%m-%d)
+# one torch import: the CUDA check, the GPU's name (the results dir) and what ran
+info=$("$PY" -c "import sys, torch
+if not torch.cuda.is_available(): sys.exit('error: no CUDA GPU visible (these are the GPU figures)')
+print(torch.cuda.get_device_name(0).replace(' ', '_'), 'torch', torch.__version__, 'python',
+      sys.version.split()[0])") || exit 1
+res=benchmarks/results/${info%% *}-$(date +%Y-%m-%d)
 mkdir -p "$res"
 # what produced these results (the device's copy has no .git: pass GIT_SHA=<commit>)
-echo "$(date '+%F %T') $0 $* | commit ${GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}" \
-  "| $("$PY" -c "import sys, torch; print('torch', torch.__version__, 'python',
-  sys.version.split()[0], torch.cuda.get_device_name(0))")" >> "$res/provenance.txt"
+echo "$(date '+%F %T') $0 $* | commit ${GIT_SHA:-$(git rev-parse HEAD 2>/dev/null ||
+  echo unknown)} | ${info#* } ${info%% *}" >> "$res/provenance.txt"
 
 pack() {  # never fails: a pack that cannot be made must not stop the measuring
   [[ -n ${OUT:-} ]] || return 0

@@ -50,8 +50,8 @@ stage() {  # NAME: the stage's commands
 }
 
 if [[ -n ${OUT:-} ]]; then  # and every minute: a stage cut off at the call's limit keeps
-  ( while sleep 60; do pack >/dev/null; done ) &  # what it has written
-  packer=$!
+  ( while sleep 60; do pack >/dev/null; done ) 2>/dev/null &  # what it has written (its
+  packer=$!  # errors, and the "Terminated" of its sleep when stopped, left out)
   trap 'pkill -P $packer 2>/dev/null; kill $packer 2>/dev/null; rm -f "$OUT"/part-*.tmp' EXIT
 fi
 failed=()

@@ -114,23 +114,18 @@ def hardware_env(hw):
             os.environ.pop(k, None)
 
 
-def _profile_device(name: str) -> str | None:
-    """The device of a shipped hardware profile (None for another name)."""
-    return load_profile(name).get("device") if (CONF / "hardware" / f"{name}.yaml").is_file() \
-        else None
-
-
-def _relabelled(hw) -> bool:
+def _relabelled(hw, shipped: dict) -> bool:
     """hardware.name set to a shipped profile's name on another profile (hardware=cpu
     hardware.name=h100): neither its peaks nor its precisions are that profile's."""
-    prof = load_profile(hw.name)
-    return prof.get("peak_flops") != dict(hw.peak_flops) and \
-        prof.get("precisions") != list(hw.precisions)
+    return shipped.get("peak_flops") != dict(hw.peak_flops) and \
+        shipped.get("precisions") != list(hw.precisions)
 
 
 def check_device(cfg) -> None:
     hw = cfg.hardware
-    own = _profile_device(hw.name)  # (None: no shipped profile of that name)
+    shipped = load_profile(hw.name) if (CONF / "hardware" / f"{hw.name}.yaml").is_file() \
+        else None  # the shipped profile of that name
+    own = shipped.get("device") if shipped else None
     if hw.device == "cuda" and not torch.cuda.is_available():
         if own == "cuda":  # a GPU profile (not a device override)
             raise Unsupported("hardware", f"hardware={hw.name} needs a CUDA GPU and none is "
@@ -138,7 +133,7 @@ def check_device(cfg) -> None:
         raise Unsupported("hardware.device", "cuda: no CUDA GPU is visible; use "
                           "hardware=auto or hardware=cpu (a CUDA profile's peaks on a CPU "
                           "would not be this machine's)")
-    if own not in (None, "cpu") and hw.device != own and _relabelled(hw):
+    if own not in (None, "cpu") and hw.device != own and _relabelled(hw, shipped):
         raise ConfigError("hardware.name", f"'{hw.name}' is the name of a shipped {own} "
                           f"profile, and this profile (device {hw.device}) is another: pick "
                           f"hardware={hw.name}, or another name (it labels every result)")

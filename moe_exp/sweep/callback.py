@@ -19,6 +19,10 @@ from ..config import override_texts
 NO_JOB_OK = False
 
 
+def _jobs(n: int) -> str:
+    return f"{n} job{'s' * (n != 1)}"
+
+
 def _fmt_s(s: float) -> str:
     s = int(round(s))
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
@@ -92,7 +96,7 @@ class SweepCallback(Callback):
         if warning := resume_warning(config):
             print(warning, file=sys.stderr, flush=True)
         self.t0 = time.time()
-        n = f"{self.total} job{'s' * (self.total != 1)}" if self.total else "jobs"
+        n = _jobs(self.total) if self.total else "jobs"
         print(f"[sweep] {n} -> {config.hydra.sweep.dir}", flush=True)
         if "submitit" in launcher:  # jobs run elsewhere: their callbacks too
             print("[sweep] submitit launcher: each job's progress is in its own log "
@@ -148,7 +152,7 @@ class SweepCallback(Callback):
         jobs = self.total or len(records)
         rows = "" if jobs == len(records) else f" (the table: {len(records)} rows, with the " \
             "sweep dir's other configurations)"
-        print(f"[sweep] done: {jobs} job{'s' * (jobs != 1)} in {_fmt_s(time.time() - self.t0)}{rows}"
+        print(f"[sweep] done: {_jobs(jobs)} in {_fmt_s(time.time() - self.t0)}{rows}"
               f"{': ' + summary if summary else ''}", flush=True)
         if records and not counts.get("ok"):
             global NO_JOB_OK
