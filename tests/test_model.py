@@ -270,31 +270,32 @@ def test_moe_on_no_tokens(dispatch):
     assert moe.experts.w1.grad.abs().sum() == 0 and moe.router.gate.weight.grad.abs().sum() == 0
 
 
-def _hints_seen(moe: MoE, xs: list[torch.Tensor], capture: bool, monkeypatch) -> list[int]:
+def _hints_seen(moe: MoE, xs: list[torch.Tensor], capture: bool) -> list[int]:
     """Trace moe under torch.compile (no inductor) on each input in turn and return the size
-    hints its shape environments hold."""
+    hints its shape environments hold. (torch's own config.patch: pytest's monkeypatch
+    deletes the option on undo, as torch's config module keeps values outside __dict__.)"""
     import torch._dynamo as dynamo
     from torch._guards import detect_fake_mode
 
-    monkeypatch.setattr(dynamo.config, "capture_scalar_outputs", capture)
     seen: list[int] = []
 
     def backend(gm, example_inputs):
         seen.extend(detect_fake_mode(example_inputs).shape_env.var_to_hint_override.values())
         return gm.forward
 
-    dynamo.reset()
-    compiled = torch.compile(moe, backend=backend)
-    for x in xs:
-        torch.testing.assert_close(compiled(x)[0], moe(x)[0])
-    dynamo.reset()
+    with dynamo.config.patch(capture_scalar_outputs=capture):
+        dynamo.reset()
+        compiled = torch.compile(moe, backend=backend)
+        for x in xs:
+            torch.testing.assert_close(compiled(x)[0], moe(x)[0])
+        dynamo.reset()
     return seen
 
 
 @pytest.mark.skipif(not hasattr(torch._dynamo, "override_optimization_hint"),
                     reason="torch has no override_optimization_hint (older than 2.13)")
 @pytest.mark.parametrize("dispatch", ["padded", "loop"])
-def test_compiled_dispatch_hints_its_data_dependent_sizes(dispatch, monkeypatch):
+def test_compiled_dispatch_hints_its_data_dependent_sizes(dispatch):
     """Without a hint inductor sizes these buffers at 0 bytes and fuses none of their loops
     (benchmarks/README.md, "Size hints": 1.01-1.34x on the compiled layer)."""
     from moe_exp.model.moe import SIZE_HINT
@@ -304,12 +305,12 @@ def test_compiled_dispatch_hints_its_data_dependent_sizes(dispatch, monkeypatch)
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.1)
     xs = [torch.randn(24, 16), torch.randn(40, 16)]
-    hints = _hints_seen(moe, xs[:1], True, monkeypatch)
+    hints = _hints_seen(moe, xs[:1], True)
     # padded: its capacity; loop: each expert's row count
     assert hints == [SIZE_HINT] * (1 if dispatch == "padded" else 4)
     # .item() not traced: the graph breaks there, and the second token count makes the
     # sizes backed symbols (automatic dynamic shapes), which take no hint: no crash, none
-    assert _hints_seen(moe, xs, False, monkeypatch) == []
+    assert _hints_seen(moe, xs, False) == []
 
 
 def test_repeated_kv_heads_give_grouped_attention(monkeypatch):
