@@ -13,6 +13,8 @@ from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
+from .knobs import Knob, Reads, declarations, defaults, group, knob, unhashed_groups
+
 CONF = Path(__file__).parent / "conf"  # the config groups' option files, and run.yaml
 
 
@@ -36,196 +38,226 @@ def default_choices() -> Dict[str, str]:
     return {k: v for d in OmegaConf.load(CONF / "run.yaml").defaults if not isinstance(d, str)
             for k, v in d.items()}
 
-# Allowed values of string-valued keys, checked by validate.py (one place, one message).
-CHOICES: Dict[str, List[str]] = {
-    "task": ["bench", "comm"],
-    "precision.name": ["fp32", "tf32", "fp16", "bf16", "fp8"],
-    "precision.fp8_recipe": ["tensorwise", "rowwise", "rowwise_with_gw_hp"],  # torchao's
-    "parallel.name": ["none", "ddp", "fsdp", "expert", "expert_fsdp"],
-    "parallel.backend": ["auto", "nccl", "gloo"],
-    "hardware.device": ["auto", "cpu", "cuda", "hpu"],
-    "data.source": ["markov", "tokens"],
-    "optim.name": ["adamw", "muon"],
-    "optim.impl": ["auto", "fused", "foreach", "for-loop"],
-    "logger.name": ["wandb", "none"],
-    "logger.mode": ["offline", "online", "disabled"],
-    "model.dispatch": ["auto", "grouped", "padded", "loop"],
-    "comm.dtype": ["float32", "bfloat16", "float16"],
-    "train.activation_checkpointing": ["none", "full", "selective"],
-    "train.compile": ["off", "default", "reduce-overhead", "max-autotune",
-                      "max-autotune-no-cudagraphs"],
-}
+RANKED = ("ddp", "fsdp", "expert", "expert_fsdp")  # parallel options with several ranks
+MOE = Reads("model.num_experts", positive=True, what="a MoE model")
+DDP, FSDP = Reads("parallel.name", ("ddp",)), Reads("parallel.name", ("fsdp", "expert_fsdp"))
+EXPERT = Reads("parallel.name", ("expert", "expert_fsdp"))
+MUON, WANDB = Reads("optim.name", ("muon",)), Reads("logger.name", ("wandb",))
+BOTH = ("bench", "comm")  # keys task=comm reads too
+COMM_TASK = ("comm",)
 
 
 @dataclass
 class ModelConfig:
-    name: str = "tiny_moe"
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    ffn_hidden_size: int = 256  # per expert (or of the dense FFN when num_experts=0)
-    num_experts: int = 8  # 0 = dense SwiGLU FFN
-    top_k: int = 2
-    vocab_size: int = 256
-    max_seq_len: int = 128
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
-    aux_loss_coef: float = 0.01  # Switch load-balancing loss
-    z_loss_coef: float = 0.001  # router z-loss
-    # expert matmuls: grouped (grouped_mm) | padded (bmm) | loop | auto (the fastest that
-    # runs here: see moe_exp.model.moe.resolve_dispatch)
-    dispatch: str = "auto"
+    name: str = knob("tiny_moe", "labels the model in every result")
+    hidden_size: int = knob(128, "model width")
+    num_layers: int = knob(2, "transformer blocks")
+    num_heads: int = knob(4, "attention heads")
+    num_kv_heads: int = knob(2, "key/value heads (grouped-query attention)")
+    ffn_hidden_size: int = knob(256, "per expert (or of the dense FFN when num_experts=0)")
+    num_experts: int = knob(8, "routed experts per layer; 0 = a dense SwiGLU FFN")
+    top_k: int = knob(2, "experts per token", read_by=MOE, unread="keep")
+    vocab_size: int = knob(256, "vocabulary size")
+    max_seq_len: int = knob(128, "longest sequence (RoPE table length)")
+    rope_theta: float = knob(10000.0, "RoPE base")
+    norm_eps: float = knob(1e-5, "RMSNorm epsilon")
+    init_std: float = knob(0.02, "weights' initial standard deviation")
+    aux_loss_coef: float = knob(0.01, "Switch load-balancing loss weight", read_by=MOE,
+                                unread="keep")
+    z_loss_coef: float = knob(0.001, "router z-loss weight", read_by=MOE, unread="keep")
+    dispatch: str = knob("auto", "expert matmuls: grouped (grouped_mm) | padded (bmm) | loop | "
+                         "auto (the fastest that runs here: model.moe.resolve_dispatch)",
+                         choices=("auto", "grouped", "padded", "loop"), read_by=MOE,
+                         unread="keep")
 
 
 @dataclass
 class PrecisionConfig:
-    name: str = "fp32"
-    autocast_dtype: Optional[str] = None  # bfloat16 | float16 | None (no autocast)
-    grad_scaler: bool = False  # fp16 loss scaling
-    tf32: bool = False  # TF32 tensor-core matmuls for fp32 (CUDA only)
-    fp8_recipe: str = "tensorwise"  # torchao Float8LinearConfig recipe (fp8 only)
+    name: str = knob("fp32", "the precision option (labels the run)",
+                     choices=("fp32", "tf32", "fp16", "bf16", "fp8"), off="fp32")
+    autocast_dtype: Optional[str] = knob(None, "bfloat16 | float16 | null (no autocast)")
+    grad_scaler: bool = knob(False, "fp16 loss scaling")
+    tf32: bool = knob(False, "TF32 tensor-core matmuls for fp32 (CUDA only)")
+    fp8_recipe: str = knob("tensorwise", "torchao Float8LinearConfig recipe",
+                           choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+                           read_by=Reads("precision.name", ("fp8",)))
 
 
 @dataclass
 class ParallelConfig:
-    name: str = "none"  # none | ddp | fsdp | expert | expert_fsdp
-    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
-    timeout_s: float = 120.0  # a collective waiting longer fails the run (never a hang)
-    expert_parallel_size: Optional[int] = None  # ranks experts are sharded over; null = all
-    # ddp
-    bucket_cap_mb: float = 25.0
-    gradient_as_bucket_view: bool = True
-    static_graph: bool = False
-    # ddp / fsdp: with train.grad_accum_steps > 1, reduce gradients on the last micro-step
-    # only (DDP no_sync, FSDP2 set_requires_gradient_sync); false: on every micro-step
-    accum_no_sync: bool = True
-    # fsdp / expert_fsdp (FSDP2 fully_shard per block; mixed precision from the precision group)
-    reshard_after_forward: bool = True
-    cpu_offload: bool = False  # CPUOffloadPolicy: GPUs only
-    # FSDP2 prefetching: 0 = its default (implicit: backward prefetches the next block,
-    # forward relies on the CPU running ahead); N >= 1 = each block explicitly issues the
-    # all-gathers of the next N blocks in forward and backward (more overlap, more memory)
-    prefetch: int = 0
-    # the last N of train.steps run under torch.profiler to measure communication time
+    name: str = knob("none", "the parallel option", choices=("none",) + RANKED, off="none")
+    backend: str = knob("auto", "auto (nccl on CUDA, gloo on CPU) | nccl | gloo",
+                        choices=("auto", "nccl", "gloo"), tasks=BOTH, unread_ok=True,
+                        read_by=(Reads("parallel.name", RANKED), Reads("task", COMM_TASK)))
+    timeout_s: float = knob(120.0, "a collective waiting longer fails the run (never a hang)",
+                            tasks=BOTH, unread_ok=True,
+                            read_by=(Reads("parallel.name", RANKED), Reads("task", COMM_TASK)))
+    expert_parallel_size: Optional[int] = knob(None, "ranks experts are sharded over; "
+                                               "null = all", read_by=EXPERT)
+    bucket_cap_mb: float = knob(25.0, "DDP's gradient bucket size", read_by=DDP)
+    gradient_as_bucket_view: bool = knob(True, "DDP's gradients as views of its buckets",
+                                         read_by=DDP)
+    static_graph: bool = knob(False, "DDP's static graph", read_by=DDP)
+    # with train.grad_accum_steps > 1, reduce gradients on the last micro-step only (DDP
+    # no_sync, FSDP2 set_requires_gradient_sync); false: on every micro-step
+    accum_no_sync: bool = knob(True, "with grad accumulation, reduce on the last micro-step "
+                               "only", read_by=Reads("parallel.name", ("ddp", "fsdp",
+                                                                       "expert_fsdp")),
+                               unread_ok=True)
+    reshard_after_forward: bool = knob(True, "FSDP2 frees gathered parameters after forward",
+                                       read_by=FSDP)
+    cpu_offload: bool = knob(False, "FSDP2 CPUOffloadPolicy (GPUs only)", read_by=FSDP)
+    # 0 = FSDP2's default (implicit: backward prefetches the next block, forward relies on
+    # the CPU running ahead); N >= 1 = each block explicitly issues the all-gathers of the
+    # next N blocks in forward and backward (more overlap, more memory)
+    prefetch: int = knob(0, "FSDP2 blocks to prefetch explicitly; 0 = its default",
+                         read_by=FSDP, since=0)
     # (several ranks only; left out of the step-time figures)
-    profile_steps: int = 2
+    profile_steps: int = knob(2, "the last N steps run under torch.profiler (comm time)",
+                              read_by=Reads("parallel.name", RANKED), unread_ok=True)
 
 
 @dataclass
 class HardwareConfig:
-    name: str = "auto"
-    device: str = "auto"
-    devices: int = 1  # ranks launched on this machine
-    memory_gib: Optional[float] = None  # per device; null = read from the device
-    # Dense peak FLOP/s per device for each precision; null = unknown (MFU is then null).
-    peak_flops: Dict[str, Optional[float]] = field(default_factory=dict)
-    precisions: List[str] = field(default_factory=lambda: ["fp32", "fp16", "bf16"])
-    cudnn_benchmark: bool = True
-    deterministic: bool = False
-    env: Dict[str, str] = field(default_factory=dict)
+    name: str = knob("auto", "the hardware profile (labels the run)")
+    device: str = knob("auto", "auto | cpu | cuda | hpu", choices=("auto", "cpu", "cuda", "hpu"),
+                       tasks=BOTH)
+    devices: int = knob(1, "ranks launched on this machine", tasks=BOTH)
+    memory_gib: Optional[float] = knob(None, "per device; null = read from the device")
+    # null = unknown (MFU is then null)
+    peak_flops: Dict[str, Optional[float]] = knob(doc="dense peak FLOP/s per device for each "
+                                                  "precision", factory=dict)
+    precisions: List[str] = knob(doc="precisions this hardware runs",
+                                 factory=lambda: ["fp32", "fp16", "bf16"])
+    cudnn_benchmark: bool = knob(True, "cuDNN autotuning")
+    deterministic: bool = knob(False, "deterministic algorithms")
+    env: Dict[str, str] = knob(doc="environment variables set for the run", factory=dict,
+                               tasks=BOTH)
     # glibc malloc keeps freed memory for reuse instead of returning it (big tensors are not
     # page-faulted in again each step: faster CPU steps; the CPU peak RSS then also counts
-    # memory malloc kept). Off by default.
-    malloc_retain: bool = False
+    # memory malloc kept)
+    malloc_retain: bool = knob(False, "glibc malloc keeps freed memory (faster CPU steps)")
 
 
 @dataclass
 class DataConfig:
-    name: str = "markov"
-    source: str = "markov"  # markov (synthetic, learnable) | tokens (memory-mapped file)
-    path: Optional[str] = None  # tokens file made by `python -m moe_exp.data prepare`
-    branching: int = 4  # markov: successors per token (entropy = log(branching) nats)
-    num_workers: int = 0
-    pin_memory: bool = True  # only used on CUDA
-    prefetch_factor: Optional[int] = None  # needs num_workers > 0
-    persistent_workers: bool = False  # needs num_workers > 0
+    name: str = knob("markov", "labels the data (the group option)")
+    source: str = knob("markov", "markov (synthetic, learnable) | tokens (memory-mapped file)",
+                       choices=("markov", "tokens"))
+    path: Optional[str] = knob(None, "token file made by `python -m moe_exp.data prepare`",
+                               read_by=Reads("data.source", ("tokens",)))
+    branching: int = knob(4, "markov: successors per token (entropy = log(branching) nats)",
+                          read_by=Reads("data.source", ("markov",)))
+    num_workers: int = knob(0, "loader worker processes per rank")
+    pin_memory: bool = knob(True, "pinned host memory (CUDA only)")
+    prefetch_factor: Optional[int] = knob(None, "batches each worker loads ahead "
+                                          "(needs num_workers > 0)")
+    persistent_workers: bool = knob(False, "workers kept between epochs (needs "
+                                    "num_workers > 0)")
 
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    lr_warmup_steps: int = 5
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # 0 = no clipping
-    impl: str = "auto"  # AdamW's: auto | fused | foreach | for-loop
+    name: str = knob("adamw", "the optimizer option", choices=("adamw", "muon"), off="adamw")
+    lr: float = knob(3e-3, "peak learning rate")
+    min_lr_ratio: float = knob(0.1, "cosine decays to lr * min_lr_ratio")
+    lr_warmup_steps: int = knob(5, "linear warmup steps")
+    weight_decay: float = knob(0.1, "decoupled weight decay")
+    beta1: float = knob(0.9, "AdamW's beta1")
+    beta2: float = knob(0.95, "AdamW's beta2")
+    eps: float = knob(1e-8, "AdamW's epsilon")
+    grad_clip: float = knob(1.0, "gradient norm clip; 0 = none")
+    impl: str = knob("auto", "AdamW's: auto | fused | foreach | for-loop",
+                     choices=("auto", "fused", "foreach", "for-loop"))
     # muon only (AdamW keeps the embeddings, head and norms: beta1/beta2/eps/impl above)
-    momentum: float = 0.95
-    nesterov: bool = True
-    ns_steps: int = 5  # Newton-Schulz iterations
+    momentum: float = knob(0.95, "Muon's momentum", read_by=MUON, unread="drop")
+    nesterov: bool = knob(True, "Muon's Nesterov momentum", read_by=MUON, unread="drop")
+    ns_steps: int = knob(5, "Muon's Newton-Schulz iterations", read_by=MUON, unread="drop")
 
 
 @dataclass
 class LoggerConfig:
-    name: str = "wandb"
-    project: str = "moe_exp"
-    mode: str = "offline"
-    entity: Optional[str] = None
-    group: Optional[str] = None
-    tags: List[str] = field(default_factory=list)
+    name: str = knob("wandb", "the tracker option", choices=("wandb", "none"))
+    project: str = knob("moe_exp", "W&B project", read_by=WANDB, unread="keep")
+    mode: str = knob("offline", "W&B mode", choices=("offline", "online", "disabled"),
+                     read_by=WANDB, unread="keep")
+    entity: Optional[str] = knob(None, "W&B entity", read_by=WANDB, unread="keep")
+    group: Optional[str] = knob(None, "W&B group", read_by=WANDB, unread="keep")
+    tags: List[str] = knob(doc="W&B tags", factory=list, read_by=WANDB, unread="keep")
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 20  # measured steps
-    warmup_steps: int = 3  # run first, excluded from timing (compile, allocator growth)
-    micro_batch_size: int = 8
-    grad_accum_steps: int = 1
-    seq_len: int = 128
-    activation_checkpointing: str = "none"
-    compile: str = "off"
-    seed: int = 0
-    log_every: int = 5  # steps between loss reads (each read waits for the device)
+    steps: int = knob(20, "measured steps")
+    warmup_steps: int = knob(3, "run first, excluded from timing (compile, allocator growth)")
+    micro_batch_size: int = knob(8, "sequences per micro-batch per rank")
+    grad_accum_steps: int = knob(1, "micro-batches per optimizer step")
+    seq_len: int = knob(128, "tokens per sequence")
+    activation_checkpointing: str = knob("none", "none | full | selective",
+                                         choices=("none", "full", "selective"), off="none")
+    compile: str = knob("off", "torch.compile mode", off="off",
+                        choices=("off", "default", "reduce-overhead", "max-autotune",
+                                 "max-autotune-no-cudagraphs"))
+    seed: int = knob(0, "seed of the weights and the data")
+    log_every: int = knob(5, "steps between loss reads (each read waits for the device)")
 
 
 @dataclass
 class CommConfig:
     """task=comm: collective latency and bus bandwidth over message sizes."""
-    ops: List[str] = field(default_factory=lambda: ["all_reduce", "all_gather",
-                                                    "reduce_scatter", "all_to_all"])
-    min_bytes: int = 1024
-    max_bytes: int = 64 * 2**20
-    factor: int = 4  # each size is the previous one times this
-    iters: int = 10  # timed repetitions per size (median reported)
-    warmup: int = 3
-    dtype: str = "float32"
+    ops: List[str] = knob(doc="collectives measured", tasks=COMM_TASK, factory=lambda: [
+        "all_reduce", "all_gather", "reduce_scatter", "all_to_all"])
+    min_bytes: int = knob(1024, "smallest message", tasks=COMM_TASK)
+    max_bytes: int = knob(64 * 2**20, "largest message", tasks=COMM_TASK)
+    factor: int = knob(4, "each size is the previous one times this", tasks=COMM_TASK)
+    iters: int = knob(10, "timed repetitions per size (median reported)", tasks=COMM_TASK)
+    warmup: int = knob(3, "untimed repetitions first", tasks=COMM_TASK)
+    dtype: str = knob("float32", "element type", choices=("float32", "bfloat16", "float16"),
+                      tasks=COMM_TASK)
 
 
 @dataclass
 class SweepConfig:
     """How a multirun (-m) runs its jobs and builds its table (not part of the config hash)."""
-    name: Optional[str] = None  # preset name; the W&B group defaults to it + the sweep dir
+    name: Optional[str] = knob(None, "preset name; the W&B group defaults to it + the sweep dir")
     # e.g. {precision: bf16}; empty (or null) = the ok row with the fewest optimizations on.
     # (set it with ++sweep.baseline={...}; {} not null: Hydra cannot add keys to a null)
-    baseline: Optional[Dict[str, Any]] = field(default_factory=dict)
-    baseline_by: List[str] = field(default_factory=lambda: ["model"])  # one baseline per value
-    repeats: int = 1  # runs per combination: the table reports median and spread
-    resume: bool = False  # skip jobs whose records are already in the sweep dir (config hash)
-    isolate: bool = True  # each job in its own process (a crash becomes a `crashed` row)
-    job_timeout_s: Optional[float] = None  # kill a job after this long (a `crashed` row)
-    fresh_compile_cache: bool = True  # each job compiles cold: compile_s is not a cache hit
+    baseline: Optional[Dict[str, Any]] = knob(doc="the baseline row's values", factory=dict)
+    baseline_by: List[str] = knob(doc="one baseline per value of these columns",
+                                  factory=lambda: ["model"])
+    repeats: int = knob(1, "runs per combination: the table reports median and spread")
+    resume: bool = knob(False, "skip jobs whose records are already in the sweep dir")
+    isolate: bool = knob(True, "each job in its own process (a crash becomes a crashed row)")
+    job_timeout_s: Optional[float] = knob(None, "kill a job after this long (a crashed row)")
+    fresh_compile_cache: bool = knob(True, "each job compiles cold: compile_s is no cache hit")
 
 
 @dataclass
 class RunConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    hardware: HardwareConfig = field(default_factory=HardwareConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    sweep: SweepConfig = field(default_factory=SweepConfig)
-    comm: CommConfig = field(default_factory=CommConfig)
-    task: str = "bench"
-    extra: Dict[str, Any] = field(default_factory=dict)  # free-form notes, kept in the record
+    model: ModelConfig = group(ModelConfig, "the transformer's shape and routing")
+    precision: PrecisionConfig = group(PrecisionConfig, "mixed precision")
+    parallel: ParallelConfig = group(ParallelConfig, "DDP, FSDP2, expert parallel")
+    hardware: HardwareConfig = group(HardwareConfig, "the device profile")
+    data: DataConfig = group(DataConfig, "the data source and loader")
+    optim: OptimConfig = group(OptimConfig, "AdamW or Muon and the schedule")
+    logger: LoggerConfig = group(LoggerConfig, "W&B or none", hashed=False)
+    train: TrainConfig = group(TrainConfig, "the measured loop")
+    sweep: SweepConfig = group(SweepConfig, "how a multirun runs", hashed=False)
+    comm: CommConfig = group(CommConfig, "task=comm's collectives")
+    task: str = knob("bench", "what a run does: bench (train and measure) | comm (collectives)",
+                     choices=BOTH, tasks=BOTH)
+    extra: Dict[str, Any] = field(default_factory=dict, metadata={  # free-form notes
+        "knob": Knob("free-form labels, kept in the record"), "hashed": False})
+
+
+KNOBS = declarations(RunConfig)  # {dotted key: its declaration}
+DEFAULTS = defaults(RunConfig)  # {dotted key: its schema default}
+# Allowed values of string-valued keys, checked by validate.py (one place, one message).
+CHOICES: Dict[str, List[str]] = {k: list(d.choices) for k, d in KNOBS.items() if d.choices}
+UNHASHED = unhashed_groups(RunConfig)  # groups that do not change what is measured
+# record column -> the value that means that optimization is off (the table's baseline)
+OFF = {(k.split(".")[0] if k.endswith(".name") else k.split(".")[-1]): d.off
+       for k, d in KNOBS.items() if d.off is not None}
 
 
 def total_steps(train) -> int:

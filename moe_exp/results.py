@@ -8,6 +8,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from .knobs import NEW
 from .ranks import rank_env
 
 STATUSES = ("ok", "oom", "diverged", "invalid", "error", "crashed", "skipped")
@@ -37,18 +38,6 @@ EXTRAS = (
     "repeat", "repeats",
     "repeats_ok", "combined", "resumed_from",
 )
-# Keys that do not change what is measured, left out of the config hash.
-HASH_EXCLUDE = ("logger", "extra", "sweep")
-
-
-# optim keys only optim=muon reads: left out of other optimizers' hashes (adamw runs keep
-# the hashes they had before muon existed, and a muon knob set on adamw changes nothing)
-MUON_ONLY = ("momentum", "nesterov", "ns_steps")
-# keys added after results were recorded: left out of the hash at their default value, so
-# older sweeps' hashes stay valid (compare, resume)
-ADDED_AT_DEFAULT = {("parallel", "prefetch"): 0}
-
-
 def row_key(rec: dict) -> tuple:
     """What makes a row of a sweep table its own: the measured configuration and its free
     labels (runs that differ only in `extra` are one configuration, two rows). A table's
@@ -67,59 +56,57 @@ def row_key(rec: dict) -> tuple:
 def config_hash(cfg_dict: dict, world: int | None = None) -> str:
     """world: the ranks of a torchrun job over several nodes (hardware.devices counts one
     node's): part of the hash where it differs from hardware.devices."""
-    keep = {k: v for k, v in cfg_dict.items() if k not in HASH_EXCLUDE}
+    keep = hashed_view(cfg_dict)
     if world is not None and world != (cfg_dict.get("hardware") or {}).get("devices"):
         keep["world_size"] = world
-    optim = keep.get("optim")
-    if isinstance(optim, dict) and optim.get("name") != "muon":
-        keep["optim"] = {k: v for k, v in optim.items() if k not in MUON_ONLY}
-    for (group, key), default in ADDED_AT_DEFAULT.items():
-        if isinstance(keep.get(group), dict) and keep[group].get(key) == default:
-            keep[group] = {k: v for k, v in keep[group].items() if k != key}
-    if keep.get("task", "bench") == "bench":
-        _unread_at_defaults(keep)
-    else:  # task=comm: only what the collectives read
-        keep = {k: ({n: v.get(n) for n in COMM_READS[k]} if COMM_READS[k] else v)
-                for k, v in keep.items() if k in COMM_READS}
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-# what task=comm reads (of a group: these keys; None: all): its hash is of these alone
-COMM_READS = {"task": None, "world_size": None, "comm": None,
-              "hardware": ("device", "devices", "env"), "parallel": ("backend", "timeout_s")}
-# parallel keys only a run with ranks reads
-RANKS_ONLY = ("backend", "timeout_s", "profile_steps")
+def hashed_view(cfg_dict: dict) -> dict:
+    """What of a configuration its hash counts, from each key's declaration (config.py):
+    the keys its task reads; a key its option does not read at its default (or left out,
+    or kept: Knob.unread), so setting it splits no configuration in two; a key at the value
+    it had before it existed (Knob.since) left out, so older hashes stay valid (compare,
+    resume). And parallel.prefetch past the model's layers as prefetching all of them."""
+    from .config import DEFAULTS, KNOBS, UNHASHED
 
+    task = cfg_dict.get("task", "bench")
+    keep = {k: (dict(v) if isinstance(v, dict) else v) for k, v in cfg_dict.items()
+            if k not in UNHASHED}
 
-def _unread_at_defaults(keep: dict) -> None:
-    """A bench configuration's keys it does not read, at their defaults in `keep` (a copy):
-    setting them, e.g. for every job of a sweep over parallel=none,ddp or data=markov,tokens,
-    splits no configuration in two; with them at their defaults a hash is the one it was.
-    comm.* (task=comm's); a parallel=none run's rank settings; accum_no_sync where gradients
-    are reduced once per step anyway (none, expert); the other data source's key; fp8's
-    recipe off precision=fp8. And
-    parallel.prefetch past the model's layers, which acts as prefetching all of them."""
-    import dataclasses
+    def get(dotted):
+        head, _, leaf = dotted.partition(".")
+        node = keep.get(head)
+        return (node.get(leaf) if isinstance(node, dict) else None) if leaf else node
 
-    from .config import CommConfig, DataConfig, ParallelConfig, PrecisionConfig
-
-    if "comm" in keep:
-        keep["comm"] = dataclasses.asdict(CommConfig())
-    par = (keep.get("parallel") or {}).get("name")
-    src = (keep.get("data") or {}).get("source")
-    unread = {"parallel": (ParallelConfig, (RANKS_ONLY if par == "none" else ())
-                           + (("accum_no_sync",) if par in ("none", "expert") else ())),
-              "data": (DataConfig, ("path",) if src == "markov" else
-                       ("branching",) if src == "tokens" else ()),
-              "precision": (PrecisionConfig, ("fp8_recipe",) if (keep.get("precision") or {})
-                            .get("name") != "fp8" else ())}
-    for group, (schema, keys) in unread.items():
-        if keys and isinstance(keep.get(group), dict):
-            keep[group] = {**keep[group], **{k: getattr(schema, k) for k in keys
-                                             if k in keep[group]}}
-    layers = (keep.get("model") or {}).get("num_layers")
-    if isinstance(layers, int) and (keep.get("parallel") or {}).get("prefetch", 0) > layers:
-        keep["parallel"] = {**keep["parallel"], "prefetch": layers}  # more acts as all of them
+    if task != "bench":  # only what this task reads: of a group, its keys that it reads
+        out = {}
+        for k, v in keep.items():
+            if k == "world_size" or k in KNOBS and task in KNOBS[k].tasks:
+                out[k] = v
+            elif isinstance(v, dict):
+                mine = [n for n in KNOBS if n.startswith(f"{k}.") and task in KNOBS[n].tasks]
+                if mine:
+                    out[k] = {n.split(".", 1)[1]: v.get(n.split(".", 1)[1]) for n in mine}
+        keep = out
+    for dotted, knob in KNOBS.items():
+        head, _, leaf = dotted.partition(".")
+        node = keep.get(head)
+        if not leaf or not isinstance(node, dict) or leaf not in node:
+            continue
+        read = task in knob.tasks and (not knob.read_by or any(r.holds(get)
+                                                                for r in knob.read_by))
+        if not read and knob.unread == "drop":
+            del node[leaf]
+            continue
+        if not read and knob.unread == "default":
+            node[leaf] = DEFAULTS[dotted]
+        if knob.since is not NEW and node[leaf] == knob.since:
+            del node[leaf]
+    layers, par = get("model.num_layers"), keep.get("parallel")
+    if isinstance(layers, int) and isinstance(par, dict) and par.get("prefetch", 0) > layers:
+        par["prefetch"] = layers  # more acts as all of them
+    return keep
 
 
 def new_record(cfg_dict: dict, overrides: list[str]) -> dict:
@@ -157,14 +144,23 @@ def failed_record(cfg_dict: dict, overrides: list[str], status: str, error: str,
 
 
 def write_json_atomic(path: str | Path, obj) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    os.chmod(tmp, 0o644)  # mkstemp's 0600 would outlive the rename
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
+    """A failed write (a full or read-only disk) leaves no temporary file, and its OSError
+    names `path` (a write's own names none)."""
+    path, tmp = Path(path), None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would outlive the rename
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2, default=str)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+        raise
 
 
 def stop_on_sigterm() -> None:

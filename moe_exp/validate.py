@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 from pathlib import Path
@@ -10,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from .bench.flops import param_counts
-from .config import CHOICES, CONF, ParallelConfig, default_choices, group_options
+from .config import CHOICES, CONF, default_choices, group_options
 from .hardware import ConfigError, NotReady, Unsupported
 from .ranks import rank_env
 
@@ -304,16 +305,6 @@ def check_parallel(cfg) -> None:
         if m.num_experts % ep:
             raise ConfigError("parallel.expert_parallel_size", f"model.num_experts="
                               f"{m.num_experts} is not divisible by the expert-parallel size {ep}")
-    elif p.expert_parallel_size is not None:
-        raise ConfigError("parallel.expert_parallel_size", f"only for parallel=expert or "
-                          f"expert_fsdp, not parallel={p.name}")
-    for keys, names in ((("bucket_cap_mb", "gradient_as_bucket_view", "static_graph"), ("ddp",)),
-                        (("reshard_after_forward", "cpu_offload"), ("fsdp", "expert_fsdp"))):
-        for key in keys:  # (elsewhere nothing reads them: a sweep row would differ in name only)
-            if p.name not in names and p[key] != getattr(ParallelConfig, key):
-                raise ConfigError(f"parallel.{key}", f"only for parallel={' or '.join(names)}, "
-                                  f"not parallel={p.name} (leave it at its default, "
-                                  f"{str(getattr(ParallelConfig, key)).lower()})")
     if not 0 < p.bucket_cap_mb <= MAX_BUCKET_MB:
         raise ConfigError("parallel.bucket_cap_mb", f"must be > 0 and <= {MAX_BUCKET_MB:,} MB, "
                           f"got {p.bucket_cap_mb}")
@@ -325,9 +316,6 @@ def check_parallel(cfg) -> None:
     if p.prefetch < 0:
         raise ConfigError("parallel.prefetch", f"must be >= 0 (0 = FSDP2's default), got "
                           f"{p.prefetch}")
-    if p.prefetch and p.name not in ("fsdp", "expert_fsdp"):
-        raise ConfigError("parallel.prefetch", f"only for parallel=fsdp or expert_fsdp, not "
-                          f"parallel={p.name} (leave it at 0)")
     if p.name in ("fsdp", "expert_fsdp"):
         if p.cpu_offload and hw.device != "cuda":
             raise Unsupported("parallel.cpu_offload", "FSDP CPU offload needs GPUs (it moves "
@@ -398,57 +386,48 @@ def check_data(cfg, overrides=()) -> None:
                               f"than train.seq_len+1={cfg.train.seq_len + 1}")
 
 
-# model keys only a MoE model (num_experts > 0) reads (kept in a dense model's hash: a dense
-# preset may inherit its MoE parent's, and a sweep over model=dense,moe x dispatch=a,b keeps
-# its dense rows apart)
-MOE_ONLY = ("top_k", "aux_loss_coef", "z_loss_coef", "dispatch")
-
-
 def unread_keys(cfg, overrides=()) -> dict[str, tuple[tuple[str, ...], str, ConfigError]]:
-    """Keys set that only another option of their group reads (data.path off data=tokens,
-    fp8's recipe off precision=fp8, Muon's keys off another optimizer, routing keys the
-    command line sets on a dense model): key -> (the keys whose choice picks that option,
-    the group first; the option that reads it; the error a run gives)."""
-    from .config import OptimConfig, PrecisionConfig
-    from .results import MUON_ONLY
+    """Keys set that only another option reads (config.py: each key's Knob.read_by): key ->
+    (the keys whose choice picks that option, the group first; the option that reads it;
+    the error a run gives). Set: the command line sets it, or (unless a preset may have,
+    Knob.unread == "keep") it differs from its default; at the value its group's chosen
+    option gives it (logger=none's mode: disabled), it is no mistake."""
+    from .config import DEFAULTS, KNOBS, override_word
 
     out = {}
-    d, o = cfg.data, cfg.optim
-    if d.source != "tokens" and not OmegaConf.is_missing(d, "path") and d.path is not None:
-        from .data.tokens import path_override
-
-        out["data.path"] = (("data",), "data=tokens", ConfigError(
-            "data.path", f"read by data=tokens only; this run's data is {d.source} (train on "
-            f"the file: data=tokens {path_override(d.path)})"))
-    if d.source == "tokens" and _chosen(overrides, "data.branching"):
-        out["data.branching"] = (("data",), "data=markov", ConfigError(
-            "data.branching", "read by data=markov only; this run's data is a token file "
-            "(data=tokens)"))
-    if cfg.logger.name == "none":
-        for key in ("project", "entity", "group", "tags", "mode"):
-            if _chosen(overrides, f"logger.{key}") and \
-                    (key != "mode" or cfg.logger.mode != "disabled"):  # (what none means)
-                out[f"logger.{key}"] = (("logger",), "logger=wandb", ConfigError(
-                    f"logger.{key}", "read by logger=wandb only; logger=none logs to no "
-                    f"tracker (use logger=wandb logger.{key}=...)"))
-    if cfg.precision.name != "fp8" and cfg.precision.fp8_recipe != PrecisionConfig.fp8_recipe:
-        out["precision.fp8_recipe"] = (("precision",), "precision=fp8", ConfigError(
-            "precision.fp8_recipe", f"read by precision=fp8 only; this run's precision is "
-            f"{cfg.precision.name} (use precision=fp8 precision.fp8_recipe=...)"))
-    if cfg.model.num_experts == 0:  # (a dense preset may inherit its MoE parent's values)
-        for key in MOE_ONLY:
-            if _chosen(overrides, f"model.{key}"):
-                out[f"model.{key}"] = (("model", "model.num_experts"), "a MoE model (model."
-                                       "num_experts > 0)", ConfigError(
-                    f"model.{key}", f"read by MoE models only; this model is dense "
-                    f"(model={cfg.model.name} with model.num_experts=0)"))
-    if o.name != "muon":
-        for key in MUON_ONLY:
-            if o.get(key, getattr(OptimConfig, key)) != getattr(OptimConfig, key):
-                out[f"optim.{key}"] = (("optim",), "optim=muon", ConfigError(
-                    f"optim.{key}", f"read by optim=muon only; this run's optimizer is "
-                    f"{o.name} (use optim=muon optim.{key}=...)"))
+    get = lambda k: OmegaConf.select(cfg, k, throw_on_missing=False)  # noqa: E731
+    for key, knob in KNOBS.items():
+        if not knob.read_by or knob.unread_ok or cfg.task not in knob.tasks or \
+                any(r.holds(get) for r in knob.read_by):
+            continue
+        value = get(key)
+        chosen = _chosen(overrides, key)
+        if not chosen and (knob.unread == "keep" or value == DEFAULTS[key]) or \
+                _option_gives(cfg, key, value):
+            continue
+        r = knob.read_by[0]
+        picks = tuple(dict.fromkeys(x for r in knob.read_by for x in (r.group, r.key)))
+        now = ", ".join(f"{x.key}={get(x.key)}" for x in knob.read_by)
+        shown = override_word(key, value) if isinstance(value, str) else f"{key}=" + (
+            "null" if value is None else str(value).lower() if isinstance(value, bool) else
+            json.dumps(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value))
+        use = f" (use {r.first()} {shown})" if r.values else ""
+        out[key] = (picks, " or ".join(x.option() for x in knob.read_by), ConfigError(
+            key, f"read by {' or '.join(x.option() for x in knob.read_by)} only; this run "
+            f"has {now}{use}"))
     return out
+
+
+def _option_gives(cfg, key: str, value) -> bool:
+    """Whether the group's chosen option (its file under conf/, named by <group>.name) sets
+    the key to this value."""
+    group, leaf = key.split(".", 1)
+    name = OmegaConf.select(cfg, f"{group}.name", default=None)
+    path = CONF / group / f"{name}.yaml"
+    if not isinstance(name, str) or not path.is_file():
+        return False
+    own = OmegaConf.load(path)
+    return leaf in own and own[leaf] == value
 
 
 def check_unread(cfg, overrides=(), in_sweep: bool = False) -> None:

@@ -18,6 +18,20 @@ COMBOS = (("parallel=fsdp", "model=small_moe"), ("parallel=expert_fsdp", "optim=
           ("data=tokens", "data.path=x.bin"), ("model=tiny_dense", "optim=muon"))
 
 
+# parallel keys of one option: set under another, 87b7797 refused the run (invalid, nothing
+# measured), so those are no cases (since then such a key counts at its default there)
+OWN = {("ddp",): {"bucket_cap_mb": 25.0, "gradient_as_bucket_view": True, "static_graph": False},
+       ("fsdp", "expert_fsdp"): {"reshard_after_forward": True, "cpu_offload": False,
+                                 "prefetch": 0},
+       ("expert", "expert_fsdp"): {"expert_parallel_size": None}}
+
+
+def refused(d: dict) -> bool:
+    p = d.get("parallel") or {}
+    return any(p.get("name") not in names and p.get(k, v) != v
+               for names, keys in OWN.items() for k, v in keys.items())
+
+
 def bases() -> list[tuple[str, ...]]:
     from moe_exp.config import CONF
 
@@ -55,10 +69,10 @@ def _fields(schema) -> dict:
     return {f.name: f.type for f in dataclasses.fields(schema)}
 
 
-def cases(keys=None) -> dict[str, dict[str, str]]:
+def cases(keys=None, choices=None) -> dict[str, dict[str, str]]:
     """{base: {'key=value' (or '' for the base itself): config_hash}}. keys: the dotted keys
     to vary (those recorded: a key added since is left at its default, which must keep
-    every older hash)."""
+    every older hash); choices: {key: allowed values} as recorded (config.CHOICES)."""
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
@@ -66,6 +80,7 @@ def cases(keys=None) -> dict[str, dict[str, str]]:
     from moe_exp.results import config_hash
 
     types = typing.get_type_hints(c.RunConfig)
+    choices = c.CHOICES if choices is None else choices
     out = {}
     with initialize_config_module(config_module="moe_exp.conf", version_base="1.3"):
         composed = {b: OmegaConf.to_container(compose("run", ["logger=none", *b]), resolve=True)
@@ -81,9 +96,14 @@ def cases(keys=None) -> dict[str, dict[str, str]]:
             for key, value in node.items():
                 if keys is not None and f"{group}.{key}" not in keys:
                     continue
-                for alt in _alts(value, hints.get(key, type(value))):
+                allowed = choices.get(f"{group}.{key}")
+                alts = [v for v in allowed if v != value] if allowed else \
+                    _alts(value, hints.get(key, type(value)))
+                for alt in alts:
                     v = copy.deepcopy(d)
                     v[group][key] = alt
+                    if refused(v):
+                        continue
                     mine[f"{group}.{key}={json.dumps(alt)}"] = config_hash(v)
     return out
 
@@ -102,11 +122,15 @@ def recorded() -> dict:
     return json.loads(DATA.read_text())
 
 
-def current(keys=None) -> dict:
-    got = cases(keys)
+def current(keys=None, choices=None) -> dict:
+    from moe_exp.config import CHOICES
+
+    choices = {k: sorted(v) for k, v in (CHOICES if choices is None else choices).items()}
+    got = cases(keys, choices)
     varied = sorted({k.split("=", 1)[0] for h in got.values() for k in h if k})
-    return {"keys": varied, "bases": {base: {"hash": h[""], "cases": len(h),
-                                             "digest": digest(h)} for base, h in got.items()}}
+    return {"keys": varied, "choices": choices,
+            "bases": {base: {"hash": h[""], "cases": len(h), "digest": digest(h)}
+                      for base, h in got.items()}}
 
 
 if __name__ == "__main__":
