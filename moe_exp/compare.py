@@ -35,18 +35,20 @@ def load(path: Path):
             records = collect(path)
             if not records:
                 raise FileNotFoundError(f"{path}: no readable job record (see the warnings)")
-            return build_table(records, by=())
+            return _possible(build_table(records, by=()), path, records=True)
         if (path / "results.parquet").is_file():
-            return pd.read_parquet(path / "results.parquet")
+            return _possible(pd.read_parquet(path / "results.parquet"),
+                             path / "results.parquet")
         single = " (a single run's dir: compare takes sweep dirs and tables)" \
             if (path / ".hydra").is_dir() else ""
         raise FileNotFoundError(f"{path}: no job records and no results.parquet{single}")
     try:
         if path.suffix == ".parquet":
-            return _numbers(pd.read_parquet(path), path)
+            return _possible(_numbers(pd.read_parquet(path), path), path)
         if path.suffix == ".csv":
             # (a hash of digits, or digits and one e, would read as a number)
-            return _numbers(pd.read_csv(path, dtype={"config_hash": str}), path)
+            return _possible(_numbers(pd.read_csv(path, dtype={"config_hash": str}), path),
+                             path)
     except (OSError, ValueError) as e:  # (an empty file, not a table)
         if str(e).startswith(f"{path}: "):  # (_numbers: names the column)
             raise
@@ -71,6 +73,33 @@ def _numbers(df, path: Path):
             if len(bad):
                 raise ValueError(f"{path}: column {col}: {bad.iloc[0]!r} is not a number")
             df[col] = num
+    return df
+
+
+def compared(columns) -> list[str]:
+    """The measured columns compare reads: tokens/s, peak memory, a collective's bus
+    bandwidth (task=comm), their repeats' min and max, and the CPU load they ran under."""
+    base = [c for c in columns if c in ("tokens_per_s", "peak_mem_gib", "cpu_other_load")
+            or c.startswith("busbw_gbps_")]
+    return [c for c in columns if c in base or (c.endswith(("_min", "_max")) and c[:-4] in base)]
+
+
+def _possible(df, path: Path, records: bool = False):
+    """A measured value no run can have (a hand-edited record or table: inf tokens/s, a
+    negative peak memory) is bad input: a ValueError naming the record (or the file and
+    row), the column and the value. Null (NaN) is not measured, not impossible."""
+    import math
+    import numbers
+
+    for col in compared(df.columns):
+        for job, v in zip(df["job"] if "job" in df else range(len(df)), df[col]):
+            if not isinstance(v, numbers.Real) or isinstance(v, bool) or v != v:
+                continue
+            if math.isinf(v) or v < 0:
+                where = f"{path / str(job) / 'metrics.json'}" if records else \
+                    f"{path}: row of job {job}"
+                raise ValueError(f"{where}: {col} is {float(v)!r}: a measured value is a finite "
+                                 "number >= 0")
     return df
 
 

@@ -18,6 +18,23 @@ from .knobs import Knob, Reads, declarations, defaults, group, knob, unhashed_gr
 CONF = Path(__file__).parent / "conf"  # the config groups' option files, and run.yaml
 
 
+class ConfigError(Exception):
+    """A user's configuration mistake: key and what is allowed, shown as one line."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+class Unsupported(ConfigError):
+    """A valid request this hardware (or install) cannot do: a `skipped` row in a sweep."""
+
+
+class NotReady(ConfigError):
+    """A valid request this environment is not set up for yet (e.g. no W&B login): an
+    `error` row, which a resumed sweep runs again."""
+
+
 def group_options(group: str) -> List[str]:
     """The options of a config group (its files under conf/)."""
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
@@ -29,6 +46,20 @@ def override_texts(node) -> List[str]:
     from omegaconf import OmegaConf
 
     return [str(o) for o in OmegaConf.to_container(node, resolve=False)]
+
+
+def env_source(cfg, key: str) -> str | None:
+    """The environment variable a key's value is read from (`${oc.env:NAME,...}`), or None."""
+    import re
+
+    from omegaconf import OmegaConf
+
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    if node is None or not OmegaConf.is_interpolation(node, leaf):
+        return None
+    m = re.fullmatch(r"\$\{oc\.env:(\w+)(,.*)?\}", str(node._get_node(leaf)._value()))
+    return m.group(1) if m else None
 
 
 def default_choices() -> Dict[str, str]:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import math
 import os
@@ -14,6 +15,7 @@ import signal
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -153,6 +155,35 @@ def failure_report(err) -> str:
         stack = info.get("py_callstack", "") if isinstance(info, dict) else ""
         parts.append(f"== rank {rank} (exit code {f.exitcode})\n{stack or _text(f)}".strip())
     return "\n\n".join(parts) + "\n"
+
+
+def parent_vanished(parent: int) -> str | None:
+    """Why a launched rank was interrupted, where its launcher is gone: torch's spawn sets
+    PR_SET_PDEATHSIG=SIGINT on each rank, so the launching process killed outright (kill
+    -9, the kernel's OOM killer: no signal it could pass on) reaches the ranks as a Ctrl-C.
+    None where `parent` (the rank's parent pid at its start) is still its parent."""
+    if os.getppid() == parent:
+        return None
+    return (f"its launching process, pid {parent}, vanished: killed outright, e.g. by kill "
+            "-9 or the OOM killer; the ranks got SIGINT")
+
+
+def reword_interrupt(path, parent: int) -> bool:
+    """Rank 0's record at `path` says `interrupted (Ctrl-C / SIGINT)`: where the launching
+    process vanished (parent_vanished), say that instead. Returns whether it did."""
+    from .results import write_json_atomic
+
+    why = parent_vanished(parent)
+    try:
+        rec = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return False
+    if why is None or not isinstance(rec, dict) or \
+            "interrupted (Ctrl-C / SIGINT)" not in str(rec.get("error")):
+        return False
+    rec["error"] = rec["error"].replace("interrupted (Ctrl-C / SIGINT)", f"interrupted ({why})")
+    write_json_atomic(path, rec)
+    return True
 
 
 PEER_GRACE_S = 3.0  # a rank that lost a peer waits this long before it fails

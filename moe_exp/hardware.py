@@ -9,28 +9,11 @@ import sys
 import torch
 from omegaconf import OmegaConf
 
-from .config import CONF
+from .config import CONF, ConfigError, Unsupported
 
 # CUDA device name -> profile, first match wins (the PCIe and NVL parts peak lower than SXM)
 GPU_PROFILES = {"H100 PCIe": "h100_pcie", "H100 NVL": "h100_nvl", "H200 NVL": "h200_nvl",
                 "H200": "h200", "H100": "h100", "A100": "a100"}
-
-
-class ConfigError(Exception):
-    """A user's configuration mistake: key and what is allowed, shown as one line."""
-
-    def __init__(self, key: str, message: str):
-        super().__init__(f"{key}: {message}")
-        self.key = key
-
-
-class Unsupported(ConfigError):
-    """A valid request this hardware (or install) cannot do: a `skipped` row in a sweep."""
-
-
-class NotReady(ConfigError):
-    """A valid request this environment is not set up for yet (e.g. no W&B login): an
-    `error` row, which a resumed sweep runs again."""
 
 
 def detect() -> str:
@@ -78,8 +61,7 @@ def resolve(cfg) -> None:
                           f"hardware={hw.name} (or hardware=auto to detect it)")
     if hw.device == "auto":
         hw.device = "cuda" if torch.cuda.is_available() else "cpu"
-    check_device(cfg)
-    if hw.memory_gib is None:
+    if hw.memory_gib is None:  # (none without the device: device_here says so later)
         hw.memory_gib = device_memory_gib(hw.device)
 
 
@@ -121,19 +103,17 @@ def _relabelled(hw, shipped: dict) -> bool:
         shipped.get("precisions") != list(hw.precisions)
 
 
+def _shipped_device(hw) -> str | None:
+    """The device of the shipped profile named hw.name (None: no such profile)."""
+    shipped = (CONF / "hardware" / f"{hw.name}.yaml").is_file()
+    return load_profile(hw.name).get("device") if shipped else None
+
+
 def check_device(cfg) -> None:
+    """The hardware group's mistakes (invalid)."""
     hw = cfg.hardware
-    shipped = load_profile(hw.name) if (CONF / "hardware" / f"{hw.name}.yaml").is_file() \
-        else None  # the shipped profile of that name
-    own = shipped.get("device") if shipped else None
-    if hw.device == "cuda" and not torch.cuda.is_available():
-        if own == "cuda":  # a GPU profile (not a device override)
-            raise Unsupported("hardware", f"hardware={hw.name} needs a CUDA GPU and none is "
-                              "visible; use hardware=auto or hardware=cpu")
-        raise Unsupported("hardware.device", "cuda: no CUDA GPU is visible; use "
-                          "hardware=auto or hardware=cpu (a CUDA profile's peaks on a CPU "
-                          "would not be this machine's)")
-    if own not in (None, "cpu") and hw.device != own and _relabelled(hw, shipped):
+    own = _shipped_device(hw)
+    if own not in (None, "cpu") and hw.device != own and _relabelled(hw, load_profile(hw.name)):
         raise ConfigError("hardware.name", f"'{hw.name}' is the name of a shipped {own} "
                           f"profile, and this profile (device {hw.device}) is another: pick "
                           f"hardware={hw.name}, or another name (it labels every result)")
@@ -141,6 +121,21 @@ def check_device(cfg) -> None:
         raise ConfigError("hardware.device", f"{hw.device} with hardware={hw.name}, a profile "
                           f"of a {own} device (its peak FLOP/s and memory): leave "
                           f"hardware.device at {own}, or pick hardware=auto or cpu")
+    if hw.devices < 1:
+        raise ConfigError("hardware.devices", f"must be >= 1, got {hw.devices}")
+
+
+def device_here(cfg) -> None:
+    """What this machine lacks for the hardware asked for (skipped)."""
+    hw = cfg.hardware
+    own = _shipped_device(hw)
+    if hw.device == "cuda" and not torch.cuda.is_available():
+        if own == "cuda":  # a GPU profile (not a device override)
+            raise Unsupported("hardware", f"hardware={hw.name} needs a CUDA GPU and none is "
+                              "visible; use hardware=auto or hardware=cpu")
+        raise Unsupported("hardware.device", "cuda: no CUDA GPU is visible; use "
+                          "hardware=auto or hardware=cpu (a CUDA profile's peaks on a CPU "
+                          "would not be this machine's)")
     if hw.device == "hpu":
         try:
             with hardware_env(hw):  # the bridge reads PT_HPU_LAZY_MODE when imported
@@ -150,8 +145,6 @@ def check_device(cfg) -> None:
                 ("hardware.device", "hpu")
             raise Unsupported(key, f"{who} needs Intel Gaudi's PyTorch bridge "
                               "(habana_frameworks), which is not installed here") from None
-    if hw.devices < 1:
-        raise ConfigError("hardware.devices", f"must be >= 1, got {hw.devices}")
     if hw.get("malloc_retain") and not glibc():
         raise Unsupported("hardware.malloc_retain", "needs glibc's malloc (Linux); "
                           "use hardware.malloc_retain=false")
@@ -161,7 +154,7 @@ def check_device(cfg) -> None:
 
 
 def device_memory_gib(device: str) -> float | None:
-    if device == "cuda":
+    if device == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_properties(0).total_memory / 2**30
     if device == "cpu":
         from .bench.memory import _status_kib

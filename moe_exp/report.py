@@ -17,7 +17,7 @@ def report(sweep_dir: Path, baseline: dict | None = None, by=("model",), wandb_c
            group: str | None = None, title: str | None = None, plots: bool = True,
            strict: bool = False) -> dict:
     """Rebuild everything from the job records in sweep_dir; returns the output paths."""
-    from .sweep.table import markdown, print_table, write_tables
+    from .sweep.table import markdown, print_table, write_tables, write_text_atomic
 
     sweep_dir = Path(sweep_dir)
     title = title or f"Sweep {sweep_dir}"
@@ -39,13 +39,21 @@ def report(sweep_dir: Path, baseline: dict | None = None, by=("model",), wandb_c
     for name, p in pngs.items():
         parts.append(f"## {name.capitalize()}\n\n![{name}]({p.relative_to(sweep_dir)})\n")
     paths["report"] = sweep_dir / "report.md"
-    paths["report"].write_text("\n".join(parts))
+    write_text_atomic(paths["report"], "\n".join(parts))
     paths.update(pngs)
     if wandb_cfg is not None:
         from .tracking import log_sweep
 
         group = group or own_group(sweep_dir) or f"report-{sweep_dir.resolve().name}"
-        log_sweep(df, sweep_dir, wandb_cfg, group, pngs)
+        try:
+            log_sweep(df, sweep_dir, wandb_cfg, group, pngs)
+        except Exception as e:  # noqa: BLE001 - W&B's failure (a full disk, its service):
+            # a warning, the tables are written
+            line = (str(e).strip().splitlines() or [""])[0][:300]
+            print(f"warning: W&B summary run failed: {type(e).__name__}: {line}",
+                  file=sys.stderr)
+            wandb_cfg = None
+    if wandb_cfg is not None:
         print(f"[report] W&B run {group}-summary ({wandb_cfg.mode}) in project "
               f"{wandb_cfg.project}, files under {sweep_dir / 'wandb'}"
               if wandb_cfg.mode != "disabled" else "[report] W&B: mode disabled, nothing "
@@ -61,7 +69,7 @@ def sweep_df(sweep_dir: Path, baseline: dict | None, by, strict: bool,
     (the sweep's own settings) the table still comes, with a note and the default."""
     from .sweep.table import baseline_text, build_table, collect, sweep_table
 
-    records = collect(sweep_dir)
+    records = collect(sweep_dir, keep=True)  # (a record that broke keeps its table row)
     if not records:
         raise FileNotFoundError(f"no job records (*/metrics.json) under {sweep_dir}")
     if strict:
@@ -226,6 +234,11 @@ def main(argv=None) -> int:
     except (FileNotFoundError, KeyError) as e:
         print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full or read-only disk: the tables are as they were
+        from .sweep.table import write_error_line
+
+        print(f"error: {write_error_line(e)}", file=sys.stderr)
+        return 1
     return 0
 
 

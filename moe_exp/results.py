@@ -26,7 +26,7 @@ FIELDS = (
     "loss_first", "loss_last", "aux_loss", "expert_load_cv", "expert_load_max_over_mean",
     "device_name", "torch_version", "timestamp",
 )
-# The extra keys runs write (README "The result record"); with FIELDS, the columns a
+# The extra keys runs write (docs/record.md); with FIELDS, the columns a
 # sweep.baseline may name before any job has run.
 EXTRAS = (
     "task", "extra", "null_reasons", "losses", "measured_steps", "tokens_per_step",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import sys
@@ -15,8 +16,9 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from . import config as _config  # noqa: F401  (registers the schemas)
+from . import help as _help  # noqa: F401  (--help's resolvers)
 from .config import override_texts
-from .hardware import ConfigError
+from .config import ConfigError
 from .ranks import rank_env
 from .results import failed_record, new_record, stop_on_sigterm, stop_signal, write_json_atomic
 
@@ -54,7 +56,8 @@ def prepare(cfg: DictConfig, overrides: list[str],
     can go ahead, else (cfg, record) with status `invalid` (a mistake), `skipped` (a valid
     request this hardware cannot do) or `error` (this environment is not ready: NotReady).
     in_sweep: a sweep's job (validate.check_unread)."""
-    from .hardware import NotReady, Unsupported, resolve
+    from .config import NotReady, Unsupported
+    from .hardware import resolve
     from .validate import check_complete, check_resolves, validate
 
     cfg = cfg.copy()
@@ -192,6 +195,7 @@ def rank_main(cfg_dict: dict, out_dir: str, overrides, choices, progress,
     launched_here: by `launch` (which records a failure), not by torchrun / SLURM."""
     from . import distributed
 
+    parent = os.getppid()  # (launched here: the process that runs launch)
     cfg = OmegaConf.create(cfg_dict)
     d = distributed.init(cfg)
     d.launched_here = launched_here
@@ -206,6 +210,10 @@ def rank_main(cfg_dict: dict, out_dir: str, overrides, choices, progress,
 
             rec = bench(cfg, cfg_dict, rec, Path(out_dir), choices, progress, d)
         return rec if d.main else None
+    except KeyboardInterrupt:  # a SIGINT: Ctrl-C, or the launcher killed outright
+        if launched_here and d.main:
+            distributed.reword_interrupt(Path(out_dir) / "metrics.json", parent)
+        raise
     finally:
         distributed.finish()
 
@@ -244,7 +252,14 @@ def main(cfg: DictConfig) -> dict:
         from .sweep.job import run_job
 
         return run_job(cfg)
-    rec = run(cfg)
+    try:
+        rec = run(cfg)
+    except OSError as e:  # a full or read-only disk (the record): here, not raised through
+        # Hydra, which would print its own line for a job that raised
+        from .sweep.table import write_error_line
+
+        print(f"error: {write_error_line(e)}", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
     if rec is None:  # a rank other than 0 under torchrun: rank 0 reports
         return None
     if rec["status"] != "ok":
@@ -376,6 +391,104 @@ def job_name_error(args) -> str | None:
     return None
 
 
+def _overrides(args) -> list[str]:
+    """The overrides of a command line, --cfg / --info / --help ones too (Hydra composes
+    the config for those as well); [] where Hydra's parser refuses it."""
+    a = _flags(args)
+    return list(a.overrides) if a is not None and not a.shell_completion else []
+
+
+def group_value_error(args) -> str | None:
+    """A number or bool as a config group's option (model=5, hardware=true): Hydra raised a
+    ValueError for it (a 39-line traceback)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+
+    from .config import group_options
+
+    groups = set(group_options_all())
+    for o in _overrides(args):
+        key = o.split("=", 1)[0].lstrip("+~")
+        if key not in groups or "=" not in o:
+            continue
+        try:
+            value = OverridesParser.create().parse_override(o).value()
+        except Exception:  # noqa: BLE001 - a syntax error: Hydra's own line says it
+            continue
+        for v in value.list if isinstance(value, ChoiceSweep) else [value]:
+            if isinstance(v, (bool, int, float)):
+                text = o.split("=", 1)[1] if not isinstance(value, ChoiceSweep) else \
+                    str(v).lower() if isinstance(v, bool) else str(v)
+                return f"{key}: '{text}' is not one of: {', '.join(group_options(key))}"
+    return None
+
+
+def group_options_all() -> list[str]:
+    """moe_exp's config groups (conf/hydra/ holds Hydra's own)."""
+    from .config import CONF
+
+    return sorted(p.name for p in CONF.iterdir()
+                  if p.is_dir() and p.name[0] not in "_." and p.name != "hydra")
+
+
+def output_dir_error(args) -> str | None:
+    """An empty hydra.run.dir (hydra.sweep.dir, hydra.sweep.subdir) is the directory the
+    command runs in (each job of a sweep, the sweep's dir): the run would write over the
+    record there."""
+    read = _hydra_args(args)
+    for o in read[0] if read else []:
+        key, _, value = o.lstrip("+").partition("=")
+        if key in ("hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir") and \
+                not value.strip(" '\"") and "=" in o:
+            where = {"hydra.run.dir": "the run would write into the current dir, over any "
+                     "record there; name a dir (e.g. outputs/mine)",
+                     "hydra.sweep.dir": "the sweep would write into the current dir; name a "
+                     "dir (e.g. multirun/mine)",
+                     "hydra.sweep.subdir": "every job would write into the sweep's dir, each "
+                     "over the last one's record"}[key]
+            return f"{key}: empty: {where}, or leave it out"
+    return None
+
+
+def big_int_error(args) -> str | None:
+    """An integer longer than Python converts (sys.get_int_max_str_digits(), 4300 digits):
+    Hydra's parser raised a ValueError for it (a traceback)."""
+    import re
+
+    limit = sys.get_int_max_str_digits()
+    if not limit:
+        return None
+    long = re.compile(r"\d{%d,}" % (limit + 1))
+    for o in _overrides(args):
+        if not (runs := long.findall(o)):
+            continue
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        try:
+            OverridesParser.create().parse_override(o)
+        except ValueError as e:
+            if "integer string conversion" not in str(e):
+                continue  # (Hydra's own line says what is wrong)
+            key = o.split("=", 1)[0].lstrip("+~")
+            return (f"{key}: an integer of {max(map(len, runs))} digits is more than any "
+                    f"setting takes (at most {limit} digits; --help lists each key's range)")
+        except Exception:  # noqa: BLE001 - another syntax error: Hydra's own line says it
+            continue
+    return None
+
+
+def twice_warnings(args) -> list[str]:
+    """A key set more than once on the command line: Hydra silently takes the last value."""
+    seen: dict[str, list[str]] = {}
+    for o in _overrides(args):
+        if o.startswith("~") or "=" not in o:
+            continue
+        key, value = o.lstrip("+").split("=", 1)
+        seen.setdefault(key.strip(), []).append(value)
+    return [f"warning: {k} is given {len(vs)} times ({', '.join(vs)}): the last is used, "
+            f"{k}={vs[-1]}" for k, vs in seen.items() if len(vs) > 1]
+
+
 def group_override_error(args) -> str | None:
     """Hydra takes a config group set to null (it then fails with a traceback), to a list
     (it merges every listed config into one run) or deleted (`~model`: the schema's
@@ -384,7 +497,7 @@ def group_override_error(args) -> str | None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ChoiceSweep
 
-    from .config import CONF, default_choices, group_options
+    from .config import default_choices, group_options
 
     read = _hydra_args(args)
     if read is None:  # --cfg, --info, --help: nothing runs; or Hydra's own usage error
@@ -394,8 +507,7 @@ def group_override_error(args) -> str | None:
                                     .startswith("sweep.")), None)):
         return (f"{a.split('=', 1)[0].lstrip('+~')}: a sweep's setting, read only with -m "
                 f"(python -m moe_exp.run -m {a} ...)")
-    groups = {p.name for p in CONF.iterdir()  # (conf/hydra/ holds Hydra's own groups)
-              if p.is_dir() and p.name[0] not in "_." and p.name != "hydra"}
+    groups = set(group_options_all())
     mine = [a for a in args if a.split("=", 1)[0].lstrip("+~") in groups]
     if not mine:
         return None
@@ -445,6 +557,41 @@ def writable_std() -> None:
             setattr(sys, name, open(fd, "w", buffering=1, closefd=False))
 
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+
+
+@contextlib.contextmanager
+def log_failures():
+    """A log file that cannot be written (a full disk): logging printed a traceback for
+    each line it could not write; here nothing, and the first such file and its problem go
+    into the yielded list (cli says it once, at the end, where nothing else failed)."""
+    import logging
+
+    failed: list[tuple[str, str]] = []
+    own = logging.FileHandler.handleError
+
+    def handle_error(self, record):
+        e = sys.exc_info()[1]
+        if not isinstance(e, OSError):
+            return own(self, record)
+        if not failed:
+            failed.append((self.baseFilename, os.strerror(e.errno) if e.errno else str(e)))
+
+    logging.FileHandler.handleError = handle_error
+    try:
+        yield failed
+    finally:
+        logging.FileHandler.handleError = own
+
+
+def _in_mkdir(e: BaseException) -> bool:
+    """Whether the error came from making a directory (Hydra's output dir)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_name in ("mkdir", "makedirs")
+
+
 def cli() -> None:
     """`python -m moe_exp.run`. Hydra's own config errors (unknown key or option, wrong type,
     bad override syntax) come out as one line and exit code 2, like moe_exp's checks;
@@ -456,15 +603,31 @@ def cli() -> None:
     stop_on_sigterm()
     full = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting 1
-    if (line := flag_error(sys.argv[1:]) or job_name_error(sys.argv[1:]) or
-            group_override_error(sys.argv[1:])) is not None and \
-            (not full or line.startswith("sweep.")):  # (no Hydra error to show for those)
+    args = sys.argv[1:]
+    if (line := flag_error(args) or job_name_error(args) or output_dir_error(args) or
+            group_value_error(args) or group_override_error(args) or
+            big_int_error(args)) is not None and \
+            (not full or line.startswith(("sweep.", "hydra.run", "hydra.sweep"))):  # (no
+        # Hydra error to show for those)
         print(f"error: {line}", file=sys.stderr)
         sys.exit(EXIT_INVALID)
+    for line in twice_warnings(args):
+        print(line, file=sys.stderr)
+
+    def write_error_line(e: OSError) -> str:
+        from .sweep.table import write_error_line
+
+        return write_error_line(e)
+
     try:
-        main()
+        with log_failures() as failed:
+            main()
         callback = sys.modules.get("moe_exp.sweep.callback")
         if callback is not None and callback.NO_JOB_OK:  # a sweep whose table has no ok row
+            sys.exit(EXIT_FAILED)
+        if failed:  # the run (and its record) went on; its log is cut short
+            print(f"error: cannot write {failed[0][0]}: {failed[0][1]} (the log stops there)",
+                  file=sys.stderr)
             sys.exit(EXIT_FAILED)
     except CompactHydraException as e:
         if full:
@@ -476,12 +639,21 @@ def cli() -> None:
             raise
         print(f"error: {interpolation_error_line(e, sys.argv[1:])}", file=sys.stderr)
         sys.exit(EXIT_INVALID)
-    except OSError as e:  # Hydra's set-up: hydra.run.dir a file, or not writable
-        if full or not e.filename or _STARTED:
+    except OSError as e:  # Hydra's set-up (hydra.run.dir a file, or not writable), or a write
+        # that failed later (a full or read-only disk: Hydra's config save, a record)
+        if full:
             raise
-        print(f"error: cannot make the output dir '{e.filename}': {e.strerror}",
-              file=sys.stderr)
-        sys.exit(EXIT_INVALID)
+        if e.filename and not _STARTED and e.errno not in DISK_FULL and _in_mkdir(e):
+            print(f"error: cannot make the output dir '{e.filename}': {e.strerror}",
+                  file=sys.stderr)
+            sys.exit(EXIT_INVALID)
+        print(f"error: {write_error_line(e)}", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
+    except ValueError as e:  # logging's set-up could not open the run's log (read-only)
+        if full or not isinstance(e.__cause__, OSError) or "configure handler" not in str(e):
+            raise
+        print(f"error: {write_error_line(e.__cause__)}", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
     except KeyboardInterrupt as e:  # the run's record (if it got one) says `crashed: interrupted`
         term = stop_signal(e) == "SIGTERM"
         print("terminated (SIGTERM)" if term else "interrupted", file=sys.stderr)

@@ -1,8 +1,11 @@
 """Weights & Biases logging: offline by default, always finished, even when the run fails."""
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
+
+from .config import ConfigError, NotReady, env_source
 
 
 def _settings():
@@ -80,56 +83,6 @@ class Tracker:
         self.run = None
 
 
-def read_offline_run(run_file: str | Path) -> dict:
-    """Parse an offline `run-*.wandb` file (a 7-byte W&B header, then a LevelDB-log stream of
-    protobuf Records) into {config, summary, history, exit_code, group, start_time (epoch s)}.
-    For tests and reports."""
-    import json
-
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = Path(run_file).read_bytes()
-    if data[:4] != b":W&B":
-        raise ValueError(f"{run_file} is not a W&B run file")
-    block, pos, buf, payloads = 32768, 7, b"", []
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # block trailer padding
-            pos += block - pos % block
-            continue
-        length = int.from_bytes(data[pos + 4: pos + 6], "little")
-        kind = data[pos + 6]
-        chunk = data[pos + 7: pos + 7 + length]
-        pos += 7 + length
-        if kind == 0 and length == 0:
-            continue
-        buf = chunk if kind in (1, 2) else buf + chunk  # FULL/FIRST start, MIDDLE/LAST append
-        if kind in (1, 4):
-            payloads.append(buf)
-    out = {"config": {}, "summary": {}, "history": [], "exit_code": None, "group": None,
-           "start_time": None}
-    for payload in payloads:
-        rec = pb.Record()
-        rec.ParseFromString(payload)
-        kind = rec.WhichOneof("record_type")
-        if kind == "run":
-            out["group"] = rec.run.run_group or out["group"]
-            if rec.run.HasField("start_time"):
-                out["start_time"] = rec.run.start_time.ToMicroseconds() / 1e6
-        if kind in ("config", "run"):
-            items = rec.config.update if kind == "config" else rec.run.config.update
-            for item in items:
-                out["config"][item.key] = json.loads(item.value_json)
-        elif kind == "summary":
-            for item in rec.summary.update:
-                out["summary"][item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
-        elif kind == "history":
-            out["history"].append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
-                                   for i in rec.history.item})
-        elif kind == "exit":
-            out["exit_code"] = rec.exit.exit_code
-    return out
-
-
 def log_sweep(df, sweep_dir: Path, logger_cfg, group: str, pngs: dict) -> None:
     """One summary run for a sweep: the results table, bar charts and the PNG plots."""
     import wandb
@@ -161,3 +114,83 @@ def log_sweep(df, sweep_dir: Path, logger_cfg, group: str, pngs: dict) -> None:
                                if best is not None else {})})
     finally:
         run.finish()
+
+
+# W&B's rules, checked before any work (validate.validate)
+
+def wandb_credentials() -> bool:
+    """Whether W&B will find credentials here: WANDB_API_KEY or WANDB_IDENTITY_TOKEN_FILE,
+    else a .netrc key for its server (WANDB_BASE_URL, the one `wandb login --host` saved, or
+    W&B's default) or the server's aliases. Read with W&B's own .netrc reader where this
+    W&B has it (no service process, no network), else by hand."""
+    import configparser
+    from urllib.parse import urlsplit
+
+    env = os.environ
+    if env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    base = env.get("WANDB_BASE_URL")
+    if not base:
+        settings = configparser.ConfigParser()  # `wandb login --host` records its server
+        try:
+            settings.read(Path(env.get("WANDB_CONFIG_DIR") or "~/.config/wandb").expanduser()
+                          / "settings")
+            base = settings.get("default", "base_url", fallback=None)
+        except (OSError, ValueError, configparser.Error):  # unreadable: the default server
+            pass
+    try:
+        from wandb.sdk.lib import urls
+        from wandb.sdk.lib.wbauth import wbnetrc
+
+        reader = wbnetrc.read_netrc_auth
+        base = base or urls.DEFAULT_BASE_URL
+    except (ImportError, AttributeError):  # another W&B: the same rules by hand
+        hosts = {urlsplit(base).netloc} if base else {"api.wandb.ai", "api.forge.coreweave.com"}
+        return _netrc_has_key(hosts)
+    try:
+        return bool(reader(host=base))
+    except Exception:  # noqa: BLE001 - a malformed key: W&B would refuse it too
+        return False
+
+
+def _netrc_has_key(hosts) -> bool:
+    import netrc
+
+    env = os.environ
+    paths = [Path(env["NETRC"]).expanduser()] if env.get("NETRC") else \
+        [Path("~/.netrc").expanduser(), Path("~/_netrc").expanduser()]
+    for path in paths:
+        try:
+            found = netrc.netrc(path)
+        except (OSError, netrc.NetrcParseError):
+            continue
+        return any((found.authenticators(h) or (None, None, ""))[2] for h in hosts)
+    return False
+
+
+WANDB_PROJECT_BAD = "/\\#?%:"
+
+
+def check_logger(cfg) -> None:
+    """A W&B project name and tags W&B takes (its init would fail after the run)."""
+    lg = cfg.logger
+    if lg.name != "wandb" or lg.mode == "disabled":
+        return
+    bad = [c for c in WANDB_PROJECT_BAD if c in lg.project]  # (W&B's own rules: its init
+    if bad or not 1 <= len(lg.project) <= 128:  # would fail after the run)
+        raise ConfigError("logger.project", f"'{lg.project}': a W&B project name is 1 to 128 "
+                          f"characters, none of {' '.join(WANDB_PROJECT_BAD)}")
+    for tag in lg.tags:
+        if not isinstance(tag, str) or not 1 <= len(tag) <= 64:
+            raise ConfigError("logger.tags", f"{tag!r}: a W&B tag is a string of 1 to 64 "
+                              "characters")
+
+
+def logger_ready(cfg) -> None:
+    """logger.mode=online needs W&B credentials: checked now, not when the run is logged
+    at its end. A NotReady (status error): a resumed sweep runs it again once logged in."""
+    lg = cfg.logger
+    if lg.name == "wandb" and lg.mode == "online" and not wandb_credentials():
+        raise NotReady(env_source(cfg, "logger.mode") or "logger.mode", "online needs W&B "
+                       "credentials and none were found: run `wandb login` or set "
+                       "WANDB_API_KEY, or use logger.mode=offline")

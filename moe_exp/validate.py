@@ -1,18 +1,18 @@
-"""Checks before any work: each failure is one line naming the key and what is allowed."""
+"""Checks before any work, in two passes (validate): every mistake (invalid), then what this
+machine cannot do (skipped) or is not ready for (error). Each failure is one line naming
+the key and what is allowed. Checks of one thing live with it: the device's in hardware.py,
+token files' in data/tokens.py, W&B's in tracking.py; memory bounds in bench/flops.py."""
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
-import re
-from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
-from .bench.flops import param_counts
-from .config import CHOICES, CONF, default_choices, group_options
-from .hardware import ConfigError, NotReady, Unsupported
+from .config import (CHOICES, CONF, ConfigError, NotReady, Unsupported, default_choices,
+                     env_source, group_options)
 from .ranks import rank_env
 
 
@@ -22,16 +22,6 @@ def _get(cfg, dotted: str):
 
 def not_one_of(value, allowed) -> str:
     return f"'{value}' is not one of: {', '.join(allowed)}"
-
-
-def env_source(cfg, key: str) -> str | None:
-    """The environment variable a key's value is read from (`${oc.env:NAME,...}`), or None."""
-    parent, _, leaf = key.rpartition(".")
-    node = OmegaConf.select(cfg, parent) if parent else cfg
-    if node is None or not OmegaConf.is_interpolation(node, leaf):
-        return None
-    m = re.fullmatch(r"\$\{oc\.env:(\w+)(,.*)?\}", str(node._get_node(leaf)._value()))
-    return m.group(1) if m else None
 
 
 def check_choices(cfg) -> None:
@@ -130,6 +120,7 @@ def _at_least(cfg, key: str, low: int) -> None:
 MAX_STEPS = 10_000_000
 MAX_POSITIONS = 2**20
 SEEDS = 2**32  # (numpy's range, the narrowest a seed goes to)
+MAX_MEMORY_GIB = 2**20  # (1 PiB a device; 1e300 overflowed a byte count mid-run)
 MAX_BUCKET_MB = 2**20  # DDP takes the bytes as a C++ int64 (1e300 MB raised mid-launch)
 
 
@@ -178,10 +169,6 @@ def check_train(cfg) -> None:
                           f"{micro:,} micro-batches: at most {MAX_STEPS:,}")
     if not 0 <= cfg.train.seed < SEEDS:
         raise ConfigError("train.seed", f"must be in 0..{SEEDS - 1}, got {cfg.train.seed}")
-    if cfg.train.compile == "reduce-overhead" and cfg.hardware.device != "cuda":
-        raise Unsupported("train.compile", "reduce-overhead is torch.compile with CUDA graphs: "
-                          f"it needs a CUDA GPU; this run's device is {cfg.hardware.device} "
-                          "(elsewhere it is train.compile=default under another name)")
     if cfg.train.compile != "off" and cfg.train.warmup_steps < 1:
         raise ConfigError("train.warmup_steps", f"must be >= 1 with train.compile="
                           f"{cfg.train.compile} (the first step compiles: it must not be measured)")
@@ -204,24 +191,12 @@ def check_precision(cfg) -> None:
         if bad := [k for k in what if k not in names]:
             raise ConfigError(f"hardware.{key}", f"'{bad[0]}' is not a precision (allowed: "
                               f"{', '.join(names)})")
-    if hw.memory_gib is not None and not hw.memory_gib > 0:
-        raise ConfigError("hardware.memory_gib", f"must be > 0 GiB or null, got {hw.memory_gib}")
+    if hw.memory_gib is not None and not 0 < hw.memory_gib <= MAX_MEMORY_GIB:
+        raise ConfigError("hardware.memory_gib", f"must be > 0 and <= {MAX_MEMORY_GIB:,} GiB "
+                          f"(per device) or null, got {hw.memory_gib}")
     for key, peak in hw.peak_flops.items():
         if peak is not None and not peak > 0:
             raise ConfigError(f"hardware.peak_flops.{key}", f"must be > 0 FLOP/s or null, got {peak}")
-    if p not in hw.precisions:
-        raise Unsupported("precision", f"precision={p} is not supported on hardware={hw.name} "
-                          f"(supported: {', '.join(hw.precisions)})")
-    if p == "tf32" and hw.device != "cuda":  # (torch has no TF32 elsewhere: the run
-        # would be fp32 labelled tf32)
-        raise Unsupported("precision", f"precision=tf32 needs a CUDA GPU (compute capability "
-                          f">= 8.0); this run's device is {hw.device}")
-    if p == "fp8":
-        if hw.device != "cuda" or torch.cuda.get_device_capability(0) < (8, 9):
-            raise Unsupported("precision", "precision=fp8 needs a CUDA GPU with compute "
-                              "capability >= 8.9 (H100, H200, L4, RTX 40xx)")
-        if importlib.util.find_spec("torchao") is None:
-            raise Unsupported("precision", "precision=fp8 needs torchao: pip install torchao")
     if cfg.precision.autocast_dtype not in (None, "bfloat16", "float16"):
         raise ConfigError("precision.autocast_dtype", "must be null, bfloat16 or float16")
     # The name labels every result: its autocast dtype (and, without autocast, its tf32) may
@@ -238,22 +213,56 @@ def check_precision(cfg) -> None:
                               "means it)")
 
 
+def precision_here(cfg) -> None:
+    p, hw = cfg.precision.name, cfg.hardware
+    if p not in hw.precisions:
+        raise Unsupported("precision", f"precision={p} is not supported on hardware={hw.name} "
+                          f"(supported: {', '.join(hw.precisions)})")
+    if p == "tf32" and hw.device != "cuda":  # (torch has no TF32 elsewhere: the run
+        # would be fp32 labelled tf32)
+        raise Unsupported("precision", f"precision=tf32 needs a CUDA GPU (compute capability "
+                          f">= 8.0); this run's device is {hw.device}")
+    if p == "fp8":
+        if hw.device != "cuda" or not torch.cuda.is_available() or \
+                torch.cuda.get_device_capability(0) < (8, 9):
+            raise Unsupported("precision", "precision=fp8 needs a CUDA GPU with compute "
+                              "capability >= 8.9 (H100, H200, L4, RTX 40xx)")
+        if importlib.util.find_spec("torchao") is None:
+            raise Unsupported("precision", "precision=fp8 needs torchao: pip install torchao")
+
+
+def compile_here(cfg) -> None:
+    if cfg.train.compile == "reduce-overhead" and cfg.hardware.device != "cuda":
+        raise Unsupported("train.compile", "reduce-overhead is torch.compile with CUDA graphs: "
+                          f"it needs a CUDA GPU; this run's device is {cfg.hardware.device} "
+                          "(elsewhere it is train.compile=default under another name)")
+
+
 def check_dispatch(cfg) -> None:
-    """An explicit model.dispatch=grouped must run here (auto picks what does). Probed on
-    CPU only: a CUDA probe here would open a context on GPU 0 in every rank and launcher."""
+    """model.dispatch=grouped needs grouped_mm's aligned strides."""
     if cfg.model.dispatch != "grouped" or cfg.model.num_experts == 0:
         return
-    from .model.moe import grouped_aligned, grouped_compiles, grouped_mm_supported
+    from .model.moe import grouped_aligned
     from .optimizations.precision import DTYPES
 
-    dtype = DTYPES.get(cfg.precision.autocast_dtype, torch.float32)
-    m, why = cfg.model, None
+    dtype, m = DTYPES.get(cfg.precision.autocast_dtype, torch.float32), cfg.model
     odd = [k for k in ("hidden_size", "ffn_hidden_size") if not grouped_aligned(dtype, m[k])]
     if odd:
         raise ConfigError("model.dispatch", f"grouped needs 16-byte strides (grouped_mm): "
                           f"model.{odd[0]}={m[odd[0]]} is not a multiple of "
                           f"{16 // dtype.itemsize} at precision={cfg.precision.name}; use "
                           "model.dispatch=auto, loop or padded")
+
+
+def dispatch_here(cfg) -> None:
+    """An explicit model.dispatch=grouped must run here (auto picks what does). Probed on
+    CPU only: a CUDA probe here would open a context on GPU 0 in every rank and launcher."""
+    if cfg.model.dispatch != "grouped" or cfg.model.num_experts == 0:
+        return
+    from .model.moe import grouped_compiles, grouped_mm_supported
+    from .optimizations.precision import DTYPES
+
+    dtype, why = DTYPES.get(cfg.precision.autocast_dtype, torch.float32), None
     if cfg.train.compile != "off" and not grouped_compiles(dtype):
         why = "compiled, grouped_mm runs in bf16 only"
     elif cfg.hardware.device == "cpu" and not grouped_mm_supported("cpu", dtype):
@@ -270,8 +279,6 @@ def _world_size(devices: int) -> int:
 
 
 def check_parallel(cfg) -> None:
-    import os
-
     p, hw, m = cfg.parallel, cfg.hardware, cfg.model
     n = hw.devices
     if p.name == "none" and n != 1 and cfg.task == "bench":
@@ -317,9 +324,6 @@ def check_parallel(cfg) -> None:
         raise ConfigError("parallel.prefetch", f"must be >= 0 (0 = FSDP2's default), got "
                           f"{p.prefetch}")
     if p.name in ("fsdp", "expert_fsdp"):
-        if p.cpu_offload and hw.device != "cuda":
-            raise Unsupported("parallel.cpu_offload", "FSDP CPU offload needs GPUs (it moves "
-                              "parameters between GPU and CPU memory)")
         if p.cpu_offload and cfg.optim.name == "muon":
             raise ConfigError("parallel.cpu_offload", "not with optim=muon: its Newton-Schulz "
                               "step gathers whole matrices on the GPU (allowed: false)")
@@ -329,7 +333,13 @@ def check_parallel(cfg) -> None:
     if cfg.task == "comm" and n < 2:
         raise ConfigError("hardware.devices", "task=comm measures collectives between ranks: "
                           "set hardware.devices >= 2")
-    # what this machine cannot do, after the mistakes (a sweep's row says which it is)
+
+
+def parallel_here(cfg) -> None:
+    p, hw, n = cfg.parallel, cfg.hardware, cfg.hardware.devices
+    if p.name in ("fsdp", "expert_fsdp") and p.cpu_offload and hw.device != "cuda":
+        raise Unsupported("parallel.cpu_offload", "FSDP CPU offload needs GPUs (it moves "
+                          "parameters between GPU and CPU memory)")
     if hw.device == "cpu" and n > (os.cpu_count() or 1):
         raise Unsupported("hardware.devices", f"{n} ranks asked for, this machine has "
                           f"{os.cpu_count()} CPU cores (one gloo rank per core at most)")
@@ -362,28 +372,9 @@ def check_data(cfg, overrides=()) -> None:
         if not 1 <= d.branching <= vocab:
             raise ConfigError("data.branching", f"must be in 1..model.vocab_size, got {d.branching}")
     if d.source == "tokens":
-        if OmegaConf.is_missing(d, "path") or not d.path:
-            raise ConfigError("data.path", "data=tokens needs data.path=<token file>; make one "
-                              "with python -m moe_exp.data prepare <text files> <out.bin>")
-        if not Path(d.path).is_file():
-            raise ConfigError("data.path", f"no token file at '{d.path}'; make one with "
-                              "python -m moe_exp.data prepare <text files> <out.bin>")
-        from .data.tokens import meta_path, read_meta
+        from .data.tokens import check_token_file
 
-        if not meta_path(d.path).is_file():
-            raise ConfigError("data.path", f"'{d.path}' has no {meta_path(d.path).name} beside "
-                              "it; make token files with python -m moe_exp.data prepare")
-        try:
-            meta = read_meta(d.path)
-        except ValueError as e:
-            raise ConfigError("data.path", str(e)) from None
-        vocab = meta["vocab_size"]
-        if vocab > cfg.model.vocab_size:
-            raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the "
-                              f"token file's vocabulary ({vocab})")
-        if meta.get("num_tokens", cfg.train.seq_len + 1) < cfg.train.seq_len + 1:
-            raise ConfigError("data.path", f"'{d.path}' holds {meta['num_tokens']} tokens, fewer "
-                              f"than train.seq_len+1={cfg.train.seq_len + 1}")
+        check_token_file(cfg)
 
 
 def unread_keys(cfg, overrides=()) -> dict[str, tuple[tuple[str, ...], str, ConfigError]]:
@@ -468,72 +459,6 @@ def check_optim(cfg) -> None:
             raise ConfigError("optim.ns_steps", f"must be in [1, 20], got {o.ns_steps}")
 
 
-def muon_params(m) -> int:
-    """Parameters optim=muon updates (optim.muon.hidden_matrices): all but the embeddings,
-    the head and the norms (2 per block + the final one), which AdamW updates."""
-    h = m.hidden_size
-    return param_counts(m)["params_total"] - 2 * m.vocab_size * h - (2 * m.num_layers + 1) * h
-
-
-def _gib(x: float) -> str:
-    return f"{x:,.0f}" if x >= 10 else f"{x:.2g}"
-
-
-def check_memory(cfg) -> None:
-    """Weights + grads + optimizer state in fp32 (16 B/param with AdamW, 12 for Muon's
-    matrices) must fit: a lower bound, once
-    sharded (FSDP over all ranks, expert parallel's experts over its group); and with them
-    the activations no setting avoids (activation_lower_bound). A GPU holds one
-    rank; a CPU's memory (memory_gib is all of it) holds this machine's ranks together."""
-    mem = cfg.hardware.memory_gib
-    if mem is None:
-        return
-    m, p, n = cfg.model, cfg.parallel, cfg.hardware.devices
-    world = _world_size(n) if p.name != "none" else 1
-    total = param_counts(m)["params_total"]
-    experts = m.num_layers * m.num_experts * 3 * m.hidden_size * m.ffn_hidden_size
-    if p.name in ("fsdp", "expert_fsdp"):
-        per_rank = total / world
-    elif p.name == "expert":
-        per_rank = total - experts + experts / (p.expert_parallel_size or world)
-    else:
-        per_rank = total
-    local = n if cfg.hardware.device == "cpu" else 1
-    per_param = 16.0  # AdamW: weight, grad, 2 moments; Muon keeps 1 buffer per matrix
-    if cfg.optim.name == "muon":
-        matrices = muon_params(m)
-        per_param = (16 * (total - matrices) + 12 * matrices) / total
-    need = per_rank * local * per_param / 2**30
-    if need > mem:
-        where = f"{n} CPU ranks together" if local > 1 else "one device"
-        raise Unsupported("model", f"model={m.name} needs >= {_gib(need)} GiB on {where} for "
-                          f"fp32 weights, gradients and optimizer state (optim="
-                          f"{cfg.optim.name}) under parallel={p.name}; "
-                          f"hardware={cfg.hardware.name} has {_gib(mem)} GiB (shard it: "
-                          "parallel=fsdp or expert_fsdp over more devices, or a smaller model)")
-    if cfg.task != "bench":  # (task=comm trains nothing)
-        return
-    act = activation_lower_bound(cfg) * local / 2**30
-    if need + act > mem:
-        t = cfg.train
-        raise Unsupported("train.micro_batch_size", f"{t.micro_batch_size} x seq_len "
-                          f"{t.seq_len} needs >= {_gib(act)} GiB of activations per step "
-                          f"(the loss's fp32 log-probabilities, each layer's input) besides "
-                          f"{_gib(need)} GiB of weights and optimizer state; hardware="
-                          f"{cfg.hardware.name} has {_gib(mem)} GiB (a smaller "
-                          "train.micro_batch_size, with train.grad_accum_steps for the batch)")
-
-
-def activation_lower_bound(cfg) -> float:
-    """Bytes of activations one rank holds at its step's peak whatever the settings: the
-    fp32 log-probabilities the loss saves (micro-batch x seq x vocab) and each layer's input
-    (kept under any activation checkpointing)."""
-    m, t = cfg.model, cfg.train
-    tokens = t.micro_batch_size * t.seq_len
-    width = 2 if cfg.precision.autocast_dtype else 4
-    return tokens * (4 * m.vocab_size + width * m.num_layers * m.hidden_size)
-
-
 def check_rendezvous(cfg) -> None:
     """A rank (RANK and WORLD_SIZE set) of a run with ranks joins torch's env:// rendezvous,
     which needs MASTER_ADDR and MASTER_PORT: this environment not ready (status error),
@@ -574,22 +499,6 @@ def check_comm(cfg) -> None:
         _at_least(cfg, key, low)
     if c.max_bytes < c.min_bytes:
         raise ConfigError("comm.max_bytes", f"must be >= comm.min_bytes={c.min_bytes}")
-    mem = cfg.hardware.memory_gib
-    if cfg.task == "comm" and mem is not None:  # the largest size's buffers, per rank
-        from .bench.comm import sizes
-
-        n = _world_size(cfg.hardware.devices)
-        local = n if cfg.hardware.device == "cpu" else 1
-        largest = sizes(c, n)[0][-1]
-        # all_reduce: in place; all_gather / reduce_scatter: + a rank's part; all_to_all: x2
-        bufs = max({"all_reduce": 1, "all_to_all": 2}.get(op, 1 + 1 / n) for op in c.ops)
-        need = bufs * largest * local / 2**30
-        if need > mem:
-            where = f"{local} CPU ranks together" if local > 1 else "one device"
-            many = f"{bufs:g} buffer" + ("s" if bufs != 1 else "")
-            raise Unsupported("comm.max_bytes", f"its largest size ({largest:,} bytes) needs >= "
-                              f"{_gib(need)} GiB on {where} ({many} of it per rank); "
-                              f"hardware={cfg.hardware.name} has {_gib(mem)} GiB")
 
 
 def check_sweep(cfg) -> None:
@@ -597,79 +506,6 @@ def check_sweep(cfg) -> None:
     t = cfg.sweep.job_timeout_s
     if t is not None and t <= 0:
         raise ConfigError("sweep.job_timeout_s", f"must be > 0 seconds or null, got {t}")
-
-
-def wandb_credentials() -> bool:
-    """Whether W&B will find credentials here: WANDB_API_KEY or WANDB_IDENTITY_TOKEN_FILE,
-    else a .netrc key for its server (WANDB_BASE_URL, the one `wandb login --host` saved, or
-    W&B's default) or the server's aliases. Read with W&B's own .netrc reader where this
-    W&B has it (no service process, no network), else by hand."""
-    import configparser
-    from urllib.parse import urlsplit
-
-    env = os.environ
-    if env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE"):
-        return True
-    base = env.get("WANDB_BASE_URL")
-    if not base:
-        settings = configparser.ConfigParser()  # `wandb login --host` records its server
-        try:
-            settings.read(Path(env.get("WANDB_CONFIG_DIR") or "~/.config/wandb").expanduser()
-                          / "settings")
-            base = settings.get("default", "base_url", fallback=None)
-        except (OSError, ValueError, configparser.Error):  # unreadable: the default server
-            pass
-    try:
-        from wandb.sdk.lib import urls
-        from wandb.sdk.lib.wbauth import wbnetrc
-
-        reader = wbnetrc.read_netrc_auth
-        base = base or urls.DEFAULT_BASE_URL
-    except (ImportError, AttributeError):  # another W&B: the same rules by hand
-        hosts = {urlsplit(base).netloc} if base else {"api.wandb.ai", "api.forge.coreweave.com"}
-        return _netrc_has_key(hosts)
-    try:
-        return bool(reader(host=base))
-    except Exception:  # noqa: BLE001 - a malformed key: W&B would refuse it too
-        return False
-
-
-def _netrc_has_key(hosts) -> bool:
-    import netrc
-
-    env = os.environ
-    paths = [Path(env["NETRC"]).expanduser()] if env.get("NETRC") else \
-        [Path("~/.netrc").expanduser(), Path("~/_netrc").expanduser()]
-    for path in paths:
-        try:
-            found = netrc.netrc(path)
-        except (OSError, netrc.NetrcParseError):
-            continue
-        return any((found.authenticators(h) or (None, None, ""))[2] for h in hosts)
-    return False
-
-
-WANDB_PROJECT_BAD = "/\\#?%:"
-
-
-def check_logger(cfg) -> None:
-    """logger.mode=online needs W&B credentials: checked now, not when the run is logged
-    at its end. A NotReady (status error): a resumed sweep runs it again once logged in."""
-    lg = cfg.logger
-    if lg.name != "wandb" or lg.mode == "disabled":
-        return
-    bad = [c for c in WANDB_PROJECT_BAD if c in lg.project]  # (W&B's own rules: its init
-    if bad or not 1 <= len(lg.project) <= 128:  # would fail after the run)
-        raise ConfigError("logger.project", f"'{lg.project}': a W&B project name is 1 to 128 "
-                          f"characters, none of {' '.join(WANDB_PROJECT_BAD)}")
-    for tag in lg.tags:
-        if not isinstance(tag, str) or not 1 <= len(tag) <= 64:
-            raise ConfigError("logger.tags", f"{tag!r}: a W&B tag is a string of 1 to 64 "
-                              "characters")
-    if lg.mode == "online" and not wandb_credentials():
-        raise NotReady(env_source(cfg, "logger.mode") or "logger.mode", "online needs W&B "
-                       "credentials and none were found: run `wandb login` or set "
-                       "WANDB_API_KEY, or use logger.mode=offline")
 
 
 def check_model_label(overrides) -> None:
@@ -685,13 +521,74 @@ def check_model_label(overrides) -> None:
                           f"model={chosen}'s sizes: pick model={name}, or name them anew")
 
 
+def _gib(x: float) -> str:
+    return f"{x:,.0f}" if x >= 10 else f"{x:.2g}"
+
+
+def check_memory(cfg) -> None:
+    """What must fit in memory (bench.flops' lower bounds): fp32 weights, gradients and
+    optimizer state as sharded, then with them the activations no setting avoids; task=comm:
+    its largest message's buffers. A GPU holds one rank; a CPU's memory (memory_gib is all
+    of it) holds this machine's ranks together."""
+    from .bench.flops import activation_lower_bound, state_lower_bound
+
+    mem, m, p, n = cfg.hardware.memory_gib, cfg.model, cfg.parallel, cfg.hardware.devices
+    if mem is None:
+        return
+    local = n if cfg.hardware.device == "cpu" else 1
+    where = f"{n} CPU ranks together" if local > 1 else "one device"
+    if cfg.task == "comm":
+        return _comm_memory(cfg, mem)
+    world = _world_size(n) if p.name != "none" else 1
+    need = state_lower_bound(cfg, world) * local / 2**30
+    if need > mem:
+        raise Unsupported("model", f"model={m.name} needs >= {_gib(need)} GiB on {where} for "
+                          f"fp32 weights, gradients and optimizer state (optim="
+                          f"{cfg.optim.name}) under parallel={p.name}; "
+                          f"hardware={cfg.hardware.name} has {_gib(mem)} GiB (shard it: "
+                          "parallel=fsdp or expert_fsdp over more devices, or a smaller model)")
+    act = activation_lower_bound(cfg) * local / 2**30
+    if need + act > mem:
+        t = cfg.train
+        raise Unsupported("train.micro_batch_size", f"{t.micro_batch_size} x seq_len "
+                          f"{t.seq_len} needs >= {_gib(act)} GiB of activations per step "
+                          f"(the loss's fp32 log-probabilities, each layer's input) besides "
+                          f"{_gib(need)} GiB of weights and optimizer state; hardware="
+                          f"{cfg.hardware.name} has {_gib(mem)} GiB (a smaller "
+                          "train.micro_batch_size, with train.grad_accum_steps for the batch)")
+
+
+def _comm_memory(cfg, mem: float) -> None:
+    """task=comm: the largest size's buffers, per rank."""
+    from .bench.comm import sizes
+
+    c, n = cfg.comm, _world_size(cfg.hardware.devices)
+    local = n if cfg.hardware.device == "cpu" else 1
+    largest = sizes(c, n)[0][-1]
+    # all_reduce: in place; all_gather / reduce_scatter: + a rank's part; all_to_all: x2
+    bufs = max({"all_reduce": 1, "all_to_all": 2}.get(op, 1 + 1 / n) for op in c.ops)
+    need = bufs * largest * local / 2**30
+    if need > mem:
+        where = f"{local} CPU ranks together" if local > 1 else "one device"
+        many = f"{bufs:g} buffer" + ("s" if bufs != 1 else "")
+        raise Unsupported("comm.max_bytes", f"its largest size ({largest:,} bytes) needs >= "
+                          f"{_gib(need)} GiB on {where} ({many} of it per rank); "
+                          f"hardware={cfg.hardware.name} has {_gib(mem)} GiB")
+
+
 def validate(cfg, overrides=(), in_sweep: bool = False) -> None:
-    """Raise ConfigError on the first problem. Run after hardware.resolve(). in_sweep: a
-    sweep's job (see check_unread)."""
+    """Raise on the first problem, in two passes: every mistake first (ConfigError: invalid),
+    whatever else is wrong; then what this machine cannot do (Unsupported: skipped) or is
+    not ready for (NotReady: error). Run after hardware.resolve(). in_sweep: a sweep's job
+    (see check_unread)."""
+    from .hardware import check_device, device_here
+    from .tracking import check_logger, logger_ready
+
     check_known_keys(cfg)
     check_model_label(overrides)
     check_finite(cfg)
     check_choices(cfg)
+    check_device(cfg)
     check_model(cfg.model)
     check_train(cfg)
     check_precision(cfg)
@@ -702,7 +599,14 @@ def validate(cfg, overrides=(), in_sweep: bool = False) -> None:
     check_optim(cfg)
     check_sweep(cfg)
     check_comm(cfg)
+    check_logger(cfg)
+    # what this machine cannot do, or is not ready for (a sweep's row says which)
+    device_here(cfg)
+    precision_here(cfg)
+    compile_here(cfg)
+    dispatch_here(cfg)
+    parallel_here(cfg)
     check_workers(cfg)
     check_memory(cfg)
     check_rendezvous(cfg)
-    check_logger(cfg)
+    logger_ready(cfg)

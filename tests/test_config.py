@@ -285,7 +285,7 @@ def test_expert_parallel_checks_use_the_whole_world(extra, error, tmp_path, monk
 
 
 def test_memory_check_counts_what_sharding_saves(monkeypatch):
-    from moe_exp.hardware import Unsupported
+    from moe_exp.config import Unsupported
     from moe_exp.validate import check_memory
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -317,7 +317,7 @@ def test_memory_check_counts_what_sharding_saves(monkeypatch):
 def test_memory_check_counts_muons_params_as_the_optimizer_does(model):
     from moe_exp.model.transformer import build_model
     from moe_exp.optim.muon import hidden_matrices
-    from moe_exp.validate import muon_params
+    from moe_exp.bench.flops import muon_params
 
     cfg = compose([f"model={model}", "optim=muon"])
     net = build_model(cfg.model)
@@ -485,7 +485,10 @@ def test_cli_cfg_info_help(tmp_path):
     assert p.returncode == 0 and "model/tiny_moe" in p.stdout and "hardware/auto" in p.stdout
     p = run_cli(["--help"], tmp_path)
     assert p.returncode == 0
-    assert "precision: bf16, fp16, fp32, fp8, tf32" in p.stdout
+    assert "precision=fp32 (default)|bf16|fp16|fp8|tf32" in p.stdout
+    assert "+sweep=optimizations|" in p.stdout  # (a preset is added with +)
+    assert "parallel.bucket_cap_mb=25.0  DDP's gradient bucket size (parallel=ddp only)" \
+        in p.stdout  # (each key with its declaration: config.py)
 
 
 def test_hardware_env_is_set_for_its_run_only(tmp_path, monkeypatch):
@@ -550,7 +553,7 @@ def test_gaudi_bridge_is_imported_under_hardware_env(tmp_path, monkeypatch):
 
     from omegaconf import open_dict
 
-    from moe_exp.hardware import check_device
+    from moe_exp.hardware import device_here
 
     pkg = tmp_path / "habana_frameworks"
     pkg.mkdir()
@@ -563,7 +566,7 @@ def test_gaudi_bridge_is_imported_under_hardware_env(tmp_path, monkeypatch):
     cfg = compose(["hardware=gaudi3"])
     try:
         with open_dict(cfg):
-            check_device(cfg)
+            device_here(cfg)
         assert sys.modules["habana_frameworks.torch"].SEEN == "0"
         assert "PT_HPU_LAZY_MODE" not in os.environ
     finally:  # later tests must see no bridge again
@@ -575,7 +578,7 @@ def test_online_wandb_without_a_login_fails_before_any_work(tmp_path, monkeypatc
     """WANDB_MODE=online with no W&B credentials used to crash after the measured steps,
     when the deferred W&B run started. Now: one line before any work, status `error` (a
     resumed sweep runs it again once logged in); found credentials pass. No W&B import."""
-    from moe_exp.validate import wandb_credentials
+    from moe_exp.tracking import wandb_credentials
 
     env = dict(HOME=str(tmp_path), NETRC=str(tmp_path / "netrc"), WANDB_MODE="online",
                WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"), WANDB_API_KEY="",
@@ -609,7 +612,7 @@ def test_online_wandb_without_a_login_fails_before_any_work(tmp_path, monkeypatc
 
 def test_netrc_fallback_reader(tmp_path, monkeypatch):
     """The hand-written .netrc check (for a W&B without the reader moe_exp uses)."""
-    from moe_exp.validate import _netrc_has_key
+    from moe_exp.tracking import _netrc_has_key
 
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
     assert not _netrc_has_key({"api.wandb.ai"})  # no file
@@ -652,7 +655,7 @@ def test_rank_env_without_master_and_huge_timeout_fail_first(monkeypatch):
     """RANK/WORLD_SIZE set by hand without MASTER_ADDR/PORT (torch's rendezvous traceback,
     no record) and a parallel.timeout_s torch cannot hold (it failed in the ranks): one line
     each, before any work."""
-    from moe_exp.hardware import ConfigError, NotReady
+    from moe_exp.config import ConfigError, NotReady
     from moe_exp.validate import check_parallel, check_rendezvous
 
     for k in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
@@ -682,7 +685,7 @@ def test_a_choice_read_from_the_environment_names_the_variable(tmp_path, monkeyp
     rec = run_inproc(["train.steps=2", "logger.mode=dryrun"], tmp_path)
     assert rec["error"].startswith("logger.mode: 'dryrun' is not one of")
     monkeypatch.setenv("WANDB_MODE", "online")
-    monkeypatch.setattr("moe_exp.validate.wandb_credentials", lambda: False)
+    monkeypatch.setattr("moe_exp.tracking.wandb_credentials", lambda: False)
     rec = run_inproc(["train.steps=2"], tmp_path)
     assert rec["error"].startswith("WANDB_MODE: online needs W&B credentials")
     # logger=none with the mode it means is not a key left unread

@@ -89,3 +89,12 @@ def test_derived_checks_follow_the_declarations():
     # logger=none's own mode (disabled) is what the option means, not a mistake
     o = ["logger=none", "logger.mode=disabled"]
     assert unread_keys(compose(o), o) == {}
+
+
+def test_help_lists_every_key_with_its_doc():
+    from moe_exp.config import KNOBS
+    from moe_exp.help import keys_text
+
+    text = keys_text()
+    for key, knob in KNOBS.items():
+        assert f"    {key}=" in text and knob.doc in text, key

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moe_exp.results import FIELDS
-from moe_exp.tracking import read_offline_run
+from wandb_reader import read_offline_run
 
 from conftest import compose, in_pairs, off_contract, run_cli, run_inproc
 

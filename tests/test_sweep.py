@@ -61,7 +61,7 @@ def test_table_has_every_row_status_and_speedup(swept):
 
 
 def test_each_job_own_wandb_run_and_summary_table(swept):
-    from moe_exp.tracking import read_offline_run
+    from wandb_reader import read_offline_run
 
     d, _ = swept
     groups = set()

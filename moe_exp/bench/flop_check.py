@@ -126,7 +126,7 @@ def main(argv=None) -> int:
 
     from hydra.errors import HydraException
 
-    from ..hardware import ConfigError
+    from ..config import ConfigError
     from ..run import hydra_error_line
 
     ap = argparse.ArgumentParser(prog="python -m moe_exp.bench.flop_check", description=(

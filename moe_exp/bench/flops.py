@@ -41,3 +41,43 @@ def analytic(m, seq_len: int) -> dict:
     counts = param_counts(m)
     return {"params_total": counts["params_total"], "params_active": counts["params_active"],
             "flops_per_token": flops_per_token(m, seq_len)}
+
+
+# Memory lower bounds (validate.check_memory skips a run that cannot fit before any work).
+
+def muon_params(m) -> int:
+    """Parameters optim=muon updates (optim.muon.hidden_matrices): all but the embeddings,
+    the head and the norms (2 per block + the final one), which AdamW updates."""
+    h = m.hidden_size
+    return param_counts(m)["params_total"] - 2 * m.vocab_size * h - (2 * m.num_layers + 1) * h
+
+
+def state_lower_bound(cfg, world: int) -> float:
+    """Bytes one rank holds of fp32 weights, gradients and optimizer state (16 B/param with
+    AdamW: weight, grad, 2 moments; 12 for Muon's matrices, 1 buffer each), sharded as the
+    parallel option shards them (FSDP over all `world` ranks, expert parallel's experts over
+    its group)."""
+    m, p = cfg.model, cfg.parallel
+    total = param_counts(m)["params_total"]
+    experts = m.num_layers * m.num_experts * 3 * m.hidden_size * m.ffn_hidden_size
+    if p.name in ("fsdp", "expert_fsdp"):
+        per_rank = total / world
+    elif p.name == "expert":
+        per_rank = total - experts + experts / (p.expert_parallel_size or world)
+    else:
+        per_rank = total
+    per_param = 16.0
+    if cfg.optim.name == "muon":
+        matrices = muon_params(m)
+        per_param = (16 * (total - matrices) + 12 * matrices) / total
+    return per_rank * per_param
+
+
+def activation_lower_bound(cfg) -> float:
+    """Bytes of activations one rank holds at its step's peak whatever the settings: the
+    fp32 log-probabilities the loss saves (micro-batch x seq x vocab) and each layer's input
+    (kept under any activation checkpointing)."""
+    m, t = cfg.model, cfg.train
+    tokens = t.micro_batch_size * t.seq_len
+    width = 2 if cfg.precision.autocast_dtype else 4
+    return tokens * (4 * m.vocab_size + width * m.num_layers * m.hidden_size)

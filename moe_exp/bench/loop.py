@@ -94,138 +94,200 @@ def _kineto_quiet():
             os.write(2, out.encode())
 
 
+class _Window:
+    """The measured window: from the end of warmup to the profiled steps (distributed: the
+    last parallel.profile_steps steps run under torch.profiler to time the collectives;
+    they are left out of the step-time figures). Its wall time, CPU ticks and memory go
+    into the loop's result."""
+
+    def __init__(self, cfg, device, memory: MemoryMeter, res: LoopResult):
+        t = cfg.train
+        self.device, self.memory, self.res = device, memory, res
+        self.total, self.warmup = total_steps(t), t.warmup_steps
+        n_prof = cfg.parallel.profile_steps if dist.is_initialized() else 0
+        self.prof_from = self.total - n_prof if 0 < n_prof < t.steps else self.total
+        self.prof = None
+
+    def measured(self, step: int) -> bool:
+        return self.warmup <= step < self.prof_from
+
+    def begin(self, step: int, bar) -> None:
+        """At a step's start: the window opens after warmup and closes where the profiled
+        steps begin."""
+        if step == self.prof_from:
+            self._end()
+            self.prof = _profiler(self.device)
+            with _kineto_quiet():
+                self.prof.__enter__()
+            self.prof_t0 = time.perf_counter()
+        if step == self.warmup:
+            self.res.startup_s = process_age_s()
+            self.memory.reset()
+            bar.set_description("bench")
+            self.load0 = snapshot()  # (its /proc scan before the clock starts)
+            self.wall0 = time.perf_counter()
+
+    def _end(self) -> None:
+        device_sync(self.device)
+        self.res.wall_s = time.perf_counter() - self.wall0
+        self.res.cpu_window = window(self.load0, snapshot())
+        self.res.memory = self.memory.read()  # (the profiler's own memory is not the run's)
+
+    def finish(self) -> None:
+        """After the last step: the window's figures, and the profiled steps' comm time."""
+        if self.res.wall_s is None:
+            self._end()
+        if self.prof is None:
+            return
+        from ..optimizations.parallel import comm_ms_per_step
+
+        device_sync(self.device)
+        n = self.total - self.prof_from
+        prof_ms = (time.perf_counter() - self.prof_t0) * 1e3 / n
+        self.close()
+        self.res.comm_ms = comm_ms_per_step(self._closed, n)
+        if self.res.comm_ms is not None:  # (the same steps: the median step is not)
+            self.res.comm_share = self.res.comm_ms / prof_ms
+
+    def close(self) -> None:
+        if self.prof is not None:
+            with _kineto_quiet():
+                self.prof.__exit__(None, None, None)
+            self._closed, self.prof = self.prof, None
+
+
+class _MoeStats:
+    """Expert load and router losses summed over the measured micro-steps, on the device
+    (read once at the end)."""
+
+    def __init__(self, device):
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # balance, z, busiest
+        self.n, self.counts = 0, None
+
+    def add(self, out) -> None:
+        if not out.counts.numel():  # (a dense model)
+            return
+        self.counts = (out.counts.clone() if self.counts is None  # (a CUDA graph's output
+                       else self.counts.add_(out.counts))  # is overwritten by its next replay)
+        self.sums[0] += out.balance.detach()
+        self.sums[1] += out.z.detach()
+        self.sums[2] += out.counts.max(dim=1).values.sum()
+        self.n += 1
+
+    def into(self, res: LoopResult) -> None:
+        res.counts = self.counts
+        if self.n:  # (busiest: summed over micro-steps and layers, as the mean's rows)
+            balance, z, busiest = self.sums.tolist()
+            res.balance, res.z = balance / self.n, z / self.n
+            res.step_max_over_mean = busiest / (self.counts.sum().item() / self.counts.shape[1])
+
+
+class _LossLog:
+    """Each step's loss stays on the device until a log step reads the new ones at once (one
+    sync per train.log_every steps): into the result, the progress bar and the tracker; a
+    non-finite one stops the run (Diverged)."""
+
+    def __init__(self, losses: torch.Tensor, res: LoopResult, bar, on_log):
+        self.losses, self.res, self.bar, self.on_log = losses, res, bar, on_log
+        self.logged = 0  # steps whose loss has been read
+
+    def read(self, step: int) -> None:
+        new = self.losses[self.logged: step + 1]
+        if dist.is_initialized():  # the global batch's loss: same on every rank
+            from ..distributed import all_mean
+
+            new = all_mean(new)
+        values = new.tolist()
+        self.logged = step + 1
+        self.res.losses.extend(values)
+        self.bar.set_postfix(loss=f"{values[-1]:.3f}", refresh=sys.stderr.isatty())  # (off a
+        # terminal: the bar every 10 s, not every log)
+        if self.on_log:
+            self.on_log(step, values)
+        first = len(self.res.losses) - len(values)  # step of values[0]
+        bad = next((first + i for i, v in enumerate(values) if not math.isfinite(v)), None)
+        if bad is not None:  # the first non-finite step, whatever log_every is
+            raise Diverged(f"loss became {self.res.losses[bad]} at step {bad}",
+                           self.res.losses[:bad])
+
+    def unread(self) -> list:
+        """The losses of the steps done since the last log (one process: they are global)."""
+        return self.losses[self.logged: self.res.steps_done].tolist()
+
+
+def optimizer_step(cfg, applied, optimizer, scheduler, scaler, params, timer) -> None:
+    """Gradient sync outside DDP/FSDP's hooks (expert parallelism: timed as backward, as
+    under DDP/FSDP), unscale, clip, step, zero the gradients, advance the schedule."""
+    if applied.before_step:
+        applied.before_step()
+        timer.lap("backward")
+    if scaler:
+        scaler.unscale_(optimizer)
+    if cfg.optim.grad_clip > 0:
+        (applied.clip or torch.nn.utils.clip_grad_norm_)(params, cfg.optim.grad_clip)
+    if scaler:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+
+
 def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                memory: MemoryMeter, on_log=None, progress: bool = True) -> LoopResult:
     t = cfg.train
-    model, autocast, scaler = applied.model, applied.autocast, applied.scaler
+    model, autocast, scaler, accum = applied.model, applied.autocast, applied.scaler, \
+        t.grad_accum_steps
     params = [p for g in optimizer.param_groups for p in g["params"]]
     total = total_steps(t)
     timer, res = StepTimer(device), LoopResult()
     # Per-step figures go into buffers made once: small tensors kept from every step would
     # pin freed heap between them (on CPU the run's peak RSS grew with train.steps).
     losses = torch.zeros(total, device=device)  # each step's loss, read at each log
-    moe_sums = torch.zeros(3, dtype=torch.float64, device=device)  # balance, z, busiest
-    moe_n, logged = 0, 0  # measured MoE micro-steps; steps whose loss has been read
-    it = iter(loader)
-    tty = sys.stderr.isatty()
     bar = tqdm(total=total, desc="warmup", unit="step", disable=not progress,
-               mininterval=0.5 if tty else 10.0, dynamic_ncols=True)
+               mininterval=0.5 if sys.stderr.isatty() else 10.0, dynamic_ncols=True)
+    win, moe, log = _Window(cfg, device, memory, res), _MoeStats(device), \
+        _LossLog(losses, res, bar, on_log)
+    batches = iter(loader)
     model.train()
-    # Distributed: the last profile_steps measured steps run under torch.profiler to time
-    # the collectives; they are left out of the step-time figures.
-    n_prof = cfg.parallel.profile_steps if dist.is_initialized() else 0
-    prof_from = total - n_prof if 0 < n_prof < t.steps else total
-    prof = None
-
-    def end_window():
-        device_sync(device)
-        res.wall_s = time.perf_counter() - wall0
-        res.cpu_window = window(load0, snapshot())
-        res.memory = memory.read()  # (the profiler's own memory is not the run's)
-
     try:
         for step in range(total):
-            measured = step >= t.warmup_steps
-            if step == prof_from:  # the window ends where the profiled steps begin
-                end_window()
-                prof = _profiler(device)
-                with _kineto_quiet():
-                    prof.__enter__()
-                prof_t0 = time.perf_counter()
-            if step == t.warmup_steps:
-                res.startup_s = process_age_s()
-                memory.reset()
-                bar.set_description("bench")
-                load0 = snapshot()  # (its /proc scan before the clock starts)
-                wall0 = time.perf_counter()
+            win.begin(step, bar)
             if step == 0:
                 t0 = time.perf_counter()
             timer.start()
             step_loss = losses[step]
-            for sync_ctx in applied.micro_contexts(t.grad_accum_steps):
-                tokens, targets = next(it)
+            for sync_ctx in applied.micro_contexts(accum):
+                tokens, targets = next(batches)
                 tokens = tokens.to(device, non_blocking=True)
                 targets = targets.to(device, non_blocking=True)
                 timer.lap("data")
                 with sync_ctx:
-                    out = micro_step(model, tokens, targets, autocast, scaler,
-                                     t.grad_accum_steps, timer)
-                step_loss += out.ce.detach() / t.grad_accum_steps
-                if measured and step < prof_from and out.counts.numel():
-                    res.counts = (out.counts.clone() if res.counts is None  # (a CUDA
-                                  # graph's output is overwritten by its next replay)
-                                  else res.counts.add_(out.counts))
-                    moe_sums[0] += out.balance.detach()
-                    moe_sums[1] += out.z.detach()
-                    moe_sums[2] += out.counts.max(dim=1).values.sum()
-                    moe_n += 1
-            if applied.before_step:  # gradient sync outside DDP/FSDP's hooks (expert
-                # parallelism): backward's, as under DDP/FSDP
-                applied.before_step()
-                timer.lap("backward")
-            if scaler:
-                scaler.unscale_(optimizer)
-            if cfg.optim.grad_clip > 0:
-                (applied.clip or torch.nn.utils.clip_grad_norm_)(params, cfg.optim.grad_clip)
-            if scaler:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+                    out = micro_step(model, tokens, targets, autocast, scaler, accum, timer)
+                step_loss += out.ce.detach() / accum
+                if win.measured(step):
+                    moe.add(out)
+            optimizer_step(cfg, applied, optimizer, scheduler, scaler, params, timer)
             timer.lap("optimizer")
-            if measured and step < prof_from:
+            if win.measured(step):
                 timer.end()
             if step == 0:
                 device_sync(device)
                 res.first_step_s = time.perf_counter() - t0
             res.steps_done = step + 1
             if (step + 1) % t.log_every == 0 or step + 1 == total:
-                new = losses[logged: step + 1]
-                if dist.is_initialized():  # the global batch's loss: same on every rank
-                    from ..distributed import all_mean
-
-                    new = all_mean(new)
-                values = new.tolist()  # one sync per log interval
-                logged = step + 1
-                res.losses.extend(values)
-                bar.set_postfix(loss=f"{values[-1]:.3f}", refresh=tty)  # (off a terminal:
-                # the bar every 10 s, not every log)
-                if on_log:
-                    on_log(step, values)
-                first = len(res.losses) - len(values)  # step of values[0]
-                bad = next((first + i for i, v in enumerate(values) if not math.isfinite(v)), None)
-                if bad is not None:  # the first non-finite step, whatever log_every is
-                    raise Diverged(f"loss became {res.losses[bad]} at step {bad}",
-                                   res.losses[:bad])
+                log.read(step)
             bar.update(1)
-        if res.wall_s is None:
-            end_window()
-        if prof is not None:
-            device_sync(device)
-            prof_ms = (time.perf_counter() - prof_t0) * 1e3 / (total - prof_from)
-            with _kineto_quiet():
-                prof.__exit__(None, None, None)
-            from ..optimizations.parallel import comm_ms_per_step
-
-            res.comm_ms = comm_ms_per_step(prof, total - prof_from)
-            if res.comm_ms is not None:  # (the same steps: the median step is not)
-                res.comm_share = res.comm_ms / prof_ms
-            prof = None
+        win.finish()
     except KeyboardInterrupt as e:  # the record keeps the loss of every step done
         if not dist.is_initialized():  # (ranks: only the logged, global, losses)
-            res.losses.extend(losses[logged: res.steps_done].tolist())
+            res.losses.extend(log.unread())
         e.losses, e.steps = res.losses, (res.steps_done, total)
         raise
     finally:
-        if prof is not None:
-            with _kineto_quiet():
-                prof.__exit__(None, None, None)
+        win.close()
         bar.close()
     res.timings = timer.results()
-    if moe_n:  # (busiest: summed over micro-steps and layers, as the mean's rows)
-        balance, z, busiest = moe_sums.tolist()
-        res.balance, res.z = balance / moe_n, z / moe_n
-        res.step_max_over_mean = busiest / (res.counts.sum().item() / res.counts.shape[1])
+    moe.into(res)
     return res

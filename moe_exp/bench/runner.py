@@ -19,7 +19,8 @@ from .load import other_share
 DENSE = "dense model (model.num_experts=0)"  # why its expert figures are null
 from .loop import Diverged, train_loop
 from .memory import MemoryMeter, cpu_memory_cap, is_oom, oom_line
-from .timer import iqr, median, own_process
+from .metrics import step_metrics
+from .timer import own_process
 
 
 def _tags(choices: dict, cfg) -> list[str]:
@@ -190,36 +191,29 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
     _compile_cache(rec, cfg, *graphs[:4])
     _cudagraph_skips(rec, cfg, device, graphs[4])
 
-    tokens_per_step = t.micro_batch_size * t.grad_accum_steps * t.seq_len
-    tm = res.timings
-    step_ms = median(tm["step_ms"])
-    mem, mem_why = res.memory
+    tm, (mem, mem_why) = res.timings, res.memory
     if world > 1:  # the slowest rank sets the pace; the largest peak is what must fit
         _across_ranks(res, tm, mem, device)
-        step_ms = median(tm["step_ms"])
-    rec.update(
-        step_time_ms=step_ms, step_time_iqr_ms=iqr(tm["step_ms"]),
-        tokens_per_s=tokens_per_step * world / (step_ms / 1e3),
-        tokens_per_s_per_device=tokens_per_step / (step_ms / 1e3),
-        tokens_per_s_wall=tokens_per_step * world * len(tm["step_ms"]) / res.wall_s,
-        **{f"{p}_ms": median(tm[f"{p}_ms"]) for p in ("data", "forward", "backward", "optimizer")},
-        loss_first=res.losses[0], loss_last=res.losses[-1], losses=res.losses,
-        tokens_per_step=tokens_per_step * world, measured_steps=len(tm["step_ms"]),
-    )
+    peak = cfg.hardware.peak_flops.get(cfg.precision.name)
+    rec.update(step_metrics(
+        tm["step_ms"], tm, tokens_per_step=t.micro_batch_size * t.grad_accum_steps * t.seq_len,
+        world=world, wall_s=res.wall_s, first_step_s=res.first_step_s,
+        compiled=t.compile != "off", flops_per_token=rec["flops_per_token"], peak_flops=peak,
+        startup_s=res.startup_s if own_process() else None),
+        loss_first=res.losses[0], loss_last=res.losses[-1], losses=res.losses)
     if rec["step_time_iqr_ms"] is None:
         why["step_time_iqr_ms"] = "one timed step: an IQR needs two" + (
             f" (of train.steps={t.steps}, the last {t.steps - 1} ran under the profiler for "
             "comm_ms, untimed: raise train.steps)" if t.steps > 1 else
             ": train.steps >= 2")
-    rec["data_share"] = rec["data_ms"] / step_ms
     if t.compile == "off":
         why["compile_s"] = "train.compile=off"
-    else:  # the first step's time beyond a steady step: compilation dominates it
-        rec["compile_s"] = max(0.0, res.first_step_s - step_ms / 1e3)
-    if res.startup_s is not None and own_process():  # framework overhead, compile excluded
-        rec["startup_s"] = res.startup_s - (rec["compile_s"] or 0.0)
-    else:
+    if rec["startup_s"] is None:
         why["startup_s"] = "process not started for this run (in-process call), or no /proc"
+    if not peak:
+        why["mfu"] = why["peak_flops"] = (
+            f"no peak FLOP/s known for hardware={cfg.hardware.name} at precision="
+            f"{cfg.precision.name}; set ++hardware.peak_flops.{cfg.precision.name}=<FLOP/s>")
     rec["cpu_other_load"] = (other_load_across_ranks(res.cpu_window, device) if world > 1
                              else None if res.cpu_window is None
                              else other_share(*res.cpu_window))
@@ -228,23 +222,11 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
     rec.update(mem)
     why.update({k: v for k, v in mem_why.items() if mem.get(k) is None})  # (another rank's
     # figure may fill a null)
-    if res.comm_ms is not None:
-        rec.update(comm_ms=res.comm_ms, comm_share=res.comm_share)
-    else:  # (present as nulls: a sweep's table has the columns for every row)
-        rec.update(comm_ms=None, comm_share=None)
+    rec.update(comm_ms=res.comm_ms, comm_share=res.comm_share)  # (nulls present: a sweep's
+    if res.comm_ms is None:  # table has the columns for every row)
         why["comm_ms"] = why["comm_share"] = (
             "one rank: no communication" if world == 1 else
             "parallel.profile_steps=0 or train.steps <= profile_steps")
-    fpt = rec["flops_per_token"]
-    rec["tflops_per_device"] = fpt * rec["tokens_per_s_per_device"] / 1e12
-    peak = cfg.hardware.peak_flops.get(cfg.precision.name)
-    rec["peak_flops"] = peak or None
-    if peak:
-        rec["mfu"] = rec["tflops_per_device"] * 1e12 / peak
-    else:
-        why["mfu"] = why["peak_flops"] = (
-            f"no peak FLOP/s known for hardware={cfg.hardware.name} at precision="
-            f"{cfg.precision.name}; set ++hardware.peak_flops.{cfg.precision.name}=<FLOP/s>")
     if cfg.model.dispatch == "padded":
         _padded_fallbacks(applied.model, cfg, rec, device, world)
     else:  # (a sweep's table has the column for every row: say why it is empty)

@@ -19,6 +19,39 @@ def main(argv=None) -> int:
     p.add_argument("--force", action="store_true", help="overwrite an existing file that is "
                    "not a token file (one without its .json)")
     args = ap.parse_args(argv)
+    try:
+        return _prepare(args)
+    except OSError as e:  # a path the system refuses in the checks (ELOOP, EACCES, ...)
+        print(f"error: {e.filename}: {e.strerror}", file=sys.stderr)
+        return 2
+
+
+NAME_MAX = 255  # bytes in a file name (Linux, macOS)
+
+
+def _short(path: str) -> str:
+    return path if len(path) <= 60 else f"{path[:40]}...{path[-12:]}"
+
+
+def _name_error(args) -> str | None:
+    """A file name longer than the system takes (the output's with its .json): it raised
+    OSError (File name too long) with a traceback, in the checks."""
+    out = Path(args.out)
+    if len(meta_path(out).name.encode()) > NAME_MAX:
+        return (f"the output {_short(args.out)}: a file name of {len(out.name.encode())} bytes; "
+                f"at most {NAME_MAX - len('.json')} (its metadata goes to <name>.json beside "
+                "it)")
+    for f in [*args.inputs, args.out]:
+        if long := [p for p in Path(f).parts if len(p.encode()) > NAME_MAX]:
+            return (f"{_short(f)}: a name of {len(long[0].encode())} bytes; a file or dir name "
+                    f"is at most {NAME_MAX}")
+    return None
+
+
+def _prepare(args) -> int:
+    if line := _name_error(args):
+        print(f"error: {line}", file=sys.stderr)
+        return 2
     for what, bad in (("no such file", [f for f in args.inputs if not Path(f).exists()]),
                       ("a directory, not a text file", [f for f in args.inputs
                                                         if Path(f).is_dir()]),

@@ -114,3 +114,33 @@ class TokenFile(Dataset):
         s = self.starts[i]
         row = torch.from_numpy(self.tokens[s: s + self.seq_len + 1].astype(np.int64))
         return row[:-1], row[1:]
+
+
+def check_token_file(cfg) -> None:
+    """data=tokens: data.path names a token file with its sidecar, whose vocabulary fits the
+    model and which holds a sequence (ConfigError: invalid, before any work)."""
+    from omegaconf import OmegaConf
+
+    from ..config import ConfigError
+
+    d = cfg.data
+    make = "python -m moe_exp.data prepare <text files> <out.bin>"
+    if OmegaConf.is_missing(d, "path") or not d.path:
+        raise ConfigError("data.path", f"data=tokens needs data.path=<token file>; make one "
+                          f"with {make}")
+    if not Path(d.path).is_file():
+        raise ConfigError("data.path", f"no token file at '{d.path}'; make one with {make}")
+    if not meta_path(d.path).is_file():
+        raise ConfigError("data.path", f"'{d.path}' has no {meta_path(d.path).name} beside "
+                          "it; make token files with python -m moe_exp.data prepare")
+    try:
+        meta = read_meta(d.path)
+    except ValueError as e:
+        raise ConfigError("data.path", str(e)) from None
+    vocab = meta["vocab_size"]
+    if vocab > cfg.model.vocab_size:
+        raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the "
+                          f"token file's vocabulary ({vocab})")
+    if meta.get("num_tokens", cfg.train.seq_len + 1) < cfg.train.seq_len + 1:
+        raise ConfigError("data.path", f"'{d.path}' holds {meta['num_tokens']} tokens, fewer "
+                          f"than train.seq_len+1={cfg.train.seq_len + 1}")

@@ -3,6 +3,7 @@ the table rebuilt after each job (an interrupted sweep keeps its rows), and at t
 printed table, plots, report.md and the W&B summary run."""
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -145,7 +146,7 @@ class SweepCallback(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         counts: dict[str, int] = {}
         # the table's records (a job's callbacks may have run in another process)
-        records = collect(sweep_dir, warn=False)  # (the report names bad files)
+        records = collect(sweep_dir, warn=False, keep=True)  # (the report names bad files)
         for r in records:
             counts[r.get("status", "?")] = counts.get(r.get("status", "?"), 0) + 1
         summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
@@ -159,11 +160,37 @@ class SweepCallback(Callback):
             NO_JOB_OK = True
             print("[sweep] no job finished ok: see the table's status and error columns "
                   "(exit status 1)", file=sys.stderr, flush=True)
-        report(sweep_dir, baseline=baseline_of(config.sweep), by=list(config.sweep.baseline_by),
-               wandb_cfg=config.logger if config.logger.name == "wandb" else None,
-               group=config.logger.get("group") or sweep_group(config, sweep_dir),
-               title=f"Sweep {config.sweep.name or sweep_dir}")
-        if self.lock is not None:
+        try:
+            report(sweep_dir, baseline=baseline_of(config.sweep),
+                   by=list(config.sweep.baseline_by),
+                   wandb_cfg=config.logger if config.logger.name == "wandb" else None,
+                   group=config.logger.get("group") or sweep_group(config, sweep_dir),
+                   title=f"Sweep {config.sweep.name or sweep_dir}")
+        except OSError as e:  # a full or read-only disk: the table after the last job stays
+            from .table import write_error_line
+
+            print(f"error: {write_error_line(e)} (every job's record is in its dir: python "
+                  f"-m moe_exp.report {sweep_dir} makes the table once there is room)",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(1) from None  # (Hydra passes SystemExit on: run.EXIT_FAILED)
+        finally:
+            self.release(sweep_dir)
+
+    def release(self, sweep_dir: Path) -> None:
+        """The sweep has ended: its lock files go. .results.lock first: only this sweep's
+        jobs take it (its .sweep.lock keeps other sweeps out), and they have ended. Then
+        .sweep.lock, removed while still held: a sweep that opened it just before and locks
+        it after finds the file gone and opens a new one (checks.claim_dir), so no two
+        sweeps ever hold the dir. A sweep that is interrupted leaves them: harmless, a lock
+        is the flock on an open file, which ends with the process, not the file."""
+        if self.lock is None:
+            return
+        try:
+            for name in (".results.lock", ".sweep.lock"):
+                (sweep_dir / name).unlink(missing_ok=True)
+        except OSError:  # (a read-only dir: they stay, harmless)
+            pass
+        finally:
             self.lock.close()
             self.lock = None
 
@@ -181,20 +208,44 @@ def _update_table(config: DictConfig) -> None:
 def update_table(sweep_dir: Path, sweep: DictConfig) -> None:
     """Keep results.* current: an interrupted sweep still has its table. Under a lock, so
     jobs that end together (submitit) each write a table read after the other's."""
-    import fcntl
-
     try:
         from .table import collect, sweep_table, write_tables
 
-        with open(sweep_dir / ".results.lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # (a bad baseline key: the report at the end
-            # says so)
-            df, _ = sweep_table(collect(sweep_dir, warn=False), baseline_of(sweep),
+        with _locked(sweep_dir / ".results.lock"):  # (a bad baseline key: the report at
+            # the end says so)
+            df, _ = sweep_table(collect(sweep_dir, warn=False, keep=True), baseline_of(sweep),
                                 sweep.baseline_by)  # (the report at the end names bad files)
             write_tables(df, sweep_dir, title=f"Sweep {sweep.name or sweep_dir}")  # (the
             # report's title at the end)
     except Exception as e:  # noqa: BLE001
-        print(f"[sweep] could not update the table yet: {e}", flush=True)
+        from .table import write_error_line
+
+        why = write_error_line(e) if isinstance(e, OSError) else e  # (a full disk)
+        print(f"[sweep] could not update the table yet: {why}", flush=True)
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive flock on `path`, created if need be; where the sweep's end removed the
+    file while this process waited (SweepCallback.release), the lock of a new one."""
+    import fcntl
+    import os
+
+    while True:
+        f = open(path, "a")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            if os.fstat(f.fileno()).st_ino == os.stat(path).st_ino:
+                break
+        except FileNotFoundError:  # (removed: a new one)
+            pass
+        except OSError:  # a filesystem without locks: unguarded
+            break
+        f.close()
+    try:
+        yield f
+    finally:
+        f.close()
 
 
 def baseline_of(sweep: DictConfig) -> dict | None:

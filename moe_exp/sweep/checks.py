@@ -16,7 +16,7 @@ class SweepError(Exception):
 def check_sweep(config: DictConfig, params: dict) -> None:
     """params: each swept key (as written) -> its values."""
     from .. import validate
-    from ..hardware import ConfigError
+    from ..config import ConfigError
 
     try:  # sweep.* settings are the same for every job: wrong, they would fail each one
         validate.check_sweep(config)
@@ -37,7 +37,7 @@ def check_jobs(config: DictConfig, jobs: list[list[str]], validate: bool = True)
     - validate: every job invalid or skipped (a `+` key no group has, a value every
       combination rejects, precision=tf32,fp8 on a CPU): the first job's error. Jobs are
       validated in order until one can run (usually the first); invalid or skipped
-      combinations among ones that run are rows (README:
+      combinations among ones that run are rows (docs/sweeps.md:
       Nothing lost). Off for launchers whose jobs resolve their hardware where they run.
     - a key only one option of its group reads (data.path, Muon's keys), where no job picks
       that option (validate.check_unread: a sweep's jobs leave it unread)
@@ -85,7 +85,7 @@ def check_jobs(config: DictConfig, jobs: list[list[str]], validate: bool = True)
             theirs = " ".join(o for o in other if o not in overrides)
             raise SweepError(f"{mine}: job #{num} would measure what job #{seen[key]} "
                              f"({theirs}) does, one row: its configuration does not read "
-                             "that setting (README: config_hash); give it one value, or "
+                             "that setting (docs/record.md: config_hash); give it one value, or "
                              "tell the rows apart with +extra.NAME=...")
         seen.setdefault(key, num)
     if validate and first:
@@ -270,6 +270,11 @@ def claim_dir(d: Path):
                          f"{e.strerror or e}") from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.fstat(f.fileno()).st_ino != os.stat(d / ".sweep.lock").st_ino:
+            raise FileNotFoundError  # a sweep that just ended removed it (callback.release)
+    except FileNotFoundError:  # (its lock would guard nothing): lock the new one
+        f.close()
+        return claim_dir(d)
     except BlockingIOError:
         f.seek(0)
         holder = f.read().strip() or "another process"

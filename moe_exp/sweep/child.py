@@ -16,8 +16,14 @@ def main(spec_path: str) -> int:
     stop_on_sigterm()
     spec = load_spec(spec_path)
     cfg = OmegaConf.create(spec["config"])
-    run(cfg, out_dir=Path(spec_path).parent, progress=spec.get("progress", False),
-        overrides=spec["overrides"], choices=spec["choices"], in_sweep=True)
+    try:
+        run(cfg, out_dir=Path(spec_path).parent, progress=spec.get("progress", False),
+            overrides=spec["overrides"], choices=spec["choices"], in_sweep=True)
+    except OSError as e:  # a full or read-only disk: one line (the job's row says it)
+        from .table import write_error_line
+
+        print(f"error: {write_error_line(e)}", file=sys.stderr)
+        return 1
     return 0  # the record's status says how the run went
 
 

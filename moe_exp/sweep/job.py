@@ -8,6 +8,7 @@ repeat and the combined record at the job level), job.log (the child's output), 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -49,13 +50,22 @@ def run_job(cfg) -> dict:
     try:
         rec = _run_job(cfg, job_dir, sweep_dir, overrides, choices, hc.job.num)
     except Exception as e:  # noqa: BLE001 - a job must not raise (Hydra would drop the table)
-        (job_dir / "error.log").write_text(traceback.format_exc())
+        with contextlib.suppress(OSError):  # (a full disk: the record below says it)
+            (job_dir / "error.log").write_text(traceback.format_exc())
         from ..run import _container
 
         rec = failed_record(_container(cfg), overrides, "error",
                             f"{type(e).__name__}: {e}"[:300], "not measured: job error")
     rec["job"] = hc.job.num
-    write_json_atomic(job_dir / "metrics.json", rec)
+    try:
+        write_json_atomic(job_dir / "metrics.json", rec)
+    except OSError as e:  # a full or read-only disk: no job after this one gets a row either
+        from .table import write_error_line
+
+        print(f"error: {write_error_line(e)}: the sweep stops here (the jobs before this "
+              f"one keep their records: python -m moe_exp.report {sweep_dir} remakes the table "
+              "once there is room)", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None  # (Hydra passes SystemExit on: run.EXIT_FAILED)
     return rec
 
 
@@ -113,8 +123,6 @@ def _repeats(cfg, cfg_dict: dict, job_dir: Path, sweep_dir: Path, overrides, cho
         if s.isolate:
             rec = run_child(cfg_dict, overrides, choices, rdir, s)
             log_record(rec)  # into this job's run.log (the child has no log file)
-            if rec["status"] == "crashed":  # (a child that ran to its end said so itself)
-                print(f"[sweep] job #{num}: crashed: {rec['error']}", file=sys.stderr)
         else:
             from ..run import distributed_run, run
 
@@ -127,6 +135,9 @@ def _repeats(cfg, cfg_dict: dict, job_dir: Path, sweep_dir: Path, overrides, cho
             _RUNS_HERE += 1
         rec.update(repeat=i, repeats=s.repeats)
         write_json_atomic(rdir / "metrics.json", rec)
+        if s.isolate and rec["status"] == "crashed":  # (a child that ran to its end said so
+            # itself; one whose record could not be written either: run_job says that)
+            print(f"[sweep] job #{num}: crashed: {rec['error']}", file=sys.stderr)
         reps.append(rec)
     return reps[0] if s.repeats == 1 else combine(reps)
 
@@ -220,7 +231,7 @@ def run_child(cfg_dict: dict, overrides, choices, out_dir: Path, s) -> dict:
         env.update(TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"))
     tail: deque = deque(maxlen=40)
     cmd = [sys.executable, "-m", "moe_exp.sweep.child", str(spec)]
-    with open(out_dir / "job.log", "wb") as log:
+    with open(out_dir / "job.log", "wb", buffering=0) as log:  # (nothing left to fail at close)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)  # its own group: killed as a whole
         reader = threading.Thread(target=_forward, args=(proc.stdout, log, tail), daemon=True)
@@ -254,7 +265,11 @@ def run_child(cfg_dict: dict, overrides, choices, out_dir: Path, s) -> dict:
 def _forward(stream, log, tail: deque) -> None:
     out = getattr(sys.stdout, "buffer", None)
     for chunk in iter(lambda: stream.read1(65536), b""):
-        log.write(chunk)
+        if log is not None:
+            try:
+                log.write(chunk)
+            except OSError:  # a full disk: job.log stops (the record, or its failure, says
+                log = None  # why), the terminal still gets the output
         tail.append(chunk)
         try:
             if out:

@@ -11,15 +11,18 @@ import sys
 from pathlib import Path
 
 from ..bench.load import OTHER_LOAD_WARN, busy
+from ..config import OFF
 from ..results import FIELDS
 
 # Finished outcomes that a re-run would repeat: resume keeps them (error/crashed re-run).
 DONE = ("ok", "oom", "diverged", "invalid", "skipped")
 ADDED = ("job", "label", "repeats", "tokens_per_s_min", "tokens_per_s_max", "baseline",
          "baseline_job", "speedup", "speedup_significant", "mem_saved_pct")
-# What counts as "an optimization on" when choosing the default baseline (fewest on).
-_OFF = {"precision": "fp32", "activation_checkpointing": "none", "compile": "off",
-        "parallel": "none", "optim": "adamw"}
+# What counts as "an optimization on" when choosing the default baseline (fewest on):
+# config.OFF, from each knob's declared "off" value.
+# the columns build_table computes from the rows (not a record's)
+COMPUTED = ("label", "baseline", "baseline_job", "speedup", "speedup_significant",
+            "mem_saved_pct")
 _HIDDEN_OVERRIDES = ("sweep.", "+sweep", "hydra.", "logger", "+logger")
 
 
@@ -58,26 +61,31 @@ def _not_a_number(rec: dict) -> str | None:
 def read_record(path: Path, warn: bool = False) -> dict | None:
     """A run's record; None where the file is missing or is not a record (warn: say so on
     stderr, naming the file)."""
+    rec, why = _read(path)
+    if why is not None and warn:
+        print(f"warning: {path}: {why}: left out of the table", file=sys.stderr)
+    return rec
+
+
+def _read(path: Path) -> tuple[dict | None, str | None]:
+    """(the record, None); (None, why it is not one); (None, None) where there is no file."""
     from ..results import STATUSES
 
     try:
         rec = json.loads(Path(path).read_text())
-    except OSError:
-        return None
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:  # (a directory, no permission, an I/O error)
+        return None, f"unreadable ({e.strerror or e})"
     except ValueError as e:
-        why = f"not JSON ({e})"
-    else:
-        missing = [k for k in RECORD_KEYS if k not in rec] if isinstance(rec, dict) else None
-        why = ("not a record (JSON, but not an object)" if missing is None else
-               f"not a record (no {', '.join(missing)})" if missing else
-               f"not a record (status {rec['status']!r} is not one of: {', '.join(STATUSES)})"
-               if rec["status"] not in STATUSES else
-               f"not a record ({bad})" if (bad := _not_a_number(rec)) else None)
-        if why is None:
-            return rec
-    if warn:
-        print(f"warning: {path}: {why}: left out of the table", file=sys.stderr)
-    return None
+        return None, f"not JSON ({e})"
+    missing = [k for k in RECORD_KEYS if k not in rec] if isinstance(rec, dict) else None
+    why = ("not a record (JSON, but not an object)" if missing is None else
+           f"not a record (no {', '.join(missing)})" if missing else
+           f"not a record (status {rec['status']!r} is not one of: {', '.join(STATUSES)})"
+           if rec["status"] not in STATUSES else
+           f"not a record ({bad})" if (bad := _not_a_number(rec)) else None)
+    return (rec, None) if why is None else (None, why)
 
 
 def job_dirs(sweep_dir: Path) -> list[Path]:
@@ -86,14 +94,29 @@ def job_dirs(sweep_dir: Path) -> list[Path]:
     return sorted(dirs, key=lambda d: (0, int(d.name), "") if d.name.isdigit() else (1, 0, d.name))
 
 
-def collect(sweep_dir: Path, warn: bool = True) -> list[dict]:
+def collect(sweep_dir: Path, warn: bool = True, keep: bool = False) -> list[dict]:
     """Job-level records, in job order; one per row (configuration and labels: resume may
-    copy a record, see results.row_key). warn: name each file that is not a record."""
+    copy a record, see results.row_key). warn: name each file that is not a record.
+    keep (for a table about to be rewritten): a job whose record cannot be read now (cut
+    short, edited by hand) keeps the row the sweep's table holds of it, so a table is
+    never rewritten with fewer rows because a record broke (matched by job: its dir's
+    name, as Hydra's default hydra.sweep.subdir names it)."""
     from ..results import row_key
 
-    out, seen = [], set()
+    out, seen, table = [], set(), None
     for d in job_dirs(sweep_dir):
-        rec = read_record(d / "metrics.json", warn=warn)
+        rec, why = _read(d / "metrics.json")
+        if why is not None:
+            if keep:
+                if table is None:
+                    table = _table_rows(Path(sweep_dir))
+                rec = table[1].get(d.name)
+                rec = dict(rec) if rec is not None else None
+            if warn:
+                print(f"warning: {d / 'metrics.json'}: {why}: " + (
+                    f"its row in {table[0]} is kept (fix the record, or delete its dir to "
+                    "drop the row)" if rec is not None else "left out of the table"),
+                    file=sys.stderr)
         key = rec and row_key(rec)
         if rec is None or key in seen:
             continue
@@ -101,6 +124,46 @@ def collect(sweep_dir: Path, warn: bool = True) -> list[dict]:
         rec.setdefault("job", int(d.name) if d.name.isdigit() else d.name)
         out.append(rec)
     return out
+
+
+def _table_rows(sweep_dir: Path) -> tuple[str | None, dict[str, dict]]:
+    """(the table file read, {job: its row as a record}) of the sweep's results.parquet
+    (else results.csv); (None, {}) where there is none that reads. The columns the table
+    computes (label, baseline, speedup, ...) are left out: build_table computes them anew."""
+    import pandas as pd
+
+    for name in ("results.parquet", "results.csv"):
+        p = sweep_dir / name
+        try:
+            df = pd.read_parquet(p) if name.endswith("parquet") else \
+                pd.read_csv(p, dtype={"config_hash": str, "job": str})
+        except Exception:  # noqa: BLE001 - none, or not a table: the next, else none
+            continue
+        if "job" not in df or "config_hash" not in df:
+            continue
+        rows = {}
+        for row in df.drop(columns=[c for c in COMPUTED if c in df]).to_dict("records"):
+            rows[str(row["job"])] = {k: _unflat(k, v) for k, v in row.items()}
+        return name, rows
+    return None, {}
+
+
+def _unflat(key: str, v):
+    """A table cell as the record held it: NaN -> None, numpy -> Python, and a list or
+    dict flat() wrote as JSON text back to one."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return None
+    if hasattr(v, "item") and not isinstance(v, (str, bytes)):  # numpy scalar
+        v = v.item()
+        return None if isinstance(v, float) and math.isnan(v) else v
+    if isinstance(v, str) and (key == "overrides" or key not in _TEXT) and v[:1] in "[{":
+        try:
+            return json.loads(v)
+        except ValueError:
+            return v
+    if key == "job" and isinstance(v, str) and v.isdigit():
+        return int(v)
+    return v
 
 
 def combine(records: list[dict]) -> dict:
@@ -179,7 +242,7 @@ def labels(records: list[dict]) -> list[str]:
 
 
 def _opts_on(row) -> int:
-    on = sum(str(row.get(k)) != off for k, off in _OFF.items())
+    on = sum(str(row.get(k)) != off for k, off in OFF.items())
     return on + int((row.get("grad_accum_steps") or 1) > 1)
 
 
@@ -456,27 +519,77 @@ def markdown(df, title: str = "Sweep results") -> str:
 def write_tables(df, out_dir: Path, title: str = "Sweep results") -> dict:
     """results.csv, results.parquet and results.md in out_dir; returns their paths. Each is
     written to its own temporary file, then renamed (jobs of a launcher that runs them at
-    once may write together)."""
+    once may write together); a write that fails (a full disk) leaves the tables as they
+    were and no temporary file, and its OSError names the table."""
     import tempfile
 
     out_dir = Path(out_dir)
     paths = {ext: out_dir / f"results.{ext}" for ext in ("csv", "parquet", "md")}
     f = flat(df)
-    tmp = {}
+    tmp, ext = {}, "csv"
     try:
         for ext, p in paths.items():
             fd, tmp[ext] = tempfile.mkstemp(dir=out_dir, prefix=f".{p.name}.", suffix=".tmp")
             os.close(fd)
             os.chmod(tmp[ext], 0o644)
+        ext = "csv"
         f.to_csv(tmp["csv"], index=False)
+        ext = "parquet"
         f.to_parquet(tmp["parquet"], index=False)
+        ext = "md"
         Path(tmp["md"]).write_text(markdown(df, title))
         for ext, p in paths.items():
             os.replace(tmp.pop(ext), p)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror or str(e), str(paths[ext])) from None
     finally:
         for t in tmp.values():  # left by a failed write
             Path(t).unlink(missing_ok=True)
     return paths
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """A text file written whole or not at all (a full disk): a temporary file renamed;
+    an OSError names `path`."""
+    import tempfile
+
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=Path(path).parent, prefix=f".{Path(path).name}.",
+                                   suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as e:
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def write_error_line(e: OSError) -> str:
+    """One line for a write that failed (a full or read-only disk, a quota): the path and
+    the problem. A write's OSError often names no file (the buffered write failed at
+    close): then the file that the failing code had open."""
+    path = e.filename or _open_file(e)
+    what = os.strerror(e.errno) if e.errno else e.strerror or str(e)  # (pyarrow's is long)
+    return f"cannot write {path}: {what}" if path else f"cannot write: {what}"
+
+
+def _open_file(e: BaseException) -> str | None:
+    import io
+
+    frames, tb = [], e.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):  # the innermost first
+        for v in frame.f_locals.values():
+            if isinstance(v, io.IOBase) and isinstance(getattr(v, "name", None), str):
+                return v.name
+    return None
 
 
 def print_table(df, title: str = "Sweep results") -> None:
