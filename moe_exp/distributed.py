@@ -157,33 +157,60 @@ def failure_report(err) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def parent_vanished(parent: int) -> str | None:
+def parent_vanished(parent: int, wait_s: float = 0.0) -> str | None:
     """Why a launched rank was interrupted, where its launcher is gone: torch's spawn sets
     PR_SET_PDEATHSIG=SIGINT on each rank, so the launching process killed outright (kill
     -9, the kernel's OOM killer: no signal it could pass on) reaches the ranks as a Ctrl-C.
-    None where `parent` (the rank's parent pid at its start) is still its parent."""
-    if os.getppid() == parent:
-        return None
+    None where `parent` (the rank's parent pid at its start) is still its parent after
+    wait_s: the signal comes when the launcher's thread that started the rank dies, and
+    the process's other threads (its pid, the rank's parent) can take a moment more."""
+    end = time.monotonic() + wait_s
+    while os.getppid() == parent:
+        if time.monotonic() >= end:
+            return None
+        time.sleep(0.02)
     return (f"its launching process, pid {parent}, vanished: killed outright, e.g. by kill "
             "-9 or the OOM killer; the ranks got SIGINT")
 
 
-def reword_interrupt(path, parent: int) -> bool:
-    """Rank 0's record at `path` says `interrupted (Ctrl-C / SIGINT)`: where the launching
-    process vanished (parent_vanished), say that instead. Returns whether it did."""
-    from .results import write_json_atomic
+VANISH_WAIT_S = 2.0  # how long rank 0 gives a launcher being killed to be gone
 
-    why = parent_vanished(parent)
+
+def vanish_wait(e: BaseException) -> float:
+    """How long rank 0, stopped by `e`, waits to see whether its launcher is gone: a
+    SIGINT, or a peer lost (the other ranks got the same SIGINT); no time for a failure of
+    its own (the launcher, alive, records it)."""
+    secondary = isinstance(e, Exception) and any(s in str(e) for s in _SECONDARY)
+    return VANISH_WAIT_S if isinstance(e, KeyboardInterrupt) or secondary else 0.0
+
+
+def reword_for_vanished_launcher(path, parent: int, wait_s: float = VANISH_WAIT_S) -> bool:
+    """Rank 0's record at `path`, where the launching process vanished (parent_vanished):
+    it said `interrupted (Ctrl-C / SIGINT)`, or the error a collective raised when the
+    other ranks stopped (Connection closed by peer); now `crashed: interrupted (<that the
+    launcher vanished>)`, with what it said after. Returns whether it did."""
+    from .results import hold_sigint, release_sigint, write_json_atomic
+
+    held = hold_sigint()  # (the SIGINT that stopped the ranks may still be pending here)
     try:
-        rec = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return False
-    if why is None or not isinstance(rec, dict) or \
-            "interrupted (Ctrl-C / SIGINT)" not in str(rec.get("error")):
-        return False
-    rec["error"] = rec["error"].replace("interrupted (Ctrl-C / SIGINT)", f"interrupted ({why})")
-    write_json_atomic(path, rec)
-    return True
+        try:
+            rec = json.loads(Path(path).read_text())
+        except (OSError, ValueError):
+            return False
+        if not isinstance(rec, dict) or rec.get("status") == "ok" or \
+                (why := parent_vanished(parent, wait_s)) is None:
+            return False
+        said, ctrl_c = str(rec.get("error") or ""), "interrupted (Ctrl-C / SIGINT)"
+        error = f"interrupted ({why}){said[len(ctrl_c):]}" if said.startswith(ctrl_c) else \
+            f"interrupted ({why})" + (f"; rank 0 then saw: {said}" if said else "")
+        was = f"not measured: run {rec.get('status')}"
+        reasons = {k: ("not measured: run crashed" if v == was else v)
+                   for k, v in (rec.get("null_reasons") or {}).items()}
+        write_json_atomic(path, {**rec, "status": "crashed", "error": error,
+                                 "null_reasons": reasons})
+        return True
+    finally:
+        release_sigint(held)
 
 
 PEER_GRACE_S = 3.0  # a rank that lost a peer waits this long before it fails

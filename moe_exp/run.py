@@ -210,9 +210,11 @@ def rank_main(cfg_dict: dict, out_dir: str, overrides, choices, progress,
 
             rec = bench(cfg, cfg_dict, rec, Path(out_dir), choices, progress, d)
         return rec if d.main else None
-    except KeyboardInterrupt:  # a SIGINT: Ctrl-C, or the launcher killed outright
+    except BaseException as e:  # a SIGINT (Ctrl-C, or the launcher killed outright), or
+        # what a collective raised when the other ranks stopped
         if launched_here and d.main:
-            distributed.reword_interrupt(Path(out_dir) / "metrics.json", parent)
+            distributed.reword_for_vanished_launcher(Path(out_dir) / "metrics.json", parent,
+                                                     distributed.vanish_wait(e))
         raise
     finally:
         distributed.finish()

@@ -348,21 +348,30 @@ def test_a_sweep_on_a_full_disk_ends_with_the_rows_it_has(when, disk, tmp_path, 
 
 
 def test_an_interrupt_from_a_vanished_launcher_says_so(tmp_path):
-    """torch's spawn gives each rank SIGINT when its parent dies: a record written then said
-    `interrupted (Ctrl-C / SIGINT)`. Where the rank's parent is gone, it says that."""
+    """torch's spawn gives each rank SIGINT when its parent dies: rank 0's record then said
+    `interrupted (Ctrl-C / SIGINT)`, or the error of a collective whose peer had stopped.
+    Where the rank's parent is gone, it says that."""
     import os
 
-    from moe_exp.distributed import reword_interrupt
+    from moe_exp.distributed import reword_for_vanished_launcher as reword
 
     p = tmp_path / "metrics.json"
-    rec = {"status": "crashed", "error": "interrupted (Ctrl-C / SIGINT) at step 2 of 5"}
+    rec = {"status": "crashed", "error": "interrupted (Ctrl-C / SIGINT) at step 2 of 5",
+           "null_reasons": {"mfu": "not measured: run crashed"}}
     p.write_text(json.dumps(rec))
-    assert not reword_interrupt(p, os.getppid())  # the parent is alive: a Ctrl-C
+    assert not reword(p, os.getppid(), wait_s=0.05)  # the parent is alive: a Ctrl-C
     assert json.loads(p.read_text()) == rec
-    assert reword_interrupt(p, 999_999_999)  # this process's parent at its start: gone
-    assert json.loads(p.read_text())["error"] == (
-        "interrupted (its launching process, pid 999999999, vanished: killed outright, e.g. "
-        "by kill -9 or the OOM killer; the ranks got SIGINT) at step 2 of 5")
+    gone = ("interrupted (its launching process, pid 999999999, vanished: killed outright, "
+            "e.g. by kill -9 or the OOM killer; the ranks got SIGINT)")
+    assert reword(p, 999_999_999)  # this process's parent at its start: gone
+    assert json.loads(p.read_text())["error"] == f"{gone} at step 2 of 5"
+    p.write_text(json.dumps({"status": "error", "error": "rank 0: RuntimeError: Connection "
+                             "closed by peer", "null_reasons": {"mfu": "not measured: run "
+                                                                       "error"}}))
+    assert reword(p, 999_999_999)
+    assert json.loads(p.read_text()) == {
+        "status": "crashed", "error": f"{gone}; rank 0 then saw: rank 0: RuntimeError: "
+        "Connection closed by peer", "null_reasons": {"mfu": "not measured: run crashed"}}
     no_tmp_files(tmp_path)
 
 
@@ -383,12 +392,12 @@ def test_kill_9_of_an_expert_parallel_launcher_is_recorded_as_such(tmp_path):
             time.sleep(0.5)
         proc.kill()
         proc.wait()
-        record = tmp_path / "r" / "metrics.json"
-        for _ in range(120):
-            if record.exists():
+        for _ in range(120):  # the ranks record and exit
+            if not _group_alive(proc.pid):
                 break
             time.sleep(0.5)
-        rec = json.loads(record.read_text())
+        assert not _group_alive(proc.pid), "the ranks outlived their launcher"
+        rec = json.loads((tmp_path / "r" / "metrics.json").read_text())
         assert rec["status"] == "crashed" and rec["error"].startswith(
             f"interrupted (its launching process, pid {proc.pid}, vanished"), rec["error"]
     finally:
