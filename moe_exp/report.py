@@ -104,7 +104,7 @@ def own_group(sweep_dir: Path) -> str | None:
     """The W&B group the sweep's own runs went to (its multirun.yaml), if it has one."""
     from omegaconf import OmegaConf
 
-    from .sweep.job import sweep_group
+    from .sweep.live import sweep_group
 
     cfg = _multirun(sweep_dir)
     try:

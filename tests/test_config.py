@@ -274,7 +274,7 @@ def test_expert_parallel_checks_use_the_whole_world(extra, error, tmp_path, monk
     def rank_main(*a, **k):
         raise Started
 
-    monkeypatch.setattr("moe_exp.run.rank_main", rank_main)
+    monkeypatch.setattr("moe_exp.pipeline.rank_main", rank_main)
     args = ["parallel=expert", "hardware.devices=1", "logger=none", *extra]
     if error is None:
         with pytest.raises(Started):
@@ -361,7 +361,7 @@ def test_an_override_hydra_cannot_parse_is_named_with_its_fix(override, line):
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
-    from moe_exp.run import hydra_error_line
+    from moe_exp.hydra_internals import hydra_error_line
 
     with pytest.raises(OverrideParseException) as e:
         OverridesParser.create().parse_overrides([override])
@@ -395,7 +395,7 @@ def test_cli_group_set_to_null_a_list_or_removed_is_one_line(args, line, tmp_pat
 
 def test_a_sweep_setting_without_m_is_refused():
     """sweep.* acts only in a sweep: without -m it used to run once, silently."""
-    from moe_exp.run import group_override_error
+    from moe_exp.cli import group_override_error
 
     assert group_override_error(["sweep.repeats=3", "logger=none"]) == (
         "sweep.repeats: a sweep's setting, read only with -m (python -m moe_exp.run -m "

@@ -26,7 +26,7 @@ def cli(args, cwd, monkeypatch, capsys) -> tuple[int, str, str]:
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
 
-    from moe_exp import run
+    from moe_exp import cli as run
 
     monkeypatch.chdir(cwd)
     monkeypatch.setattr(sys, "argv", ["moe_exp.run", *args])
@@ -118,7 +118,7 @@ def test_report_keeps_the_row_of_a_record_that_broke(tmp_path, capsys, table):
     # the update after each job of a sweep keeps it too
     from omegaconf import OmegaConf
 
-    from moe_exp.sweep.callback import update_table
+    from moe_exp.sweep.live import update_table
 
     update_table(d, OmegaConf.create({"name": None, "baseline": None,
                                       "baseline_by": ["model"]}))
@@ -425,7 +425,7 @@ def test_a_lock_file_removed_while_it_was_being_taken_is_taken_anew(tmp_path, mo
     import fcntl
     import os
 
-    from moe_exp.sweep.callback import _locked
+    from moe_exp.sweep.live import _locked
     from moe_exp.sweep.checks import claim_dir
 
     flock = fcntl.flock

@@ -452,7 +452,7 @@ def test_second_ctrl_c_while_the_interrupted_job_is_saved_is_held(tmp_path, monk
     (the sweep ended with no results.*): SIGINT is ignored until both are written."""
     from conftest import compose
 
-    from moe_exp.sweep import callback, job
+    from moe_exp.sweep import job, live
 
     def interrupted(*args):
         raise KeyboardInterrupt
@@ -463,7 +463,7 @@ def test_second_ctrl_c_while_the_interrupted_job_is_saved_is_held(tmp_path, monk
     seen = []
     before = signal.getsignal(signal.SIGINT)
     monkeypatch.setattr(job, "_repeats", interrupted)
-    monkeypatch.setattr(callback, "update_table", update_table)
+    monkeypatch.setattr(live, "update_table", update_table)
     with pytest.raises(KeyboardInterrupt):
         job._run_job(compose(["logger=none"]), tmp_path / "0", tmp_path, [], {}, 0)
     assert seen == [signal.SIG_IGN] and signal.getsignal(signal.SIGINT) is before
@@ -556,7 +556,7 @@ def test_a_job_check_that_raises_leaves_the_sweep_to_its_jobs(tmp_path, monkeypa
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
 
-    import moe_exp.run as run_mod
+    import moe_exp.pipeline as run_mod
     from moe_exp.sweep.callback import plan
     from moe_exp.sweep.checks import check_jobs
 

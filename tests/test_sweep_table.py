@@ -676,7 +676,7 @@ def test_report_wandb_project_is_the_sweeps_own_and_mode_is_checked(tmp_path, mo
 def test_wandb_group_names_the_sweep_dir_without_empty_parts():
     from pathlib import Path
 
-    from moe_exp.sweep.job import sweep_group
+    from moe_exp.sweep.live import sweep_group
 
     cfg = OmegaConf.create({"sweep": {"name": None}})
     assert sweep_group(cfg, Path("multirun/2026-11-23/10-00-00")) == \

@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     from hydra.errors import HydraException
 
     from ..config import ConfigError
-    from ..run import hydra_error_line
+    from ..hydra_internals import hydra_error_line
 
     ap = argparse.ArgumentParser(prog="python -m moe_exp.bench.flop_check", description=(
         "analytic FLOPs per token against FlopCounterMode on one real training step"))

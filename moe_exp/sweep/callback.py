@@ -3,7 +3,6 @@ the table rebuilt after each job (an interrupted sweep keeps its rows), and at t
 printed table, plots, report.md and the W&B summary run."""
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 from pathlib import Path
@@ -14,10 +13,17 @@ from omegaconf import DictConfig
 from omegaconf.errors import InterpolationResolutionError
 
 from ..config import override_texts
+from ..hydra_internals import plan
+from .live import baseline_of, sweep_group, update_table
 
 
 # set at the end of a multirun where no job finished ok: `python -m moe_exp.run -m` exits 1
 NO_JOB_OK = False
+
+
+def no_job_ok() -> bool:
+    """Whether the last multirun of this process ended with no job ok (cli exits 1)."""
+    return NO_JOB_OK
 
 
 def _jobs(n: int) -> str:
@@ -27,30 +33,6 @@ def _jobs(n: int) -> str:
 def _fmt_s(s: float) -> str:
     s = int(round(s))
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
-def plan(config: DictConfig) -> tuple[list[list[str]] | None, dict]:
-    """(each job's overrides, {key that varies: its values as written, quotes kept}) for the
-    basic sweeper; (None, {}) if unknown. A key swept twice (preset and command line): the
-    command line's values."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    if "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", "")):
-        return None, {}
-    params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
-    try:  # (the config loader lists a group's options for glob(...), as the sweeper's does)
-        loader = GlobalHydra.instance().hydra.config_loader if GlobalHydra.instance(
-        ).is_initialized() else None
-        parsed = OverridesParser.create(config_loader=loader).parse_overrides(
-            params + override_texts(config.hydra.overrides.task))
-        jobs = BasicSweeper.split_arguments(parsed, None)[0]
-    except Exception:  # noqa: BLE001 - progress is a nicety; Hydra reports real errors
-        return None, {}
-    varying = {o.get_key_element(): list(o.sweep_string_iterator())  # as written: '1e-3'
-               for o in parsed if o.is_sweep_override()}  # stays quoted (a string)
-    return jobs, varying
 
 
 def reused(rec, job_t0: float) -> bool:
@@ -89,7 +71,7 @@ class SweepCallback(Callback):
                 check_jobs(config, jobs, validate="submitit" not in launcher)
             self.lock = claim_dir(Path(config.hydra.sweep.dir))
         except (SweepError, InterpolationResolutionError) as e:
-            from ..run import interpolation_error_line
+            from ..hydra_internals import interpolation_error_line
 
             line = e if isinstance(e, SweepError) else interpolation_error_line(e, sys.argv[1:])
             print(f"error: {line}", file=sys.stderr, flush=True)
@@ -140,7 +122,6 @@ class SweepCallback(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from ..report import report
-        from .job import sweep_group
         from .table import collect
 
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -203,53 +184,3 @@ def _is_sweep_job(config: DictConfig) -> bool:
 
 def _update_table(config: DictConfig) -> None:
     update_table(Path(config.hydra.sweep.dir), config.sweep)
-
-
-def update_table(sweep_dir: Path, sweep: DictConfig) -> None:
-    """Keep results.* current: an interrupted sweep still has its table. Under a lock, so
-    jobs that end together (submitit) each write a table read after the other's."""
-    try:
-        from .table import collect, sweep_table, write_tables
-
-        with _locked(sweep_dir / ".results.lock"):  # (a bad baseline key: the report at
-            # the end says so)
-            df, _ = sweep_table(collect(sweep_dir, warn=False, keep=True), baseline_of(sweep),
-                                sweep.baseline_by)  # (the report at the end names bad files)
-            write_tables(df, sweep_dir, title=f"Sweep {sweep.name or sweep_dir}")  # (the
-            # report's title at the end)
-    except Exception as e:  # noqa: BLE001
-        from .table import write_error_line
-
-        why = write_error_line(e) if isinstance(e, OSError) else e  # (a full disk)
-        print(f"[sweep] could not update the table yet: {why}", flush=True)
-
-
-@contextlib.contextmanager
-def _locked(path: Path):
-    """An exclusive flock on `path`, created if need be; where the sweep's end removed the
-    file while this process waited (SweepCallback.release), the lock of a new one."""
-    import fcntl
-    import os
-
-    while True:
-        f = open(path, "a")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            if os.fstat(f.fileno()).st_ino == os.stat(path).st_ino:
-                break
-        except FileNotFoundError:  # (removed: a new one)
-            pass
-        except OSError:  # a filesystem without locks: unguarded
-            break
-        f.close()
-    try:
-        yield f
-    finally:
-        f.close()
-
-
-def baseline_of(sweep: DictConfig) -> dict | None:
-    from omegaconf import OmegaConf
-
-    b = sweep.baseline
-    return OmegaConf.to_container(b) if b is not None else None

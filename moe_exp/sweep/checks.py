@@ -44,7 +44,7 @@ def check_jobs(config: DictConfig, jobs: list[list[str]], validate: bool = True)
     Composing a job costs Hydra ~0.1 s: jobs validated are composed as the launcher will,
     the rest from one composition per choice of groups plus their value overrides
     (_Jobs.fast); a pair found that way is confirmed by composing both in full."""
-    from ..run import prepare
+    from ..pipeline import prepare
     from ..validate import unread_keys
 
     js = _Jobs(config)
@@ -126,7 +126,7 @@ class _Baseline:
 
     def __init__(self, config: DictConfig) -> None:
         from ..results import EXTRAS, FIELDS
-        from .callback import baseline_of
+        from .live import baseline_of
         from .table import ADDED, _norm_key
 
         # (a resumed dir's table also has the rows of earlier values: not checked)
@@ -142,11 +142,11 @@ class _Baseline:
         if self.matched:
             return
         from ..results import new_record
-        from ..run import _container
+        from ..pipeline import container
         from .table import _value, same_value
 
         try:
-            row = new_record(_container(cfg), list(overrides))
+            row = new_record(container(cfg), list(overrides))
             got = {k: _value(row, k, "sweep.baseline") for k in self.want}
         except Exception:  # noqa: BLE001 - not known before the job runs: not checked
             self.matched = True
@@ -185,7 +185,7 @@ class _Jobs:
         try:
             cfg = self.loader.load_sweep_config(self.config, list(overrides))
         except Exception as e:  # noqa: BLE001 - e.g. an option no group has
-            from ..run import hydra_error_line
+            from ..hydra_internals import hydra_error_line
 
             raise SweepError(hydra_error_line(e)) from None
         self.groups |= set(cfg.hydra.runtime.choices.keys())
@@ -221,10 +221,10 @@ class _Jobs:
     @staticmethod
     def row(cfg: DictConfig) -> tuple:
         from ..results import row_key
-        from ..run import _container
+        from ..pipeline import container
         from .job import _key_record
 
-        return row_key(_key_record(_container(cfg)))
+        return row_key(_key_record(container(cfg)))
 
 
 def _recorded_jobs(d: Path) -> int:

@@ -10,7 +10,7 @@ def main(spec_path: str) -> int:
     from omegaconf import OmegaConf
 
     from ..results import stop_on_sigterm
-    from ..run import run
+    from ..pipeline import run
     from .job import load_spec
 
     stop_on_sigterm()

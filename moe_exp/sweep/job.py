@@ -27,13 +27,8 @@ from omegaconf import OmegaConf
 from ..config import override_texts
 from ..results import (config_hash, failed_record, hold_sigint, release_sigint,
                        row_key, stop_signal, write_json_atomic)
+from .live import sweep_group
 from .table import DONE, combine, read_record
-
-
-def sweep_group(cfg, sweep_dir: Path) -> str:
-    """W&B group of a sweep's runs: the preset name and the sweep dir's timestamp."""
-    stamp = "_".join(n for n in (sweep_dir.parent.name, sweep_dir.name) if n)
-    return f"{cfg.sweep.name or 'sweep'}-{stamp}"
 
 
 def run_job(cfg) -> dict:
@@ -52,9 +47,9 @@ def run_job(cfg) -> dict:
     except Exception as e:  # noqa: BLE001 - a job must not raise (Hydra would drop the table)
         with contextlib.suppress(OSError):  # (a full disk: the record below says it)
             (job_dir / "error.log").write_text(traceback.format_exc())
-        from ..run import _container
+        from ..pipeline import container
 
-        rec = failed_record(_container(cfg), overrides, "error",
+        rec = failed_record(container(cfg), overrides, "error",
                             f"{type(e).__name__}: {e}"[:300], "not measured: job error")
     rec["job"] = hc.job.num
     try:
@@ -70,21 +65,21 @@ def run_job(cfg) -> dict:
 
 
 def _run_job(cfg, job_dir: Path, sweep_dir: Path, overrides, choices, num: int) -> dict:
-    from ..run import _container, log_record, prepare
+    from ..pipeline import container, log_record, prepare
 
     s = cfg.sweep
     cfg, rec = prepare(cfg, overrides, in_sweep=True)
-    set_aside(job_dir, row_key(rec if rec is not None else _key_record(_container(cfg))))
+    set_aside(job_dir, row_key(rec if rec is not None else _key_record(container(cfg))))
     if rec is not None:  # invalid or skipped: no process started
         print(f"[sweep] job #{num}: {rec['status']}: {rec['error']}", file=sys.stderr)
         log_record(rec)
         return rec
-    cfg_dict = _container(cfg)
+    cfg_dict = container(cfg)
     t0 = time.time()
     try:
         return _repeats(cfg, cfg_dict, job_dir, sweep_dir, overrides, choices, num)
     except KeyboardInterrupt as e:  # Ctrl-C: the sweep stops; this job is a row that says so
-        from .callback import update_table
+        from .live import update_table
 
         held = hold_sigint()
         try:  # the run's own record where it wrote one (in this process: the steps it did)
@@ -103,7 +98,7 @@ def _run_job(cfg, job_dir: Path, sweep_dir: Path, overrides, choices, num: int) 
 def _repeats(cfg, cfg_dict: dict, job_dir: Path, sweep_dir: Path, overrides, choices,
              num: int) -> dict:
     """The job's sweep.repeats runs (or the records a resume finds for them)."""
-    from ..run import log_record
+    from ..pipeline import log_record
 
     s = cfg.sweep
     pool = finished_records(sweep_dir, row_key(_key_record(cfg_dict)), job_dir) \
@@ -124,7 +119,7 @@ def _repeats(cfg, cfg_dict: dict, job_dir: Path, sweep_dir: Path, overrides, cho
             rec = run_child(cfg_dict, overrides, choices, rdir, s)
             log_record(rec)  # into this job's run.log (the child has no log file)
         else:
-            from ..run import distributed_run, run
+            from ..pipeline import distributed_run, run
 
             global _RUNS_HERE
             # a later run in this process (a run with ranks: those are fresh processes,
