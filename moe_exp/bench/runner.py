@@ -144,14 +144,29 @@ def _memory_cap(cfg, device: torch.device, d):
 
 
 def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=None) -> None:
+    """Build, train the measured steps, record: the run as a plain training loop."""
+    memory = MemoryMeter(device)
+    applied, optimizer, scheduler, loader, world = _build(cfg, rec, device, memory, d)
+    cached = _graph_counts()
+    res = train_loop(cfg, applied, optimizer, scheduler, loader, device, memory,
+                     _tracker_log(cfg, tracker), progress)
+    graphs = [a - b for a, b in zip(_graph_counts(), cached)]  # this run's
+    _compile_cache(rec, cfg, *graphs[:4])
+    _cudagraph_skips(rec, cfg, device, graphs[4])
+    _record(cfg, rec, res, device, world)
+    _record_moe(cfg, rec, res, applied.model, device, world)
+
+
+def _build(cfg, rec: dict, device: torch.device, memory: MemoryMeter, d):
+    """The model (its memory counted from a baseline taken just before), the optimizations
+    applied, the optimizer and the loader."""
     from ..data import build_loader
     from ..hardware import setup_backends
     from ..model import build_model
-    from ..optim import build_optimizer, lr_factor
+    from ..optim import build_optimizer
     from ..optimizations import apply
-    from .experts import load_stats
 
-    t, why = cfg.train, rec["null_reasons"]
+    t = cfg.train
     setup_backends(cfg)
     torch.manual_seed(t.seed)
     _resolve_dispatch(cfg, device)
@@ -159,7 +174,6 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
     # memory baseline: on CPU their RSS (~45 MiB) would count as the run's memory
     import torch._dynamo as _  # noqa: F401 (binds no local `torch`)
 
-    memory = MemoryMeter(device)
     memory.baseline()
     with torch.device(device):
         model = build_model(cfg.model)
@@ -174,23 +188,30 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
     optimizer, scheduler, rec["optim_impl"] = build_optimizer(applied.model, cfg, device)
     num_samples = total_steps(t) * t.grad_accum_steps * t.micro_batch_size
     loader = build_loader(cfg, device, num_samples, rank, world)
+    return applied, optimizer, scheduler, loader, world
 
-    total = total_steps(t)
+
+def _tracker_log(cfg, tracker):
+    """The loop's on_log: each step's loss and learning rate to the tracker."""
+    from ..optim import lr_factor
+
+    if tracker is None:
+        return None
+    total = total_steps(cfg.train)
 
     def on_log(step, values):
-        if tracker is None:
-            return
         first = step + 1 - len(values)
         for i, v in enumerate(values):
             lr = cfg.optim.lr * lr_factor(first + i, total, cfg.optim)
             tracker.log({"loss": v, "lr": lr}, step=first + i)
 
-    cached = _graph_counts()
-    res = train_loop(cfg, applied, optimizer, scheduler, loader, device, memory, on_log, progress)
-    graphs = [a - b for a, b in zip(_graph_counts(), cached)]  # this run's
-    _compile_cache(rec, cfg, *graphs[:4])
-    _cudagraph_skips(rec, cfg, device, graphs[4])
+    return on_log
 
+
+def _record(cfg, rec: dict, res, device: torch.device, world: int) -> None:
+    """The loop's figures into the record (bench.metrics derives them), each null with its
+    reason."""
+    t, why = cfg.train, rec["null_reasons"]
     tm, (mem, mem_why) = res.timings, res.memory
     if world > 1:  # the slowest rank sets the pace; the largest peak is what must fit
         _across_ranks(res, tm, mem, device)
@@ -227,8 +248,15 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
         why["comm_ms"] = why["comm_share"] = (
             "one rank: no communication" if world == 1 else
             "parallel.profile_steps=0 or train.steps <= profile_steps")
+
+
+def _record_moe(cfg, rec: dict, res, model, device: torch.device, world: int) -> None:
+    """Expert load and router losses; the padded dispatch's fallbacks."""
+    from .experts import load_stats
+
+    why = rec["null_reasons"]
     if cfg.model.dispatch == "padded":
-        _padded_fallbacks(applied.model, cfg, rec, device, world)
+        _padded_fallbacks(model, cfg, rec, device, world)
     else:  # (a sweep's table has the column for every row: say why it is empty)
         rec["moe_padded_fallback_share"] = None
         why["moe_padded_fallback_share"] = (
