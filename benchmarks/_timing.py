@@ -174,7 +174,8 @@ def compose(overrides):
 def check_config(ap, runs) -> None:
     """Each list of overrides in `runs` composed and validated as `python -m moe_exp.run`
     does, before any work; the first bad one ends the script (ap.error: one line, exit 2)."""
-    from moe_exp.run import hydra_error_line, prepare
+    from moe_exp.hydra_internals import hydra_error_line
+    from moe_exp.run import prepare
 
     for overrides in runs:
         try:

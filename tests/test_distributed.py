@@ -35,14 +35,35 @@ def test_expert_parallel_loss_grads_and_counts_match_one_process(ranks, ep):
     assert worst[1] < 1e-5, worst
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "expert", "expert_fsdp"])
-def test_clipping_uses_the_global_gradient_norm(parallel):
-    """Every strategy clips by the norm one process would see on the global batch (expert
-    shards' squares summed over the EP group, FSDP shards' over their mesh)."""
+CLIPPED = ["ddp", "fsdp", "expert", "expert_fsdp"]
+# dist_helpers calls on 2 ranks that share one launch (the two_ranks fixture)
+TWO_RANKS = {
+    **{f"clip {p}": ("grad_norm_matches", [[f"parallel={p}", "hardware.devices=2",
+                                            "model.aux_loss_coef=0"], 3]) for p in CLIPPED},
+    "accum once": ("ddp_reductions_per_step", [["train.grad_accum_steps=3"]]),
+    "accum every": ("ddp_reductions_per_step", [["train.grad_accum_steps=3",
+                                                 "parallel.accum_no_sync=false"]]),
+    "nulls": ("max_with_nulls", [[]]),
+    # (one Newton-Schulz step: these count calls and compare two ways of the same step)
+    **{f"muon {m}": ("muon_round_robin", [[f"model={m}", "optim.ns_steps=1"]])
+       for m in ("tiny_dense", "tiny_moe")},
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """Rank 0's result of each TWO_RANKS call, from one launch of 2 ranks (each call joins
+    and leaves the process group as it would alone)."""
     import dist_helpers
 
-    res = launch(dist_helpers.grad_norm_matches, [f"parallel={parallel}", "hardware.devices=2",
-                                                  "model.aux_loss_coef=0"], 3)
+    return dict(zip(TWO_RANKS, launch(dist_helpers.several, list(TWO_RANKS.values()))))
+
+
+@pytest.mark.parametrize("parallel", CLIPPED)
+def test_clipping_uses_the_global_gradient_norm(parallel, two_ranks):
+    """Every strategy clips by the norm one process would see on the global batch (expert
+    shards' squares summed over the EP group, FSDP shards' over their mesh)."""
+    res = two_ranks[f"clip {parallel}"]
     assert res["norm"] == pytest.approx(res["ref_norm"], rel=1e-5)
 
 
@@ -87,9 +108,14 @@ def test_losses_after_k_steps_match_one_process(parallel, extra, single, tmp_pat
     assert saved["tokens_per_s"] == pytest.approx(world * saved["tokens_per_s_per_device"])
 
 
+# One Newton-Schulz step: on a CPU without bf16 matmuls, Muon's five (in bf16) took most of
+# a step's time; the ranks' losses match one process's whatever the count
+MUON = ["optim=muon", "optim.ns_steps=1"]
+
+
 @pytest.fixture(scope="module")
 def single_muon(tmp_path_factory):
-    return run_inproc([*TINY, "optim=muon", "train.micro_batch_size=4"],
+    return run_inproc([*TINY, *MUON, "train.micro_batch_size=4"],
                       tmp_path_factory.mktemp("one_muon"))
 
 
@@ -109,8 +135,8 @@ def test_muon_losses_match_one_process(parallel, extra, single_muon, tmp_path, m
 
     monkeypatch.setattr(validate.os, "cpu_count", lambda: 4)  # 4 ranks on a 2-core CI VM
 
-    rec = run(compose([*TINY, "optim=muon", f"parallel={parallel}", "hardware.devices=2",
-                       *extra]), out_dir=tmp_path, progress=False)
+    rec = run(compose([*TINY, *MUON, f"parallel={parallel}", "hardware.devices=2", *extra]),
+              out_dir=tmp_path, progress=False)
     assert rec["status"] == single_muon["status"] == "ok", rec["error"]
     assert len(rec["losses"]) == 4
     assert rec["losses"] == pytest.approx(single_muon["losses"], rel=2e-5)
@@ -133,12 +159,8 @@ def test_grad_accumulation_reduced_once_matches_one_process(parallel, tmp_path):
     assert rec["losses"] == pytest.approx(one["losses"], rel=2e-5)
 
 
-def test_ddp_accumulation_reduces_on_the_last_micro_step_only():
-    import dist_helpers
-
-    once = launch(dist_helpers.ddp_reductions_per_step, ["train.grad_accum_steps=3"])
-    every = launch(dist_helpers.ddp_reductions_per_step,
-                   ["train.grad_accum_steps=3", "parallel.accum_no_sync=false"])
+def test_ddp_accumulation_reduces_on_the_last_micro_step_only(two_ranks):
+    once, every = two_ranks["accum once"], two_ranks["accum every"]
     assert once >= 1 and every == 3 * once
 
 
@@ -311,10 +333,10 @@ def test_sweep_over_parallel_and_devices(tmp_path):
     """Each (parallel, devices) job is one row; one rank per job for parallel=none."""
     import pandas as pd
 
-    d = tmp_path / "s"
+    d = tmp_path / "s"  # (jobs in the sweep's process: their rows are the point here)
     p = run_cli(["-m", "parallel=none,ddp", "hardware.devices=1,2", "logger=none",
                  "train.steps=4", "train.warmup_steps=1", "train.seq_len=32",
-                 f"hydra.sweep.dir={d}"], tmp_path)
+                 "sweep.isolate=false", f"hydra.sweep.dir={d}"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     df = pd.read_csv(d / "results.csv")
     assert list(df["status"]) == ["ok", "invalid", "ok", "ok"]
@@ -322,13 +344,11 @@ def test_sweep_over_parallel_and_devices(tmp_path):
     assert df.loc[0, "baseline"] and df.loc[3, "speedup"] > 0
 
 
-def test_max_over_ranks_keeps_nulls_apart():
+def test_max_over_ranks_keeps_nulls_apart(two_ranks):
     """Peaks and comm time -> max over ranks with the same keys on every rank: a figure one
     rank could not measure (null) takes the others' (the null list used to be skipped,
     so ranks with different nulls passed collectives of different sizes)."""
-    import dist_helpers
-
-    assert launch(dist_helpers.max_with_nulls, []) == [5.0, 2.0, None]
+    assert two_ranks["nulls"] == [5.0, 2.0, None]
 
 
 # NS calls per rank: gathered (every matrix on every rank), round-robin (the busier rank).
@@ -336,13 +356,12 @@ def test_max_over_ranks_keeps_nulls_apart():
 # experts per rank) and its 10 sharded matrices split 5 + 5.
 @pytest.mark.parametrize("model,gathered,round_robin", [("tiny_dense", 14, 7),
                                                         ("tiny_moe", 16, 6 + 5)])
-def test_muon_under_fsdp_orthogonalizes_each_matrix_once(model, gathered, round_robin):
+def test_muon_under_fsdp_orthogonalizes_each_matrix_once(model, gathered, round_robin,
+                                                        two_ranks):
     """Round-robin Newton-Schulz: each sharded matrix is orthogonalized on one rank and
     sent back in shards; the step is exactly the one every rank gathering and
     orthogonalizing every matrix gave."""
-    import dist_helpers
-
-    res = launch(dist_helpers.muon_round_robin, [f"model={model}"])
+    res = two_ranks[f"muon {model}"]
     assert res["diff"] == 0.0
     assert res["calls"] == {"gathered": [gathered] * 2, "round_robin": [round_robin] * 2}
 

@@ -67,35 +67,51 @@ def test_moe_dispatch_compiles_without_graph_breaks(dispatch, dtype):
     assert explain.graph_count == 1
 
 
+# One layer and a small batch: the fewest kernels to compile (a cold compile of tiny_dense's
+# two layers at the default batch took 39 s of a 2-core CPU's time, one layer 33 s)
+COMPILED = ["logger=none", "model=tiny_dense", "model.num_layers=1", "train.seq_len=32",
+            "train.micro_batch_size=2", "train.steps=3", "train.warmup_steps=1",
+            "train.compile=default"]
+
+
+@pytest.fixture(scope="module")
+def cold_compile(tmp_path_factory):
+    """A compiled run on an empty inductor cache, dynamo's own reset: every graph compiled
+    cold. The tests here share it (its record; the cache it filled) rather than each
+    compiling the same graphs cold again."""
+    d = tmp_path_factory.mktemp("compile")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(d / "cache"))
+        torch._dynamo.reset()
+        return d / "cache", run_inproc(COMPILED, d / "cold")
+
+
 @pytest.mark.slow
-def test_compiled_run_matches_eager_losses(tmp_path):
-    args = ["logger=none", "model=tiny_dense", "train.steps=3", "train.warmup_steps=1"]
-    eager = run_inproc(args, tmp_path / "eager")
-    compiled = run_inproc([*args, "train.compile=default"], tmp_path / "compiled")
+def test_compiled_run_matches_eager_losses(tmp_path, cold_compile):
+    _, compiled = cold_compile
+    eager = run_inproc([*COMPILED, "train.compile=off"], tmp_path / "eager")
     assert compiled["status"] == "ok", compiled["error"]
     assert compiled["compile_s"] > 0
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-3)
     assert eager["compile_cache_hit_share"] is None
     assert eager["null_reasons"]["compile_cache_hit_share"] == "train.compile=off"
-    again = run_inproc([*args, "train.compile=default"], tmp_path / "again")  # dynamo reuses
+    again = run_inproc(COMPILED, tmp_path / "again")  # dynamo reuses
     assert again["compile_cache_hit_share"] == 1.0  # this process's graphs: nothing compiled
 
 
 @pytest.mark.slow
-def test_compile_cache_hit_share_tells_a_cold_cache_from_a_warm_one(tmp_path):
-    """compile_s depends on inductor's cache: the record says how warm it was."""
-    args = ["logger=none", "model=tiny_dense", "train.steps=2", "train.warmup_steps=1",
-            "train.compile=default"]
-    cache = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
-    runs = [("cold", cache), ("warm", cache),
-            ("off", {**cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"})]
+def test_compile_cache_hit_share_tells_a_cold_cache_from_a_warm_one(tmp_path, cold_compile):
+    """compile_s depends on inductor's cache: the record says how warm it was (cold: the
+    shared cold run; warm and off: processes of their own on the cache it filled)."""
+    cache, cold = cold_compile
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    runs = [("warm", env), ("off", {**env, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"})]
 
     def run(name, env):
-        return run_cli([*args, f"hydra.run.dir={tmp_path / name}"], tmp_path, env=env)
+        return run_cli([*COMPILED, f"hydra.run.dir={tmp_path / name}"], tmp_path, env=env)
 
-    procs = [run(*runs[0]), *in_pairs(run, runs[1:])]  # warm and off after cold, together
-    shares = []
-    for (name, _), p in zip(runs, procs):
+    shares = [cold["compile_cache_hit_share"]]
+    for (name, _), p in zip(runs, in_pairs(run, runs)):  # warm and off after cold, together
         assert p.returncode == 0, p.stderr[-3000:]
         rec = json.loads((tmp_path / name / "metrics.json").read_text())
         shares.append(rec["compile_cache_hit_share"])
@@ -109,7 +125,8 @@ def test_padded_dispatch_compiles_and_matches_eager():
     (a size-1 capacity once failed to lower) and gets eager's loss and gradients."""
     from moe_exp.optimizations.compile import apply_compile
 
-    cfg = compose(["model.dispatch=padded"]).model
+    # one layer: what lowers in one lowers in each (24 kernels to compile cold, not 34)
+    cfg = compose(["model.dispatch=padded", "model.num_layers=1"]).model
     torch.manual_seed(0)
     model = build_model(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (2, 32))
