@@ -10,6 +10,9 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 if (os.cpu_count() or 1) <= 4:  # (a GPU machine's 16 cores compile in parallel)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: a core per worker, and its runs'
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # (torch's threads of two workers on 2
+    torch.set_num_threads(1)  # cores wait for each other: a step 40x slower)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "moe_exp" / "conf"
@@ -55,6 +58,25 @@ def in_pairs(fn, items):
 
     with ThreadPoolExecutor(2) as pool:
         return list(pool.map(lambda item: fn(*item), items))
+
+
+def cli_runs(tmp_path_factory, cases):
+    """run_cli for each (args, env) of `cases`, in_pairs, each in a folder of its own ("{cwd}"
+    in an argument: that folder), for a module fixture: a parametrized test's runs ahead of
+    its cases, two at a time. Returns {cli_key(args, env): (CompletedProcess, folder)}."""
+    base = tmp_path_factory.mktemp("cli")
+
+    def one(i, args, env):
+        cwd = base / str(i)
+        cwd.mkdir()
+        return run_cli([a.replace("{cwd}", str(cwd)) for a in args], cwd, env=env), cwd
+
+    done = in_pairs(one, [(i, args, env) for i, (args, env) in enumerate(cases)])
+    return {cli_key(args, env): r for (args, env), r in zip(cases, done)}
+
+
+def cli_key(args, env=None):
+    return tuple(args), tuple(sorted((env or {}).items()))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -142,7 +142,8 @@ def test_pad_multiple_benchmark_rows(tmp_path):
     """Each multiple runs as its own training run; same losses (padding changes no math)."""
     out = tmp_path / "pad.json"
     stdout = bench("pad_multiple.py", "--rounds", "1", "--compile", "off", "--json", str(out),
-                   "precision=bf16", "train.steps=3", "train.warmup_steps=1", "logger=none")
+                   "precision=bf16", "train.steps=3", "train.warmup_steps=1", "logger=none",
+                   "train.micro_batch_size=2")  # (bf16 on a CPU without it: ~1 s a default step)
     rows = json.loads(out.read_text())["rows"]
     assert [r["multiple"] for r in rows] == [1, 16] and "×" in stdout
     assert all(r["tokens_per_s"] > 0 and r["peak_mem_gib"] > 0 for r in rows)
@@ -183,7 +184,7 @@ def test_mfu_table_rows_and_best(tmp_path, capsys, monkeypatch):
     assert any(line.startswith("best MFU 41.2%") and "compile=default" in line for line in lines)
 
 
-@pytest.mark.parametrize("args, says", [
+BAD_INPUT = [
     (["moe_layer.py", "--skew", "nan"], "--skew"),
     (["moe_layer.py", "--json", f"{__file__}/x.json"], "--json"),  # a file as its folder
     (["row_moves.py", "--device", "bogus"], "--device"),
@@ -194,11 +195,25 @@ def test_mfu_table_rows_and_best(tmp_path, capsys, monkeypatch):
     (["ab_runs.py", "--rounds", "0", "--variant", "a:", "--variant", "b:"], "--rounds"),
     (["ab_runs.py", "--variant", "precision=bf16", "--variant", "b:"], "NAME:override"),
     (["mfu_table.py", "/nonexistent"], "folder"),
-])
-def test_bad_input_fails_first_with_one_line(args, says):
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs():
+    """Each BAD_INPUT script run, two at a time (each mostly starts and fails)."""
+    from conftest import in_pairs
+
+    def run(script, *args):
+        return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    return dict(zip((tuple(a) for a, _ in BAD_INPUT), in_pairs(run, [a for a, _ in BAD_INPUT])))
+
+
+@pytest.mark.parametrize("args, says", BAD_INPUT)
+def test_bad_input_fails_first_with_one_line(args, says, bad_input_runs):
     """Bad flags and configs end the script before any work: exit 2, one error line."""
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / args[0]), *args[1:]],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = bad_input_runs[tuple(args)]
     errors = [line for line in p.stderr.splitlines() if "error:" in line]
     assert p.returncode == 2 and p.stdout == "", p.stderr
     assert len(errors) == 1 and says in errors[0] and "Traceback" not in p.stderr, p.stderr

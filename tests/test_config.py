@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import CONF, compose, run_cli, run_inproc
+from conftest import CONF, cli_key, cli_runs, compose, in_pairs, run_cli, run_inproc
 
 GROUPS = ["model", "precision", "parallel", "hardware", "data", "optim", "logger"]
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
@@ -332,7 +332,7 @@ def test_cli_invalid_exits_nonzero_with_one_line(tmp_path):
     assert "Traceback" not in p.stderr + p.stdout
 
 
-@pytest.mark.parametrize("override,line", [
+HYDRA_ERRORS = [
     ("train.stepz=3", "error: train.stepz: no such key in train (known: "
                       "activation_checkpointing, compile, grad_accum_steps, log_every, "
                       "micro_batch_size, seed, seq_len, steps, warmup_steps)"),
@@ -341,12 +341,16 @@ def test_cli_invalid_exits_nonzero_with_one_line(tmp_path):
     ("train.steps=abc", "error: train.steps: Error merging override train.steps=abc; Value "
                         "'abc' of type 'str' could not be converted to Integer"),
     ("precision=bf61", "error: precision: 'bf61' is not one of: bf16, fp16, fp32, fp8, tf32"),
-])
-def test_cli_hydra_errors_are_one_line_exit_2(override, line, tmp_path):
+]
+PLAIN, FULL = {"HYDRA_FULL_ERROR": ""}, {"HYDRA_FULL_ERROR": "1"}
+
+
+@pytest.mark.parametrize("override,line", HYDRA_ERRORS)
+def test_cli_hydra_errors_are_one_line_exit_2(override, line, cli_errors):
     """Hydra's own errors (unknown key or option, wrong type) read like moe_exp's checks."""
-    p = run_cli([override], tmp_path, env={"HYDRA_FULL_ERROR": ""})
+    p, _ = cli_errors[cli_key([override], PLAIN)]
     assert (p.returncode, p.stderr.strip()) == (2, line)
-    full = run_cli([override], tmp_path, env={"HYDRA_FULL_ERROR": "1"})  # Hydra's own report
+    full, _ = cli_errors[cli_key([override], FULL)]  # Hydra's own report
     assert full.returncode != 0 and "Traceback" in full.stderr
 
 
@@ -373,7 +377,7 @@ MODELS = ("dense_1b, mixtral_8x7b, moe_1b, seed_dense, seed_moe16, seed_moe8, sm
           "small_moe, tiny_dense, tiny_moe")
 
 
-@pytest.mark.parametrize("args,line", [
+GROUP_ERRORS = [
     (["model=null"], f"model: null is not an option (one of: {MODELS})"),
     (["-m", "precision=fp32,null"], "precision: null is not an option (one of: bf16, fp16, "
                                     "fp32, fp8, tf32)"),
@@ -386,11 +390,14 @@ MODELS = ("dense_1b, mixtral_8x7b, moe_1b, seed_dense, seed_moe16, seed_moe8, sm
     (["~model"], f"model: a run needs one option; it cannot be removed (one of: {MODELS})"),
     (["+sweep=optimizations"], "sweep: +sweep=optimizations is a sweep preset: run it with "
                                "-m (python -m moe_exp.run -m +sweep=optimizations)"),
-])
-def test_cli_group_set_to_null_a_list_or_removed_is_one_line(args, line, tmp_path):
-    p = run_cli([*args, "logger=none"], tmp_path, env={"HYDRA_FULL_ERROR": ""})
+]
+
+
+@pytest.mark.parametrize("args,line", GROUP_ERRORS)
+def test_cli_group_set_to_null_a_list_or_removed_is_one_line(args, line, cli_errors):
+    p, cwd = cli_errors[cli_key([*args, "logger=none"], PLAIN)]
     assert (p.returncode, p.stderr.strip()) == (2, f"error: {line}")
-    assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
+    assert not (cwd / "outputs").exists() and not (cwd / "multirun").exists()
 
 
 def test_a_sweep_setting_without_m_is_refused():
@@ -413,7 +420,7 @@ def test_a_usage_error_prints_hydra_usage_once(tmp_path):
     assert "argument --cfg/-c: invalid choice: 'bogus'" in p.stderr
 
 
-@pytest.mark.parametrize("args,line", [  # (Hydra's ValueError traceback, before)
+FLAG_ERRORS = [  # (Hydra's ValueError traceback, before)
     (["-m", "--cfg", "job"], "only one of --run, --multirun (-m), --cfg, --info and "
                              "--shell-completion at a time"),
     (["--resolve"], "--resolve goes with --cfg or --help"),
@@ -424,13 +431,16 @@ def test_a_usage_error_prints_hydra_usage_once(tmp_path):
     ([f"hydra.job.name={'d' * 252}"], f"hydra.job.name: '{'d' * 40}'... names the run's log "
      "file: a plain name (no '/', not '.' or '..', at most 251 bytes)"),  # (a traceback before)
     (["--experimental-rerun", "x.pickle"], "--experimental-rerun is not supported: rerun with "
-     "the overrides of the run's record (metrics.json `overrides`, or .hydra/overrides.yaml)")])
-def test_conflicting_hydra_flags_are_one_line(args, line, tmp_path):
-    p = run_cli([*args, "logger=none"], tmp_path, env={"HYDRA_FULL_ERROR": ""})
+     "the overrides of the run's record (metrics.json `overrides`, or .hydra/overrides.yaml)")]
+
+
+@pytest.mark.parametrize("args,line", FLAG_ERRORS)
+def test_conflicting_hydra_flags_are_one_line(args, line, cli_errors):
+    p, _ = cli_errors[cli_key([*args, "logger=none"], PLAIN)]
     assert (p.returncode, p.stderr.strip()) == (2, f"error: {line}")
 
 
-@pytest.mark.parametrize("args,line", [  # (OmegaConf's traceback from Hydra's set-up, before)
+INTERPOLATION_ERRORS = [  # (OmegaConf's traceback from Hydra's set-up, before)
     (["hydra.run.dir=${oops}"], "hydra.run.dir: '${oops}' does not resolve: Interpolation key "
                                 "'oops' not found"),
     (["hydra.job.name=${oc.env:NO_SUCH_VAR}"], "hydra.job.name: '${oc.env:NO_SUCH_VAR}' does "
@@ -443,21 +453,34 @@ def test_conflicting_hydra_flags_are_one_line(args, line, tmp_path):
      "resolving interpolation: \"Environment variable 'NO_SUCH_VAR' not found\" (read by "
      "hydra.job_logging.handlers.file.filename)"),
     (["--cfg", "job", "--resolve", "train.steps=${oops}"],
-     "train.steps: '${oops}' does not resolve: Interpolation key 'oops' not found")])
-def test_an_interpolation_hydra_resolves_first_is_one_line(args, line, tmp_path):
-    p = run_cli([*args, "logger=none"], tmp_path, env={"HYDRA_FULL_ERROR": ""})
+     "train.steps: '${oops}' does not resolve: Interpolation key 'oops' not found")]
+
+
+@pytest.mark.parametrize("args,line", INTERPOLATION_ERRORS)
+def test_an_interpolation_hydra_resolves_first_is_one_line(args, line, cli_errors):
+    p, cwd = cli_errors[cli_key([*args, "logger=none"], PLAIN)]
     assert (p.returncode, p.stderr.strip()) == (2, f"error: {line}")
-    assert not list(tmp_path.glob("**/metrics.json")) and "[sweep]" not in p.stdout
+    assert not list(cwd.glob("**/metrics.json")) and "[sweep]" not in p.stdout
+
+
+@pytest.fixture(scope="module")
+def cli_errors(tmp_path_factory):
+    """The CLI runs of the parametrized one-line-error tests above, two at a time (each
+    mostly starts and fails: one core each)."""
+    cases = [([o], env) for o, _ in HYDRA_ERRORS for env in (PLAIN, FULL)]
+    cases += [([*args, "logger=none"], PLAIN)
+              for args, _ in (*GROUP_ERRORS, *FLAG_ERRORS, *INTERPOLATION_ERRORS)]
+    return cli_runs(tmp_path_factory, cases)
 
 
 def test_an_output_dir_that_is_a_file_is_one_line(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
-    p = run_cli(["logger=none", "hydra.run.dir=notes.txt/run"], tmp_path)
-    assert (p.returncode, p.stderr.strip()) == (
+    one, swept = in_pairs(lambda *args: run_cli(list(args), tmp_path), [
+        ("logger=none", "hydra.run.dir=notes.txt/run"),
+        ("-m", "logger=none", "precision=fp32,bf16", "hydra.sweep.dir=notes.txt")])
+    assert (one.returncode, one.stderr.strip()) == (
         2, "error: cannot make the output dir 'notes.txt/run': Not a directory")
-    p = run_cli(["-m", "logger=none", "precision=fp32,bf16", "hydra.sweep.dir=notes.txt"],
-                tmp_path)
-    assert (p.returncode, p.stderr.strip()) == (
+    assert (swept.returncode, swept.stderr.strip()) == (
         2, "error: hydra.sweep.dir: cannot make 'notes.txt' the sweep's dir: File exists")
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
@@ -477,13 +500,13 @@ def test_cli_model_name_of_another_preset_is_refused(tmp_path):
 
 
 def test_cli_cfg_info_help(tmp_path):
-    p = run_cli(["--cfg", "job", "precision=bf16"], tmp_path)
-    assert p.returncode == 0
-    cfg = OmegaConf.create(p.stdout)
+    job, info, p = in_pairs(lambda *args: run_cli(list(args), tmp_path), [
+        ("--cfg", "job", "precision=bf16"), ("--info", "defaults"), ("--help",)])
+    assert job.returncode == 0
+    cfg = OmegaConf.create(job.stdout)
     assert cfg.precision.name == "bf16" and cfg.model.name == "tiny_moe"
-    p = run_cli(["--info", "defaults"], tmp_path)
-    assert p.returncode == 0 and "model/tiny_moe" in p.stdout and "hardware/auto" in p.stdout
-    p = run_cli(["--help"], tmp_path)
+    assert info.returncode == 0 and "model/tiny_moe" in info.stdout
+    assert "hardware/auto" in info.stdout
     assert p.returncode == 0
     assert "precision=fp32 (default)|bf16|fp16|fp8|tf32" in p.stdout
     assert "+sweep=optimizations|" in p.stdout  # (a preset is added with +)

@@ -58,8 +58,8 @@ def test_prepare_cli_and_token_source_run(tmp_path, monkeypatch):
     ds = TokenFile(out, seq_len=64, num_samples=10)
     x, y = ds[3]
     assert torch.equal(x[1:], y[:-1]) and int(x.max()) < 256
-    rec = run_inproc(["logger=none", "data=tokens", f"data.path={out}", "train.steps=10"],
-                     tmp_path / "run")
+    rec = run_inproc(["logger=none", "data=tokens", f"data.path={out}", "train.steps=10",
+                      "train.micro_batch_size=2"], tmp_path / "run")
     assert rec["status"] == "ok" and rec["data"] == "tokens"
     assert rec["loss_last"] < rec["loss_first"]
     # ~ is the home directory, as in a shell (quoted: Hydra's grammar has no bare ~)

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from conftest import off_contract, run_cli, run_inproc
+from conftest import cli_key, cli_runs, off_contract, run_cli, run_inproc
 
 pytestmark = pytest.mark.distributed
 TINY = ["hardware=cpu", "logger=none", "model.aux_loss_coef=0", "optim.grad_clip=0.05",
@@ -276,7 +276,7 @@ def test_failure_message_names_the_cause_not_the_peer_that_lost_it():
     assert failure_message(err) == "rank 2 failed: exit code 3"
 
 
-@pytest.mark.parametrize("override,key", [
+PARALLEL_ERRORS = [
     (["parallel=expert", "hardware.devices=2", "model=tiny_dense"], "parallel"),
     (["parallel=expert", "hardware.devices=2", "model.num_experts=3", "model.top_k=1"],
      "parallel.expert_parallel_size"),
@@ -286,11 +286,20 @@ def test_failure_message_names_the_cause_not_the_peer_that_lost_it():
     (["parallel=none", "hardware.devices=2"], "hardware.devices"),
     # 2 x 256 GiB buffers per rank (the ranks ran out of memory, before)
     (["task=comm", "hardware.devices=2", "comm.max_bytes=1000000000000"], "comm.max_bytes"),
-])
-def test_parallel_errors_before_any_work(override, key, tmp_path):
+]
+
+
+@pytest.fixture(scope="module")
+def parallel_errors(tmp_path_factory):
+    """Each PARALLEL_ERRORS run, two at a time (each mostly starts and fails)."""
     if torch.cuda.is_available():
         pytest.skip("CPU-specific checks")
-    p = run_cli([*override, "logger=none"], tmp_path)
+    return cli_runs(tmp_path_factory, [([*o, "logger=none"], None) for o, _ in PARALLEL_ERRORS])
+
+
+@pytest.mark.parametrize("override,key", PARALLEL_ERRORS)
+def test_parallel_errors_before_any_work(override, key, parallel_errors):
+    p, _ = parallel_errors[cli_key([*override, "logger=none"])]
     assert p.returncode == 2
     assert p.stderr.strip().startswith(f"error: {key}: "), p.stderr
 

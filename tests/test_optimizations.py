@@ -67,9 +67,10 @@ def test_moe_dispatch_compiles_without_graph_breaks(dispatch, dtype):
     assert explain.graph_count == 1
 
 
-# One layer and a small batch: the fewest kernels to compile (a cold compile of tiny_dense's
-# two layers at the default batch took 39 s of a 2-core CPU's time, one layer 33 s)
-COMPILED = ["logger=none", "model=tiny_dense", "model.num_layers=1", "train.seq_len=32",
+# One layer and a small batch: the fewest kernels to compile cold (most of a compile's time
+# on a CPU is the C++ compiler's, a kernel at a time). The padded dispatch: its kernels are
+# those test_padded_dispatch_compiles_and_matches_eager needs (inductor's cache holds them).
+COMPILED = ["logger=none", "model.dispatch=padded", "model.num_layers=1", "train.seq_len=32",
             "train.micro_batch_size=2", "train.steps=3", "train.warmup_steps=1",
             "train.compile=default"]
 
@@ -120,10 +121,12 @@ def test_compile_cache_hit_share_tells_a_cold_cache_from_a_warm_one(tmp_path, co
 
 
 @pytest.mark.slow
-def test_padded_dispatch_compiles_and_matches_eager():
+def test_padded_dispatch_compiles_and_matches_eager(cold_compile, monkeypatch):
     """Inductor lowers the padded dispatch (a data-dependent capacity) in a whole model
     (a size-1 capacity once failed to lower) and gets eager's loss and gradients."""
     from moe_exp.optimizations.compile import apply_compile
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cold_compile[0]))  # (its C++ kernels)
 
     # one layer: what lowers in one lowers in each (24 kernels to compile cold, not 34)
     cfg = compose(["model.dispatch=padded", "model.num_layers=1"]).model

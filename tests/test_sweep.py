@@ -104,8 +104,8 @@ def test_resume_skips_finished_jobs_and_rebuilds_table(swept, tmp_path):
 
 def test_resume_of_a_dir_with_no_records_warns_and_runs_every_job(tmp_path):
     """(A typo in the dir started a new sweep silently, before.)"""
-    d = tmp_path / "typo"
-    r = sweep(d, "+case=fp32", "logger=none", "sweep.resume=true")
+    d = tmp_path / "typo"  # (its job in the sweep's process: not what this checks)
+    r = sweep(d, "+case=fp32", "logger=none", "sweep.resume=true", "sweep.isolate=false")
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"sweep.resume=true, but '{d}' holds no job records: nothing to resume" in r.stderr
     assert list(pd.read_csv(d / "results.csv")["status"]) == ["ok"]
@@ -307,12 +307,20 @@ def test_report_cli_rebuilds_with_chosen_baseline(swept, tmp_path):
     assert (d / "results.csv").read_text() == before  # tables left as they were
 
 
-def test_report_keeps_the_sweeps_own_baseline(tmp_path):
+@pytest.fixture(scope="module")
+def bf16_baseline(tmp_path_factory):
+    """fp32 and bf16 with the README's ++sweep.baseline={precision:bf16}."""
+    d = tmp_path_factory.mktemp("bf16_baseline") / "s"
+    r = sweep(d, "+case=fp32,bf16", "logger=none", "++sweep.baseline={precision:bf16}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return d
+
+
+def test_report_keeps_the_sweeps_own_baseline(bf16_baseline, tmp_path):
     """`report DIR` without --baseline rebuilds with the sweep's sweep.baseline (it used to
     switch to the default baseline silently); `--baseline` alone asks for the default."""
     d = tmp_path / "s"
-    r = sweep(d, "+case=fp32,bf16", "logger=none", "++sweep.baseline={precision: bf16}")
-    assert r.returncode == 0, r.stderr[-3000:]
+    shutil.copytree(bf16_baseline, d)  # (the fixture's tables stay as the sweep wrote them)
     assert list(pd.read_parquet(d / "results.parquet")["baseline"]) == [False, True]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     again = subprocess.run([sys.executable, "-m", "moe_exp.report", str(d), "--no-plots"],
@@ -408,14 +416,12 @@ def test_in_process_sweep_nulls_what_a_later_job_cannot_measure(tmp_path):
     assert "startup:" not in log and "startup:" in (d / "0" / "run.log").read_text()
 
 
-def test_chosen_baseline_from_the_command_line_and_one_that_matches_nothing(tmp_path):
+def test_chosen_baseline_from_the_command_line_and_one_that_matches_nothing(bf16_baseline,
+                                                                          tmp_path):
     """The README's ++sweep.baseline={...} picks the row; one that matches no ok row (only
     an invalid one: a baseline no job has fails up front) still ends in the table, plots and
     report (no speedups), with a one-line warning."""
-    d = tmp_path / "s"
-    r = sweep(d, "+case=fp32,bf16", "logger=none", "++sweep.baseline={precision:bf16}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert list(pd.read_parquet(d / "results.parquet")["baseline"]) == [False, True]
+    assert list(pd.read_parquet(bf16_baseline / "results.parquet")["baseline"]) == [False, True]
     d2 = tmp_path / "s2"
     r = sweep(d2, "+case=fp32,invalid", "logger=none", "++sweep.baseline={seq_len:4096}")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -439,8 +445,8 @@ def test_submitit_launcher_sweep_counts_and_tables(tmp_path):
 
 def test_sweep_with_no_finished_job_says_so_and_exits_1(tmp_path):
     """Jobs that ran but none finished ok (a sweep of invalid jobs only fails up front)."""
-    d = tmp_path / "s"
-    r = sweep(d, "+case=diverge", "logger=none")
+    d = tmp_path / "s"  # (its job in the sweep's process: not what this checks)
+    r = sweep(d, "+case=diverge", "logger=none", "sweep.isolate=false")
     assert r.returncode == 1, r.stderr[-3000:]
     assert "[sweep] done: 1 job" in r.stdout and ": 1 diverged" in r.stdout
     assert "no job finished ok" in r.stderr

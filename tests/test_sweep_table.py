@@ -336,8 +336,11 @@ def test_seed003_preset_runs_muon_and_prefetch_under_fsdp(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("the run part: 2 gloo ranks on CPU")
     d = tmp_path / "s"
+    # (one Newton-Schulz step: Muon's five, in bf16, took most of a CPU step; the jobs in the
+    # sweep's process, each launching its ranks: what runs is the point, not where)
     r = run_cli(["-m", "+sweep=seed003", "logger=none", "train.steps=2", "train.warmup_steps=1",
-                 "parallel.profile_steps=0", f"hydra.sweep.dir={d}"], tmp_path, timeout=600)
+                 "parallel.profile_steps=0", "optim.ns_steps=1", "sweep.isolate=false",
+                 f"hydra.sweep.dir={d}"], tmp_path, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     df = pd.read_csv(d / "results.csv")
     assert list(df["status"]) == ["ok"] * 4
