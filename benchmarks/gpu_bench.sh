@@ -11,6 +11,8 @@
 #   compile  compile_step.py: whole step compiled vs eager (goal 2)         ~4-6 min
 #   optim    optimizer_step.py (AdamW vs Muon), row_moves.py                 ~2 min
 #   det      ab_runs.py: hardware.deterministic's cost at moe_1b             ~4 min
+#   attention  attention.py at moe_1b bf16 (flash, efficient, cudnn, math, flex, auto),
+#            then ab_runs.py: hardware.cudnn_benchmark off vs on (seed 002)   ~4 min
 #
 # (times are estimates.) Each stage's JSON is written after every row and its printout
 # goes to <stage>.txt beside it, all under benchmarks/results/<gpu>-<date>/. A failing
@@ -20,7 +22,7 @@
 # Pass GIT_SHA=<commit> (the device's copy has no .git): it goes into provenance.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGES=(check layer mfu compile optim det)
+STAGES=(check layer mfu compile optim det attention)
 for s in "$@"; do  # all checked before any work
   [[ " ${STAGES[*]} " == *" $s "* ]] || {
     echo "error: stage '$s' is not one of: ${STAGES[*]}" >&2; exit 2; }
@@ -44,6 +46,13 @@ stage() {  # NAME: the stage's commands
            "$PY" benchmarks/row_moves.py --json "$res/row_moves.json" ;;
     det) "$PY" benchmarks/ab_runs.py --rounds 2 --variant "off:" \
            --variant "det:hardware.deterministic=true" --json "$res/deterministic.json" -- \
+           logger=none model=moe_1b precision=bf16 train.micro_batch_size=4 \
+           train.steps=20 train.warmup_steps=3 ;;
+    attention) "$PY" benchmarks/attention.py --dtype bf16 --json "$res/attention.json" \
+           --kernels auto,flash,efficient,cudnn,math,flex model=moe_1b train.seq_len=2048 \
+           train.micro_batch_size=2 &&
+         "$PY" benchmarks/ab_runs.py --rounds 2 --variant "off:hardware.cudnn_benchmark=false" \
+           --variant "on:hardware.cudnn_benchmark=true" --json "$res/cudnn_benchmark.json" -- \
            logger=none model=moe_1b precision=bf16 train.micro_batch_size=4 \
            train.steps=20 train.warmup_steps=3 ;;
   esac

@@ -35,6 +35,15 @@ class NotReady(ConfigError):
     `error` row, which a resumed sweep runs again."""
 
 
+def no_such_key(group: str, typ) -> str:
+    """What a key not in `group` (schema dataclass typ) gets told."""
+    import dataclasses
+
+    where = f"in {group}" if group else "at the top level"
+    known = sorted(f.name for f in dataclasses.fields(typ))
+    return f"no such key {where} (known: {', '.join(known)})"
+
+
 def group_options(group: str) -> List[str]:
     """The options of a config group (its files under conf/)."""
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
@@ -69,11 +78,15 @@ def default_choices() -> Dict[str, str]:
     return {k: v for d in OmegaConf.load(CONF / "run.yaml").defaults if not isinstance(d, str)
             for k, v in d.items()}
 
-RANKED = ("ddp", "fsdp", "expert", "expert_fsdp")  # parallel options with several ranks
+RANKED = ("ddp", "fsdp", "expert", "expert_fsdp", "hsdp")  # parallel options with several ranks
 MOE = Reads("model.num_experts", positive=True, what="a MoE model")
-DDP, FSDP = Reads("parallel.name", ("ddp",)), Reads("parallel.name", ("fsdp", "expert_fsdp"))
+DDP = Reads("parallel.name", ("ddp",))
+FSDP = Reads("parallel.name", ("fsdp", "expert_fsdp", "hsdp"))  # FSDP2
+HOOKS = ("none", "fp16", "bf16", "powersgd")  # DDP communication hooks
 EXPERT = Reads("parallel.name", ("expert", "expert_fsdp"))
 MUON, WANDB = Reads("optim.name", ("muon",)), Reads("logger.name", ("wandb",))
+ATTENTION = ("auto", "flash", "efficient", "math", "cudnn", "flex")
+SCHEDULES = ("cosine", "linear", "constant", "wsd", "onecycle")
 BOTH = ("bench", "comm")  # keys task=comm reads too
 COMM_TASK = ("comm",)
 
@@ -129,11 +142,22 @@ class ParallelConfig:
     gradient_as_bucket_view: bool = knob(True, "DDP's gradients as views of its buckets",
                                          read_by=DDP)
     static_graph: bool = knob(False, "DDP's static graph", read_by=DDP)
+    comm_hook: str = knob("none", "DDP's gradient all-reduce: none (fp32) | fp16 | bf16 "
+                          "(compressed casts) | powersgd (low-rank)", choices=HOOKS,
+                          read_by=DDP, off="none", since="none")
+    powersgd_rank: int = knob(1, "PowerSGD's matrix approximation rank", since=1,
+                              read_by=Reads("parallel.comm_hook", ("powersgd",),
+                                            what="parallel.comm_hook=powersgd"))
+    # HSDP's 2-D mesh (replicate x shard): null = shard over one machine's hardware.devices
+    # ranks, replicate across machines (FSDP1's HYBRID_SHARD; 1 replica on one machine)
+    replicate: Optional[int] = knob(None, "HSDP replica groups (each shards over world / "
+                                    "replicate ranks); null = one per machine",
+                                    read_by=Reads("parallel.name", ("hsdp",)), since=None)
     # with train.grad_accum_steps > 1, reduce gradients on the last micro-step only (DDP
     # no_sync, FSDP2 set_requires_gradient_sync); false: on every micro-step
     accum_no_sync: bool = knob(True, "with grad accumulation, reduce on the last micro-step "
                                "only", read_by=Reads("parallel.name", ("ddp", "fsdp",
-                                                                       "expert_fsdp")),
+                                                                       "expert_fsdp", "hsdp")),
                                unread_ok=True)
     reshard_after_forward: bool = knob(True, "FSDP2 frees gathered parameters after forward",
                                        read_by=FSDP)
@@ -146,6 +170,13 @@ class ParallelConfig:
     # (several ranks only; left out of the step-time figures)
     profile_steps: int = knob(2, "the last N steps run under torch.profiler (comm time)",
                               read_by=Reads("parallel.name", RANKED), unread_ok=True)
+
+
+def hsdp_mesh(p, devices: int, world: int) -> tuple[int, int]:
+    """parallel=hsdp's (replicate, shard) mesh shape: replicate as set, or one replica per
+    machine (world // hardware.devices)."""
+    replicate = p.replicate or max(1, world // devices)
+    return replicate, world // replicate
 
 
 @dataclass
@@ -191,8 +222,22 @@ class DataConfig:
 class OptimConfig:
     name: str = knob("adamw", "the optimizer option", choices=("adamw", "muon"), off="adamw")
     lr: float = knob(3e-3, "peak learning rate")
-    min_lr_ratio: float = knob(0.1, "cosine decays to lr * min_lr_ratio")
-    lr_warmup_steps: int = knob(5, "linear warmup steps")
+    schedule: str = knob("cosine", "lr after warmup: cosine | linear (down to lr * "
+                         "min_lr_ratio) | constant | wsd (warmup, stable, decay) | onecycle "
+                         "(torch's OneCycleLR)", choices=SCHEDULES, since="cosine")
+    min_lr_ratio: float = knob(0.1, "cosine, linear and wsd decay to lr * min_lr_ratio",
+                               read_by=Reads("optim.schedule", ("cosine", "linear", "wsd"),
+                                             what="optim.schedule=cosine, linear or wsd"))
+    lr_warmup_steps: int = knob(5, "linear warmup steps", read_by=Reads(
+        "optim.schedule", tuple(s for s in SCHEDULES if s != "onecycle"),
+        what="optim.schedule=cosine, linear, constant or wsd"))
+    decay_ratio: float = knob(0.2, "wsd: the share of the steps after warmup that decay",
+                              read_by=Reads("optim.schedule", ("wsd",), what="optim.schedule=wsd"),
+                              since=0.2)
+    pct_start: float = knob(0.3, "onecycle: the share of the steps rising to lr (from lr/25; "
+                            "then down to lr/25e4)", since=0.3,
+                            read_by=Reads("optim.schedule", ("onecycle",),
+                                          what="optim.schedule=onecycle"))
     weight_decay: float = knob(0.1, "decoupled weight decay")
     beta1: float = knob(0.9, "AdamW's beta1")
     beta2: float = knob(0.95, "AdamW's beta2")
@@ -229,6 +274,13 @@ class TrainConfig:
     compile: str = knob("off", "torch.compile mode", off="off",
                         choices=("off", "default", "reduce-overhead", "max-autotune",
                                  "max-autotune-no-cudagraphs"))
+    attention: str = knob("auto", "attention kernel: auto (SDPA picks) | flash | efficient | "
+                          "math | cudnn (that SDPA backend only) | flex (FlexAttention, "
+                          "compiled)", choices=ATTENTION, off="auto", since="auto")
+    # torchtitan's gc_freq: Python's automatic collections at random points of random steps
+    # become one full collection every N steps
+    gc_every: int = knob(0, "0 = Python's automatic GC; N = automatic GC off, a full "
+                         "collection every N steps", since=0)
     seed: int = knob(0, "seed of the weights and the data")
     log_every: int = knob(5, "steps between loss reads (each read waits for the device)")
 

@@ -22,7 +22,7 @@ def hydra_error_line(e: Exception) -> str:
     key = getattr(cause, "full_key", None) or ""
     typ = getattr(cause, "object_type", None)
     if key and type(cause).__name__ == "ConfigAttributeError" and dataclasses.is_dataclass(typ):
-        from .validate import no_such_key  # an unknown key (without `+`): the keys there
+        from .config import no_such_key  # an unknown key (without `+`): the keys there
 
         return f"{key}: {no_such_key(key.rpartition('.')[0], typ)}"
     # all of Hydra's lines (the second is often the fix: "use +seed_row=all"); of OmegaConf's

@@ -35,8 +35,10 @@ class Reads:
         return self.what or f"{self.group}={' or '.join(map(str, self.values))}"
 
     def first(self) -> str:
-        """The option to suggest: its first value."""
-        return f"{self.group}={self.values[0]}" if self.values else self.option()
+        """The option to suggest: its first value (or `what`, for a key that is no group's
+        option: parallel.comm_hook=powersgd)."""
+        return f"{self.group}={self.values[0]}" if self.values and not self.what \
+            else self.option()
 
 
 @dataclass(frozen=True)

@@ -31,11 +31,12 @@ def report(sweep_dir: Path, baseline: dict | None = None, by=("model",), wandb_c
         pngs = write_plots(df, sweep_dir / "plots")
     parts = [markdown(df, title)]
     from .sweep.seed import seed_tables
+    from .sweep.seed002 import seed002_table
 
-    seed = seed_tables(df)
-    if seed:
-        parts.append(seed)
-        print(seed)
+    for seed in (seed_tables(df), seed002_table(df)):
+        if seed:
+            parts.append(seed)
+            print(seed)
     for name, p in pngs.items():
         parts.append(f"## {name.capitalize()}\n\n![{name}]({p.relative_to(sweep_dir)})\n")
     paths["report"] = sweep_dir / "report.md"

@@ -29,9 +29,10 @@ FIELDS = (
 # The extra keys runs write (docs/record.md); with FIELDS, the columns a
 # sweep.baseline may name before any job has run.
 EXTRAS = (
-    "task", "extra", "null_reasons", "losses", "measured_steps", "tokens_per_step",
+    "task", "extra", "null_reasons", "losses", "lrs", "lr_schedule", "attention", "gc_every",
+    "gc_ms", "gc_collections", "measured_steps", "tokens_per_step",
     "tokens_per_s_wall", "data_share", "startup_s", "comm_ms", "comm_share", "comm",
-    "comm_backend", "z_loss", "tokens_per_expert", "expert_load_cv_per_layer",
+    "comm_backend", "comm_hook", "grad_reduce_bytes", "z_loss", "tokens_per_expert", "expert_load_cv_per_layer",
     "expert_load_max_over_mean_per_layer", "expert_load_step_max_over_mean", "moe_dispatch", "moe_padded_fallback_share",
     "optim_impl", "peak_flops", "compile_cache_hit_share", "cudagraph_skips", "cpu_other_load",
     "job",
@@ -74,9 +75,11 @@ def hashed_view(cfg_dict: dict) -> dict:
     keep = {k: (dict(v) if isinstance(v, dict) else v) for k, v in cfg_dict.items()
             if k not in UNHASHED}
 
-    def get(dotted):
+    given = {k: (dict(v) if isinstance(v, dict) else v) for k, v in keep.items()}
+
+    def get(dotted):  # (the options chosen: as given, not as this view leaves them)
         head, _, leaf = dotted.partition(".")
-        node = keep.get(head)
+        node = given.get(head)
         return (node.get(leaf) if isinstance(node, dict) else None) if leaf else node
 
     if task != "bench":  # only what this task reads: of a group, its keys that it reads
@@ -128,6 +131,9 @@ def new_record(cfg_dict: dict, overrides: list[str]) -> dict:
         timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     )
     rec["task"] = cfg_dict.get("task", "bench")
+    rec.update(lr_schedule=get("optim", "schedule"), attention=get("train", "attention"),
+               gc_every=get("train", "gc_every"))
+    rec["comm_hook"] = get("parallel", "comm_hook")
     rec["extra"] = dict(cfg_dict.get("extra") or {})
     rec["null_reasons"] = {}
     return rec

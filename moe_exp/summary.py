@@ -34,6 +34,15 @@ def _padding_note(r: dict) -> str | None:
             "model.dispatch=grouped computes only the routed rows")
 
 
+def _reduced(r) -> str:
+    """DDP's gradient bytes a step (grad_reduce_bytes), and its comm hook."""
+    if not r.get("grad_reduce_bytes"):
+        return ""
+    hook = r.get("comm_hook")
+    return (f"; grads {r['grad_reduce_bytes'] / 2**20:,.2f} MiB/step/rank reduced"
+            + (f" ({hook} hook)" if hook not in (None, "none") else ""))
+
+
 def summary_rows(r: dict) -> list[tuple[str, str]]:
     why = r.get("null_reasons", {})
     # each phase's share of the phases' summed medians: the median of a sum is not the sum
@@ -52,7 +61,8 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                         f"rank{'s' * (r['world_size'] != 1)}; collectives "
                         + (f"{r['comm_ms']:.1f} ms/step" if r.get("comm_ms") is not None
                            else f"null: {why.get('comm_ms', 'unknown')}")
-                        + (f" ({100 * r['comm_share']:.0f}%)" if r.get("comm_share") else ""))]
+                        + (f" ({100 * r['comm_share']:.0f}%)" if r.get("comm_share") else "")
+                        + _reduced(r))]
           if (r.get("world_size") or 1) > 1 or r["parallel"] != "none" else []),
         ("params", f"{r['params_total'] / 1e6:,.2f}M total, {r['params_active'] / 1e6:,.2f}M active"),
         ("tokens/s", f"{r['tokens_per_s']:,.0f}  ({r['tokens_per_s_per_device']:,.0f} per device)"),

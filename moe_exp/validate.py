@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from .config import (CHOICES, CONF, ConfigError, NotReady, Unsupported, default_choices,
-                     env_source, group_options)
+                     env_source, group_options, no_such_key)
 from .ranks import rank_env
 
 
@@ -81,15 +81,6 @@ def check_known_keys(cfg) -> None:
         for key in node:
             if key not in known:
                 raise ConfigError(f"{group}.{key}".lstrip("."), no_such_key(group, typ))
-
-
-def no_such_key(group: str, typ) -> str:
-    """What a key not in `group` (schema dataclass typ) gets told."""
-    import dataclasses
-
-    where = f"in {group}" if group else "at the top level"
-    known = sorted(f.name for f in dataclasses.fields(typ))
-    return f"no such key {where} (known: {', '.join(known)})"
 
 
 def check_finite(cfg) -> None:
@@ -167,6 +158,7 @@ def check_train(cfg) -> None:
         raise ConfigError("train.grad_accum_steps", f"{cfg.train.grad_accum_steps:,} x ("
                           "train.steps + train.warmup_steps) = "
                           f"{micro:,} micro-batches: at most {MAX_STEPS:,}")
+    _at_least(cfg, "train.gc_every", 0)
     if not 0 <= cfg.train.seed < SEEDS:
         raise ConfigError("train.seed", f"must be in 0..{SEEDS - 1}, got {cfg.train.seed}")
     if cfg.train.compile != "off" and cfg.train.warmup_steps < 1:
@@ -238,6 +230,20 @@ def compile_here(cfg) -> None:
                           "(elsewhere it is train.compile=default under another name)")
 
 
+def attention_here(cfg) -> None:
+    """A train.attention kernel this device or dtype cannot run: skipped before any work."""
+    from .optimizations.attention import attention_unsupported
+    from .optimizations.precision import DTYPES
+
+    name, device = cfg.train.attention, cfg.hardware.device
+    cap = torch.cuda.get_device_capability(0) if name in ("flash", "cudnn") and \
+        device == "cuda" and torch.cuda.is_available() else None
+    why = attention_unsupported(name, device, DTYPES.get(cfg.precision.autocast_dtype,
+                                                         torch.float32), cap)
+    if why:
+        raise Unsupported("train.attention", why)
+
+
 def check_dispatch(cfg) -> None:
     """model.dispatch=grouped needs grouped_mm's aligned strides."""
     if cfg.model.dispatch != "grouped" or cfg.model.num_experts == 0:
@@ -282,12 +288,13 @@ def check_parallel(cfg) -> None:
     p, hw, m = cfg.parallel, cfg.hardware, cfg.model
     n = hw.devices
     if p.name == "none" and n != 1 and cfg.task == "bench":
-        raise ConfigError("hardware.devices", f"parallel=none runs one rank; got "
-                          f"hardware.devices={n} (use parallel=ddp, fsdp, expert or expert_fsdp)")
+        raise ConfigError("hardware.devices", f"parallel=none runs one rank; got hardware."
+                          f"devices={n} (use parallel=ddp, fsdp, hsdp, expert or expert_fsdp)")
     launched = _world_size(n)
     if p.name == "none" and launched > 1 and cfg.task == "bench":
         raise ConfigError("parallel", f"launched as {launched} ranks (torchrun), but "
-                          "parallel=none runs one: set parallel=ddp, fsdp, expert or expert_fsdp")
+                          "parallel=none runs one: set parallel=ddp, fsdp, hsdp, expert or "
+                          "expert_fsdp")
     env = rank_env()
     local = env and env.local_world
     if local is not None and local != n:  # (the record's config and hash say devices)
@@ -323,7 +330,9 @@ def check_parallel(cfg) -> None:
     if p.prefetch < 0:
         raise ConfigError("parallel.prefetch", f"must be >= 0 (0 = FSDP2's default), got "
                           f"{p.prefetch}")
-    if p.name in ("fsdp", "expert_fsdp"):
+    _check_hook(cfg)
+    _check_hsdp(cfg, launched)
+    if p.name in ("fsdp", "expert_fsdp", "hsdp"):
         if p.cpu_offload and cfg.optim.name == "muon":
             raise ConfigError("parallel.cpu_offload", "not with optim=muon: its Newton-Schulz "
                               "step gathers whole matrices on the GPU (allowed: false)")
@@ -335,9 +344,45 @@ def check_parallel(cfg) -> None:
                           "set hardware.devices >= 2")
 
 
+def _check_hook(cfg) -> None:
+    """parallel.comm_hook / powersgd_rank (DDP's; unread elsewhere: check_unread)."""
+    p = cfg.parallel
+    if p.powersgd_rank < 1:
+        raise ConfigError("parallel.powersgd_rank", f"must be >= 1, got {p.powersgd_rank}")
+    if p.name == "ddp" and p.comm_hook == "powersgd" and cfg.precision.grad_scaler:
+        raise ConfigError("parallel.comm_hook", "powersgd not with loss scaling "
+                          "(precision.grad_scaler): an overflowed step's inf stays in "
+                          "PowerSGD's error feedback, and every later step is skipped (use "
+                          "parallel.comm_hook=fp16 or bf16, or precision=bf16)")
+
+
+def _check_hsdp(cfg, world: int) -> None:
+    """parallel=hsdp's mesh: replicate x (world / replicate)."""
+    from .config import hsdp_mesh
+
+    p, n = cfg.parallel, cfg.hardware.devices
+    if p.replicate is not None and p.replicate < 1:
+        raise ConfigError("parallel.replicate", f"must be >= 1 or null (one replica per "
+                          f"machine), got {p.replicate}")
+    if p.name != "hsdp":
+        return
+    ranks = f"hardware.devices={n}" if world == n else f"world size {world} (WORLD_SIZE)"
+    replicate = hsdp_mesh(p, n, world)[0]
+    if world % replicate:
+        got = p.replicate or f"null ({replicate}: world size // hardware.devices)"
+        raise ConfigError("parallel.replicate", f"must divide the {ranks}, got {got}")
+
+
 def parallel_here(cfg) -> None:
     p, hw, n = cfg.parallel, cfg.hardware, cfg.hardware.devices
-    if p.name in ("fsdp", "expert_fsdp") and p.cpu_offload and hw.device != "cuda":
+    if p.name == "ddp" and p.comm_hook == "bf16" and hw.device == "cuda" and \
+            p.backend in ("auto", "nccl"):  # (distributed.backend's choice)
+        import torch.cuda.nccl as nccl
+
+        if nccl.version() < (2, 10):  # (torch's bf16_compress_hook: NCCL > 2.9.6)
+            raise Unsupported("parallel.comm_hook", f"bf16 needs NCCL >= 2.10 (bf16 "
+                              f"all-reduce); this torch has {nccl.version()}")
+    if p.name in ("fsdp", "expert_fsdp", "hsdp") and p.cpu_offload and hw.device != "cuda":
         raise Unsupported("parallel.cpu_offload", "FSDP CPU offload needs GPUs (it moves "
                           "parameters between GPU and CPU memory)")
     if hw.device == "cpu" and n > (os.cpu_count() or 1):
@@ -448,6 +493,10 @@ def check_optim(cfg) -> None:
             raise ConfigError(f"optim.{key}", f"must be in [0, 1), got {o[key]}")
     if not 0 <= o.min_lr_ratio <= 1:
         raise ConfigError("optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
+    if not 0 < o.decay_ratio <= 1:
+        raise ConfigError("optim.decay_ratio", f"must be in (0, 1], got {o.decay_ratio}")
+    if not 0 < o.pct_start < 1:
+        raise ConfigError("optim.pct_start", f"must be in (0, 1), got {o.pct_start}")
     if not o.eps > 0:
         raise ConfigError("optim.eps", f"must be > 0, got {o.eps}")
     if o.weight_decay < 0:
@@ -604,6 +653,7 @@ def validate(cfg, overrides=(), in_sweep: bool = False) -> None:
     device_here(cfg)
     precision_here(cfg)
     compile_here(cfg)
+    attention_here(cfg)
     dispatch_here(cfg)
     parallel_here(cfg)
     check_workers(cfg)

@@ -132,11 +132,12 @@ def grad_norm_matches(overrides, batch: int) -> dict:
         if applied.before_step:
             applied.before_step()
         norm = applied.clip(list(applied.model.parameters()), 1e9).item()
+        placements = {str(getattr(p, "placements", None)) for p in applied.model.parameters()}
         if not d.main:
             return None
         ref(x, y).loss.backward()
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9).item()
-        return {"norm": norm, "ref_norm": ref_norm}
+        return {"norm": norm, "ref_norm": ref_norm, "placements": sorted(placements)}
     finally:
         distributed.finish()
 
@@ -154,8 +155,8 @@ def max_with_nulls(overrides) -> list:
         distributed.finish()
 
 
-def muon_round_robin(overrides) -> dict:
-    """One Muon step under FSDP on 2 ranks, round-robin NS against every rank gathering
+def muon_round_robin(overrides, parallel="fsdp") -> dict:
+    """One Muon step under FSDP (or HSDP) on 2 ranks, round-robin NS against every rank gathering
     every matrix (the previous way), from the same weights and gradients. Returns rank 0's
     largest parameter difference and both ranks' NS call counts per way."""
     import moe_exp.optim.muon as muon
@@ -164,7 +165,7 @@ def muon_round_robin(overrides) -> dict:
     from moe_exp.optim import build_optimizer
     from moe_exp.optimizations import apply
 
-    cfg = _cfg(["parallel=fsdp", "hardware.devices=2", "optim=muon", *overrides])
+    cfg = _cfg([f"parallel={parallel}", "hardware.devices=2", "optim=muon", *overrides])
     d = distributed.init(cfg)
     cpu = torch.device("cpu")
     try:

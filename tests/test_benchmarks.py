@@ -195,6 +195,8 @@ BAD_INPUT = [
     (["ab_runs.py", "--rounds", "0", "--variant", "a:", "--variant", "b:"], "--rounds"),
     (["ab_runs.py", "--variant", "precision=bf16", "--variant", "b:"], "NAME:override"),
     (["mfu_table.py", "/nonexistent"], "folder"),
+    (["attention.py", "--kernels", "flash,fast"], "--kernels"),
+    (["attention.py", "model.hidden_sise=8"], "overrides"),
 ]
 
 
@@ -217,3 +219,17 @@ def test_bad_input_fails_first_with_one_line(args, says, bad_input_runs):
     errors = [line for line in p.stderr.splitlines() if "error:" in line]
     assert p.returncode == 2 and p.stdout == "", p.stderr
     assert len(errors) == 1 and says in errors[0] and "Traceback" not in p.stderr, p.stderr
+
+
+def test_attention_benchmark_rows(tmp_path):
+    """Each kernel that runs here: the attention's and the model's fwd+bwd and the share;
+    one this CPU lacks is a row with the reason."""
+    out = tmp_path / "attention.json"
+    stdout = bench("attention.py", "--kernels", "flash,math,cudnn", "--reps", "1", "--json",
+                   str(out), "model.num_layers=1", "train.seq_len=32",
+                   "train.micro_batch_size=2")
+    rows = {r["kernel"]: r for r in json.loads(out.read_text())["rows"]}
+    assert "CPU SDPA has the flash and math kernels only" in rows["cudnn"]["skipped"]
+    for k in ("flash", "math"):
+        assert 0 < rows[k]["attention_ms"] and 0 < rows[k]["share"] < 1, rows[k]
+    assert rows["math"]["speedup"] == 1.0 and "×" in stdout

@@ -153,6 +153,22 @@ SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3"
     ("precision.fp8_recipe=rowwise", "precision.fp8_recipe"),  # fp32: nothing reads it
     ("parallel=ddp hardware.devices=2 parallel.timeout_s=0.5", "parallel.timeout_s"),
     ("task=comm hardware.devices=2 comm.ops=[all_reduce,all_reduce]", "comm.ops"),
+    # DDP communication hooks: a choice, the rank, keys only DDP / PowerSGD read
+    ("parallel=ddp hardware.devices=2 parallel.comm_hook=fp8", "parallel.comm_hook"),
+    ("parallel=ddp hardware.devices=2 parallel.comm_hook=powersgd parallel.powersgd_rank=0",
+     "parallel.powersgd_rank"),
+    ("parallel=fsdp hardware.devices=2 parallel.comm_hook=fp16", "parallel.comm_hook"),
+    ("parallel=ddp hardware.devices=2 parallel.powersgd_rank=4", "parallel.powersgd_rank"),
+    # an overflowed fp16 step's inf would stay in PowerSGD's error feedback
+    ("parallel=ddp hardware.devices=2 parallel.comm_hook=powersgd precision=fp16",
+     "parallel.comm_hook"),
+    # HSDP: the mesh, FSDP's precision limits, no expert-parallel dimension
+    ("parallel=hsdp hardware.devices=4 parallel.replicate=3", "parallel.replicate"),
+    ("parallel=hsdp hardware.devices=2 parallel.replicate=0", "parallel.replicate"),
+    ("parallel=fsdp hardware.devices=2 parallel.replicate=2", "parallel.replicate"),
+    ("parallel=hsdp hardware.devices=2 parallel.expert_parallel_size=2",
+     "parallel.expert_parallel_size"),
+    ("parallel=hsdp hardware.devices=2 precision=fp16", "precision"),
 ])
 
 
@@ -334,8 +350,9 @@ def test_cli_invalid_exits_nonzero_with_one_line(tmp_path):
 
 HYDRA_ERRORS = [
     ("train.stepz=3", "error: train.stepz: no such key in train (known: "
-                      "activation_checkpointing, compile, grad_accum_steps, log_every, "
-                      "micro_batch_size, seed, seq_len, steps, warmup_steps)"),
+                      "activation_checkpointing, attention, compile, gc_every, "
+                      "grad_accum_steps, log_every, micro_batch_size, seed, seq_len, steps, "
+                      "warmup_steps)"),
     ("seed_row=all", "error: Could not override 'seed_row'. No match in the defaults list; "
                      "To append to your default list use +seed_row=all"),
     ("train.steps=abc", "error: train.steps: Error merging override train.steps=abc; Value "

@@ -36,10 +36,15 @@ def test_expert_parallel_loss_grads_and_counts_match_one_process(ranks, ep):
 
 
 CLIPPED = ["ddp", "fsdp", "expert", "expert_fsdp"]
+# HSDP on 2 ranks: 2-D DTensor grads on a 1 x 2 mesh (sharded) and a 2 x 1 one (replicated)
+HSDP_2 = {"hsdp": "parallel.replicate=1", "hsdp-2x1": "parallel.replicate=2"}
 # dist_helpers calls on 2 ranks that share one launch (the two_ranks fixture)
 TWO_RANKS = {
     **{f"clip {p}": ("grad_norm_matches", [[f"parallel={p}", "hardware.devices=2",
                                             "model.aux_loss_coef=0"], 3]) for p in CLIPPED},
+    **{f"clip {k}": ("grad_norm_matches", [["parallel=hsdp", "hardware.devices=2", mesh,
+                                            "model.aux_loss_coef=0"], 3])
+       for k, mesh in HSDP_2.items()},
     "accum once": ("ddp_reductions_per_step", [["train.grad_accum_steps=3"]]),
     "accum every": ("ddp_reductions_per_step", [["train.grad_accum_steps=3",
                                                  "parallel.accum_no_sync=false"]]),
@@ -47,6 +52,7 @@ TWO_RANKS = {
     # (one Newton-Schulz step: these count calls and compare two ways of the same step)
     **{f"muon {m}": ("muon_round_robin", [[f"model={m}", "optim.ns_steps=1"]])
        for m in ("tiny_dense", "tiny_moe")},
+    "muon hsdp": ("muon_round_robin", [["optim.ns_steps=1", "parallel.replicate=1"], "hsdp"]),
 }
 
 
@@ -59,12 +65,15 @@ def two_ranks():
     return dict(zip(TWO_RANKS, launch(dist_helpers.several, list(TWO_RANKS.values()))))
 
 
-@pytest.mark.parametrize("parallel", CLIPPED)
+@pytest.mark.parametrize("parallel", [*CLIPPED, *HSDP_2])
 def test_clipping_uses_the_global_gradient_norm(parallel, two_ranks):
     """Every strategy clips by the norm one process would see on the global batch (expert
-    shards' squares summed over the EP group, FSDP shards' over their mesh)."""
+    shards' squares summed over the EP group, FSDP shards' over their mesh; HSDP's over its
+    shard dim only, not over the replicas)."""
     res = two_ranks[f"clip {parallel}"]
     assert res["norm"] == pytest.approx(res["ref_norm"], rel=1e-5)
+    if parallel.startswith("hsdp"):  # (2-D: device_mesh.get_group() raised on it)
+        assert res["placements"] == ["(Replicate(), Shard(dim=0))"]
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +91,11 @@ def single(tmp_path_factory):
     ("expert_fsdp", ["parallel.prefetch=1", "train.activation_checkpointing=selective"]),
     # ep=2 x dp=2 (gloo has no PREMUL_SUM: FSDP2 is told to sum, then divide)
     ("expert_fsdp", ["hardware.devices=4", "parallel.expert_parallel_size=2",
-                     "train.micro_batch_size=1"])],
+                     "train.micro_batch_size=1"]),
+    # HSDP: replicate 2 x shard 2 (experts sharded like any parameter)
+    ("hsdp", ["hardware.devices=4", "parallel.replicate=2", "train.micro_batch_size=1"])],
     ids=["ddp", "fsdp", "expert", "expert_fsdp", "expert_fsdp-selective", "fsdp-prefetch2",
-         "expert_fsdp-prefetch1-selective", "expert_fsdp-4ranks"])
+         "expert_fsdp-prefetch1-selective", "expert_fsdp-4ranks", "hsdp-4ranks"])
 def test_losses_after_k_steps_match_one_process(parallel, extra, single, tmp_path, monkeypatch):
     from moe_exp import validate
     from moe_exp.run import run
@@ -106,6 +117,60 @@ def test_losses_after_k_steps_match_one_process(parallel, extra, single, tmp_pat
     assert 1 <= rec["expert_load_step_max_over_mean"] <= 8  # the busiest rank's (8 experts)
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert saved["tokens_per_s"] == pytest.approx(world * saved["tokens_per_s_per_device"])
+    if parallel == "ddp":  # DDP's own all-reduce: every fp32 gradient, once a step
+        assert rec["grad_reduce_bytes"] == 4 * rec["params_total"]
+    else:
+        assert rec["grad_reduce_bytes"] is None and rec["null_reasons"]["grad_reduce_bytes"]
+
+
+# (unit roundoff: relative rounding error of a gradient cast to fp16 / bf16)
+ROUNDOFF = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
+
+
+@pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd"])
+def test_comm_hooks_train_close_to_plain_ddp_and_reduce_fewer_bytes(hook, single, tmp_path):
+    """2 gloo ranks with each DDP communication hook against one process on the global batch
+    (what parallel.comm_hook=none matches, rel 2e-5). fp16/bf16: each gradient rounded once
+    (relative error <= u); AdamW's update divides m by sqrt(v), both off by <= u, so each
+    step and the loss stay within about u. powersgd: plain all-reduce for its first 2
+    steps (start_powerSGD_iter), so the first 3 losses (each before its step's update) are
+    none's; the 4th follows a rank-1 step, which moves each weight as far as AdamW's step
+    would (its update is normalized) but not in the gradient's own direction: to first
+    order it changes the loss by at most twice none's step did, and still lowers it."""
+    from moe_exp.run import run
+    from moe_exp.summary import summary_rows
+
+    from conftest import compose
+
+    rec = run(compose([*TINY, "parallel=ddp", "hardware.devices=2",
+                       f"parallel.comm_hook={hook}"]), out_dir=tmp_path, progress=False)
+    assert rec["status"] == "ok", rec["error"]
+    assert rec["comm_hook"] == hook
+    assert f"MiB/step/rank reduced ({hook} hook)" in dict(summary_rows(rec))["parallel"]
+    ref, got, full = single["losses"], rec["losses"], 4 * rec["params_total"]
+    if hook in ROUNDOFF:
+        assert got == pytest.approx(ref, rel=ROUNDOFF[hook] + 2e-5)
+        assert rec["grad_reduce_bytes"] == full // 2  # every bucket cast to 2 bytes
+        return
+    assert got[:3] == pytest.approx(ref[:3], rel=2e-5)
+    assert abs(got[3] - ref[3]) <= 2 * abs(ref[3] - ref[2]) and got[3] < got[2]
+    assert rec["grad_reduce_bytes"] == 4 * powersgd_elements(compose(TINY).model, rank=1)
+    assert rec["grad_reduce_bytes"] < full / 5
+
+
+def powersgd_elements(model_cfg, rank: int) -> int:
+    """What torch's PowerSGD all-reduces a step: each gradient viewed as rows x cols (its
+    dim 0 x the rest) as P (rows x rank) and Q (cols x rank) where that is 2x smaller
+    (min_compression_rate), else whole."""
+    from moe_exp.model import build_model
+
+    total = 0
+    for p in build_model(model_cfg).parameters():
+        n = p.shape[0]
+        m = p.numel() // n
+        r = min(n, m, rank)
+        total += (n + m) * r if (n + m) * r * 2 < n * m else n * m
+    return total
 
 
 # One Newton-Schulz step: on a CPU without bf16 matmuls, Muon's five (in bf16) took most of
@@ -123,8 +188,10 @@ def single_muon(tmp_path_factory):
     ("ddp", []), ("fsdp", []), ("expert", []), ("expert_fsdp", []),
     # ep=2 x dp=2: each expert stack FSDP-sharded over 2 ranks on the expert dim
     ("expert_fsdp", ["hardware.devices=4", "parallel.expert_parallel_size=2",
-                     "train.micro_batch_size=1"])],
-    ids=["ddp", "fsdp", "expert", "expert_fsdp", "expert_fsdp-4ranks"])
+                     "train.micro_batch_size=1"]),
+    # replicate 2 x shard 2: Newton-Schulz round-robin over each replica's shard group
+    ("hsdp", ["hardware.devices=4", "parallel.replicate=2", "train.micro_batch_size=1"])],
+    ids=["ddp", "fsdp", "expert", "expert_fsdp", "expert_fsdp-4ranks", "hsdp-4ranks"])
 def test_muon_losses_match_one_process(parallel, extra, single_muon, tmp_path, monkeypatch):
     """Muon on several ranks: FSDP-sharded matrices are orthogonalized whole (gathered),
     expert shards per expert; the losses are one process's on the global batch."""
@@ -286,6 +353,9 @@ PARALLEL_ERRORS = [
     (["parallel=none", "hardware.devices=2"], "hardware.devices"),
     # 2 x 256 GiB buffers per rank (the ranks ran out of memory, before)
     (["task=comm", "hardware.devices=2", "comm.max_bytes=1000000000000"], "comm.max_bytes"),
+    (["parallel=hsdp", "hardware.devices=2", "parallel.replicate=4"], "parallel.replicate"),
+    (["parallel=ddp", "hardware.devices=2", "parallel.comm_hook=powersgd",
+      "parallel.powersgd_rank=0"], "parallel.powersgd_rank"),
 ]
 
 
@@ -373,6 +443,14 @@ def test_muon_under_fsdp_orthogonalizes_each_matrix_once(model, gathered, round_
     res = two_ranks[f"muon {model}"]
     assert res["diff"] == 0.0
     assert res["calls"] == {"gathered": [gathered] * 2, "round_robin": [round_robin] * 2}
+
+
+def test_muon_under_hsdp_round_robins_over_the_shard_dim(two_ranks):
+    """HSDP's 2-D shards (replicate x shard, here 1 x 2): Newton-Schulz round-robin over the
+    shard dim, as FSDP's 1-D (tiny_moe: the same counts), the step unchanged."""
+    res = two_ranks["muon hsdp"]
+    assert res["diff"] == 0.0
+    assert res["calls"] == {"gathered": [16] * 2, "round_robin": [6 + 5] * 2}
 
 
 def _inject_failure(tmp_path, fail_rank) -> dict:

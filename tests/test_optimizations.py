@@ -177,7 +177,7 @@ def test_lr_schedule_peaks_once_and_ends_at_its_minimum(warmup, total):
 
     from moe_exp.optim import lr_factor
 
-    o = SimpleNamespace(lr_warmup_steps=warmup, min_lr_ratio=0.1)
+    o = SimpleNamespace(lr_warmup_steps=warmup, min_lr_ratio=0.1, schedule="cosine")
     f = [lr_factor(s, total, o) for s in range(total)]
     assert f.count(1.0) == 1 and f.index(1.0) == max(0, warmup - 1)
     assert f[-1] == pytest.approx(0.1)

@@ -310,6 +310,7 @@ def test_wandb_offline_run_holds_config_and_metrics_and_is_finished(tmp_path, mo
     assert run["summary"]["overrides"] == rec["overrides"]
     assert run["summary"]["tokens_per_expert"] == rec["tokens_per_expert"]
     assert [h["loss"] for h in run["history"]] == pytest.approx(rec["losses"])
+    assert [h["lr"] for h in run["history"]] == pytest.approx(rec["lrs"])  # the lr curve
     assert run["exit_code"] == 0  # finished
     # W&B starts after the run (deferred): its history keeps when each row was logged, in
     # the measured loop, not when it was replayed

@@ -55,13 +55,17 @@ def muon_params(m) -> int:
 def state_lower_bound(cfg, world: int) -> float:
     """Bytes one rank holds of fp32 weights, gradients and optimizer state (16 B/param with
     AdamW: weight, grad, 2 moments; 12 for Muon's matrices, 1 buffer each), sharded as the
-    parallel option shards them (FSDP over all `world` ranks, expert parallel's experts over
-    its group)."""
+    parallel option shards them (FSDP over all `world` ranks, HSDP over a replica group,
+    expert parallel's experts over its group)."""
     m, p = cfg.model, cfg.parallel
     total = param_counts(m)["params_total"]
     experts = m.num_layers * m.num_experts * 3 * m.hidden_size * m.ffn_hidden_size
     if p.name in ("fsdp", "expert_fsdp"):
         per_rank = total / world
+    elif p.name == "hsdp":  # sharded within a replica group
+        from ..config import hsdp_mesh
+
+        per_rank = total / hsdp_mesh(p, cfg.hardware.devices, world)[1]
     elif p.name == "expert":
         per_rank = total - experts + experts / (p.expert_parallel_size or world)
     else:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from ..config import total_steps
+from ..optimizations.collect import Collector
 from .memory import MemoryMeter
 from .load import snapshot, window
 from .timer import StepTimer, device_sync, process_age_s
@@ -28,6 +29,9 @@ class Diverged(Exception):
 @dataclass
 class LoopResult:
     losses: list = field(default_factory=list)  # per optimizer step (mean over micro-batches)
+    lrs: list = field(default_factory=list)  # each step's learning rate (the first group's)
+    gc_ms: float | None = None  # Python's collections in the measured window, per step
+    gc_collections: int | None = None  # their count
     timings: dict = field(default_factory=dict)
     first_step_s: float | None = None
     wall_s: float | None = None  # the measured window, wall clock
@@ -203,7 +207,7 @@ class _LossLog:
         self.bar.set_postfix(loss=f"{values[-1]:.3f}", refresh=sys.stderr.isatty())  # (off a
         # terminal: the bar every 10 s, not every log)
         if self.on_log:
-            self.on_log(step, values)
+            self.on_log(step, values, self.res.lrs[step + 1 - len(values): step + 1])
         first = len(self.res.losses) - len(values)  # step of values[0]
         bad = next((first + i for i, v in enumerate(values) if not math.isfinite(v)), None)
         if bad is not None:  # the first non-finite step, whatever log_every is
@@ -251,9 +255,12 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
         _LossLog(losses, res, bar, on_log)
     batches = iter(loader)
     model.train()
+    collector = Collector(t.gc_every)
     try:
+        collector.__enter__()
         for step in range(total):
             win.begin(step, bar)
+            collector.timing = win.measured(step)
             if step == 0:
                 t0 = time.perf_counter()
             timer.start()
@@ -268,8 +275,11 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                 step_loss += out.ce.detach() / accum
                 if win.measured(step):
                     moe.add(out)
+            res.lrs.append(optimizer.param_groups[0]["lr"])
             optimizer_step(cfg, applied, optimizer, scheduler, scaler, params, timer)
             timer.lap("optimizer")
+            if collector.step(step):
+                timer.lap("gc")  # (in the step's time, in no phase)
             if win.measured(step):
                 timer.end()
             if step == 0:
@@ -286,8 +296,10 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
         e.losses, e.steps = res.losses, (res.steps_done, total)
         raise
     finally:
+        collector.__exit__(None, None, None)
         win.close()
         bar.close()
     res.timings = timer.results()
+    res.gc_ms, res.gc_collections = collector.per_step(len(res.timings["step_ms"]))
     moe.into(res)
     return res

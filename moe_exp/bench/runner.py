@@ -154,6 +154,9 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
     _compile_cache(rec, cfg, *graphs[:4])
     _cudagraph_skips(rec, cfg, device, graphs[4])
     _record(cfg, rec, res, device, world)
+    from ..optimizations.parallel.hooks import record_reduce_bytes
+
+    record_reduce_bytes(cfg, rec, applied.reduce_bytes)
     _record_moe(cfg, rec, res, applied.model, device, world)
 
 
@@ -193,16 +196,12 @@ def _build(cfg, rec: dict, device: torch.device, memory: MemoryMeter, d):
 
 def _tracker_log(cfg, tracker):
     """The loop's on_log: each step's loss and learning rate to the tracker."""
-    from ..optim import lr_factor
-
     if tracker is None:
         return None
-    total = total_steps(cfg.train)
 
-    def on_log(step, values):
+    def on_log(step, values, lrs):
         first = step + 1 - len(values)
-        for i, v in enumerate(values):
-            lr = cfg.optim.lr * lr_factor(first + i, total, cfg.optim)
+        for i, (v, lr) in enumerate(zip(values, lrs)):
             tracker.log({"loss": v, "lr": lr}, step=first + i)
 
     return on_log
@@ -221,7 +220,8 @@ def _record(cfg, rec: dict, res, device: torch.device, world: int) -> None:
         world=world, wall_s=res.wall_s, first_step_s=res.first_step_s,
         compiled=t.compile != "off", flops_per_token=rec["flops_per_token"], peak_flops=peak,
         startup_s=res.startup_s if own_process() else None),
-        loss_first=res.losses[0], loss_last=res.losses[-1], losses=res.losses)
+        loss_first=res.losses[0], loss_last=res.losses[-1], losses=res.losses,
+        lrs=res.lrs, gc_ms=res.gc_ms, gc_collections=res.gc_collections)
     if rec["step_time_iqr_ms"] is None:
         why["step_time_iqr_ms"] = "one timed step: an IQR needs two" + (
             f" (of train.steps={t.steps}, the last {t.steps - 1} ran under the profiler for "

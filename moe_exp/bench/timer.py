@@ -69,7 +69,8 @@ class StepTimer:
             totals.append(self._ms(marks[0][1], marks[-1][1]))
             acc = dict.fromkeys(PHASES, 0.0)
             for (_, a), (phase, b) in zip(marks, marks[1:]):
-                acc[phase] += self._ms(a, b)
+                if phase in acc:  # (another lap, e.g. gc: in the step's total only)
+                    acc[phase] += self._ms(a, b)
             for p in PHASES:
                 phases[p].append(acc[p])
         return {"step_ms": totals, **{f"{p}_ms": v for p, v in phases.items()}}

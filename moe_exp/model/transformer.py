@@ -73,6 +73,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(h, self.n_kv * d, bias=False)
         self.wv = nn.Linear(h, self.n_kv * d, bias=False)
         self.wo = nn.Linear(self.n_heads * d, h, bias=False)
+        self.attend = causal_attention  # (q, k, v) -> y; an attention kernel may replace it
 
     def forward(self, x, cos, sin):
         b, s, _ = x.shape
@@ -80,7 +81,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = causal_attention(q, k, v)
+        y = self.attend(q, k, v)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 

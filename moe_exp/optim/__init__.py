@@ -1,5 +1,5 @@
-"""The optim group: AdamW, or Muon on the hidden matrices with AdamW on the rest; linear
-warmup then cosine decay."""
+"""The optim group: AdamW, or Muon on the hidden matrices with AdamW on the rest; the lr
+schedule (optim.schedule: linear warmup, then cosine, linear, constant or wsd; or onecycle)."""
 from __future__ import annotations
 
 import math
@@ -30,17 +30,36 @@ def build_optimizer(model: nn.Module, cfg, device: torch.device):
                    weight_decay=o.weight_decay, momentum=o.momentum, nesterov=o.nesterov,
                    ns_steps=o.ns_steps)
         impl = f"muon+adamw-{impl}"
-    total = total_steps(cfg.train)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total, o))
-    return opt, sched, impl
+    return opt, build_schedule(opt, total_steps(cfg.train), o), impl
+
+
+def build_schedule(opt, total: int, o):
+    """optim.schedule over the run's steps (warmup steps included): onecycle is torch's
+    OneCycleLR (lr only: its momentum cycling would rewrite AdamW's beta1); the others scale
+    the lr by lr_factor."""
+    if o.schedule == "onecycle":
+        return torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=[g["lr"] for g in opt.param_groups], total_steps=total,
+            pct_start=o.pct_start, cycle_momentum=False)
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total, o))
 
 
 def lr_factor(step: int, total: int, o) -> float:
     """Linear warmup to the peak (reached on the last warmup step, or on step 0 without
-    warmup), then cosine down to min_lr_ratio, reached on the last step."""
+    warmup), then: cosine or linear down to min_lr_ratio, reached on the last step; constant;
+    or wsd: stable at the peak, then linear down to min_lr_ratio over the last decay_ratio of
+    the steps after warmup (reached on the last step)."""
     w = o.lr_warmup_steps
     if step < w:
         return (step + 1) / w
     done, span = (step - w + 1, total - w) if w else (step, total - 1)
     progress = min(1.0, done / max(1, span))
-    return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    low = o.min_lr_ratio
+    if o.schedule == "constant":
+        return 1.0
+    if o.schedule == "linear":
+        return 1 - (1 - low) * progress
+    if o.schedule == "wsd":
+        stable = 1 - o.decay_ratio  # progress where the decay starts
+        return 1.0 if progress <= stable else 1 - (1 - low) * (progress - stable) / o.decay_ratio
+    return low + (1 - low) * 0.5 * (1 + math.cos(math.pi * progress))

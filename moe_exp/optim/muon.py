@@ -17,7 +17,7 @@ import sys
 import torch
 from torch import Tensor, nn
 
-from .sharded_ns import orthogonalize_round_robin, round_robin_ok
+from .sharded_ns import orthogonalize_round_robin, round_robin_ok, shard_dim
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, as torch.optim.Muon
 
@@ -46,8 +46,10 @@ def _dtensor(u):
 
 
 def _whole_per_rank(u) -> bool:
-    """A plain tensor, or expert stacks sharded on the expert dim (whole experts per rank)."""
-    return _dtensor(u) is None or (u.ndim == 3 and all(p.is_shard(0) for p in u.placements))
+    """A plain tensor, or expert stacks sharded on the expert dim (whole experts per rank;
+    HSDP: replicated over its replicate dim)."""
+    return _dtensor(u) is None or (u.ndim == 3 and all(p.is_shard(0) or p.is_replicate()
+                                                       for p in u.placements))
 
 
 def _orthogonalize(u: Tensor, steps: int, eps: float) -> Tensor:
@@ -146,7 +148,7 @@ class Muon(torch.optim.Optimizer):
                 update(p, _orthogonalize(u, steps, eps))
                 continue
             pending.setdefault(u.device_mesh, []).append((p, u))
-            if len(pending[u.device_mesh]) == u.device_mesh.size():
+            if len(pending[u.device_mesh]) == u.device_mesh.size(shard_dim(u)):
                 flush(u.device_mesh)
         for mesh in list(pending):  # (every rank holds the same matrices in the same order)
             flush(mesh)

@@ -12,10 +12,16 @@ import torch
 import torch.distributed as dist
 
 
+def shard_dim(u) -> int | None:
+    """The mesh dim a DTensor is split over on its dim 0 (FSDP2's layout; HSDP's "shard",
+    replicated over "replicate"), where it is split over one dim of several ranks; else None."""
+    dims = [d for d, pl in enumerate(u.placements) if not pl.is_replicate()]
+    ok = len(dims) == 1 and u.placements[dims[0]].is_shard(0) and u.device_mesh.size(dims[0]) > 1
+    return dims[0] if ok else None
+
+
 def round_robin_ok(u) -> bool:
-    """A DTensor split on dim 0 over a 1-D mesh of several ranks (FSDP2's layout)."""
-    return (u.device_mesh.ndim == 1 and u.device_mesh.size() > 1 and len(u.placements) == 1
-            and u.placements[0].is_shard(0))
+    return shard_dim(u) is not None
 
 
 def shard_rows(n: int, world: int) -> list[int]:
@@ -26,12 +32,13 @@ def shard_rows(n: int, world: int) -> list[int]:
 
 
 def orthogonalize_round_robin(us: list, ns) -> list:
-    """us: up to mesh-size DTensors on one mesh (round_robin_ok); ns: the NS function of a
-    whole tensor. Returns their orthogonalized DTensors (bf16), same layout."""
+    """us: up to shard-dim-size DTensors on one mesh (round_robin_ok); ns: the NS function of
+    a whole tensor. Returns their orthogonalized DTensors (bf16), same layout. (HSDP: each
+    replica group does the same, over its own shard group.)"""
     from torch.distributed.tensor import DTensor
 
-    mesh = us[0].device_mesh
-    group, world, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    mesh, d = us[0].device_mesh, shard_dim(us[0])
+    group, world, rank = mesh.get_group(d), mesh.size(d), mesh.get_local_rank(d)
     assert len(us) <= world
     rows = [shard_rows(u.shape[0], world) for u in us]
     inner = [math.prod(u.shape[1:]) for u in us]

@@ -8,6 +8,7 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 from torch import nn
 
+from .attention import apply_attention
 from .checkpointing import apply_checkpointing
 from .compile import apply_compile
 from .precision import apply_fp8, autocast_factory, grad_scaler, set_matmul_precision
@@ -21,6 +22,7 @@ class Applied:
     before_step: Optional[Callable[[], None]] = None  # gradient sync the wrapper doesn't do
     clip: Optional[Callable[[Any, float], Any]] = None  # grad-norm clipping across ranks
     no_sync: Optional[Callable[[], ContextManager]] = None  # micro-steps before the last
+    reduce_bytes: Any = None  # DDP: parallel.hooks.ReduceBytes (grad bytes reduced a step)
 
     def micro_contexts(self, n: int):
         """One context per micro-step of an accumulated step: no gradient sync but on the
@@ -30,12 +32,13 @@ class Applied:
 
 
 def apply(model: nn.Module, cfg, device: torch.device, world: int = 1) -> Applied:
-    """precision -> expert parallel -> activation checkpointing -> data parallel (DDP /
-    FSDP2) -> compile (torchtitan's order).
+    """attention kernel -> precision -> expert parallel -> activation checkpointing -> data
+    parallel (DDP and its comm hook / FSDP2 / HSDP) -> compile (torchtitan's order).
 
     Gradient accumulation is a loop knob (train.grad_accum_steps), done in bench.loop.
     """
     set_matmul_precision(device, cfg.precision.tf32)
+    apply_attention(model, cfg.train.attention)
     if cfg.precision.name == "fp8":
         model = apply_fp8(model, cfg.precision)
     par = cfg.parallel.name
@@ -45,14 +48,19 @@ def apply(model: nn.Module, cfg, device: torch.device, world: int = 1) -> Applie
 
         mesh, ep_group, dp_group = apply_expert(model, cfg, world)
     model = apply_checkpointing(model, cfg.train.activation_checkpointing)
-    before_step = clip = no_sync = None
+    before_step = clip = no_sync = reduce_bytes = None
     if par != "none":
         from .parallel import accum_no_sync, apply_data_parallel, clip_grad_norm, grad_sync
 
         model = apply_data_parallel(model, cfg, device, world, mesh)
+        if par == "ddp":
+            from .parallel import register_comm_hook
+
+            reduce_bytes = register_comm_hook(model, cfg)
         before_step = grad_sync(model, cfg, world, dp_group)
         no_sync = accum_no_sync(model, cfg)
         clip = lambda params, max_norm: clip_grad_norm(params, max_norm, ep_group)  # noqa: E731
     model = apply_compile(model, cfg.train.compile)
     return Applied(model, autocast_factory(cfg.precision, device),
-                   grad_scaler(cfg.precision, device), before_step, clip, no_sync)
+                   grad_scaler(cfg.precision, device), before_step, clip, no_sync,
+                   reduce_bytes)

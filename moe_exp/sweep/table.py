@@ -242,7 +242,8 @@ def labels(records: list[dict]) -> list[str]:
 
 
 def _opts_on(row) -> int:
-    on = sum(str(row.get(k)) != off for k, off in OFF.items())
+    on = sum(_num(row.get(k)) is not None and str(row.get(k)) != off  # (a record older
+             for k, off in OFF.items())  # than the knob has no value: it was off)
     return on + int((row.get("grad_accum_steps") or 1) > 1)
 
 

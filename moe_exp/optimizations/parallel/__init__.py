@@ -1,4 +1,4 @@
-"""parallel=none|ddp|fsdp|expert|expert_fsdp applied to a plain model (torchtitan order:
+"""parallel=none|ddp|fsdp|expert|expert_fsdp|hsdp applied to a plain model (torchtitan order:
 expert parallel first, then activation checkpointing and compile, data parallel last).
 
 Gradient semantics: every rank's loss is the mean over its own micro-batch; the update
@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .expert import shard_experts
+from .hooks import record_reduce_bytes, register_comm_hook  # noqa: F401 (the API)
 
 
 def expert_groups(cfg, world: int):
@@ -30,7 +31,7 @@ def apply_expert(model: nn.Module, cfg, world: int):
 
 
 def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh=None):
-    """ddp / fsdp / expert_fsdp wrapping (after AC, before compile)."""
+    """ddp / fsdp / expert_fsdp / hsdp wrapping (after AC, before compile)."""
     p = cfg.parallel
     if p.name == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -38,7 +39,7 @@ def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh=None):
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                    bucket_cap_mb=p.bucket_cap_mb, gradient_as_bucket_view=p.gradient_as_bucket_view,
                    static_graph=p.static_graph)
-    if p.name in ("fsdp", "expert_fsdp"):
+    if p.name in ("fsdp", "expert_fsdp", "hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -49,7 +50,8 @@ def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh=None):
               "reshard_after_forward": p.reshard_after_forward}
         if p.cpu_offload:
             kw["offload_policy"] = CPUOffloadPolicy()
-        world_mesh = init_device_mesh(cfg.hardware.device, (world,))
+        world_mesh = init_device_mesh(cfg.hardware.device, (world,)) if p.name != "hsdp" \
+            else hsdp_device_mesh(cfg, world)
         units = []  # per block: [block, its FSDP-sharded experts (expert_fsdp)]
         for block in _blocks(model):
             units.append([block])
@@ -69,6 +71,17 @@ def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh=None):
         if p.prefetch:
             _prefetch(model, units, p.prefetch)
     return model
+
+
+def hsdp_device_mesh(cfg, world: int):
+    """HSDP's 2-D mesh: FSDP2 over it replicates over "replicate" and shards over "shard"
+    (gradients reduce-scattered within a replica group, then all-reduced across them)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ...config import hsdp_mesh
+
+    shape = hsdp_mesh(cfg.parallel, cfg.hardware.devices, world)
+    return init_device_mesh(cfg.hardware.device, shape, mesh_dim_names=("replicate", "shard"))
 
 
 def _prefetch(root, units: list, n: int) -> None:
@@ -91,7 +104,7 @@ def _prefetch(root, units: list, n: int) -> None:
 def accum_no_sync(model: nn.Module, cfg):
     """The context that skips gradient reduction on a micro-step (None: sync every time).
 
-    ddp: DDP.no_sync; fsdp/expert_fsdp: FSDP2's set_requires_gradient_sync(False) (grads
+    ddp: DDP.no_sync; fsdp/expert_fsdp/hsdp: FSDP2's set_requires_gradient_sync(False) (grads
     stay unsharded until the last micro-step: less communication, more memory). expert:
     None, its grad sync runs once per step anyway (before_step).
     """
@@ -100,7 +113,7 @@ def accum_no_sync(model: nn.Module, cfg):
         return None
     if p.name == "ddp":
         return model.no_sync
-    if p.name in ("fsdp", "expert_fsdp"):
+    if p.name in ("fsdp", "expert_fsdp", "hsdp"):
         @contextlib.contextmanager
         def no_sync():
             model.set_requires_gradient_sync(False)
@@ -147,8 +160,9 @@ def _is_expert(p) -> bool:
 
 
 def clip_grad_norm(params, max_norm: float, ep_group) -> torch.Tensor:
-    """Global grad-norm clipping across ranks: local squares summed over the group each
-    parameter is split over (its FSDP mesh, and the EP group for expert shards)."""
+    """Global grad-norm clipping across ranks: local squares summed over the groups each
+    parameter is split over (its mesh dims that shard it, Shard placements: not HSDP's
+    replicate dim; and the EP group for expert shards)."""
     from torch.distributed.tensor import DTensor
 
     sums: dict = {}
@@ -160,8 +174,10 @@ def clip_grad_norm(params, max_norm: float, ep_group) -> torch.Tensor:
         local = g.to_local() if isinstance(g, DTensor) else g
         grads.append(local)
         groups = []
-        if isinstance(g, DTensor) and g.device_mesh.size() > 1:
-            groups.append(g.device_mesh.get_group())
+        if isinstance(g, DTensor):
+            mesh = g.device_mesh
+            groups += [mesh.get_group(d) for d, pl in enumerate(g.placements)
+                       if pl.is_shard() and mesh.size(d) > 1]
         if _is_expert(p) and ep_group is not None:
             groups.append(ep_group)
         key = tuple(groups)
