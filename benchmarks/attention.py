@@ -86,6 +86,9 @@ def main(argv=None) -> int:
             cfg = compose("run", overrides=list(args.overrides))
     except Exception as e:  # noqa: BLE001 - a bad override: one line
         ap.error(f"overrides: {str(e).splitlines()[0]}")
+    if cfg.train.seq_len > cfg.model.max_seq_len:
+        ap.error(f"overrides: train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len="
+                 f"{cfg.model.max_seq_len}")
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     fns, skipped = contenders(cfg, args.kernels.split(","), device, dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

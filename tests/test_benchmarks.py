@@ -197,6 +197,7 @@ BAD_INPUT = [
     (["mfu_table.py", "/nonexistent"], "folder"),
     (["attention.py", "--kernels", "flash,fast"], "--kernels"),
     (["attention.py", "model.hidden_sise=8"], "overrides"),
+    (["attention.py", "train.seq_len=4096"], "overrides"),
 ]
 
 
