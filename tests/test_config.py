@@ -96,6 +96,14 @@ SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3"
     ("optim.beta1=1.5", "optim.beta1"),
     ("optim.eps=0", "optim.eps"),
     ("optim.min_lr_ratio=-1", "optim.min_lr_ratio"),
+    ("optim.schedule=wsd optim.decay_ratio=0", "optim.decay_ratio"),  # (nothing decays)
+    ("optim.schedule=onecycle optim.pct_start=1", "optim.pct_start"),
+    ("optim.decay_ratio=0.5", "optim.decay_ratio"),  # cosine: only wsd reads it
+    ("optim.schedule=onecycle optim.lr_warmup_steps=2", "optim.lr_warmup_steps"),  # its own
+    ("optim.schedule=constant optim.min_lr_ratio=0.5", "optim.min_lr_ratio"),  # no decay
+    ("optim.schedule=step", "optim.schedule"),
+    ("train.gc_every=-1", "train.gc_every"),
+    ("train.attention=sparse", "train.attention"),
     ("optim.weight_decay=-0.1", "optim.weight_decay"),
     ("optim.name=sgd", "optim.name"),
     ("parallel.prefetch=-1", "parallel.prefetch"),
