@@ -18,13 +18,13 @@ MEMORY_ROWS = (("baseline", "Baseline", "-"),
                ("mem_cpu_offload", "+ CPU Offloading", "47%"))
 
 
-def _row_key(extra) -> str | None:
+def _row_key(extra, key: str = "seed_row") -> str | None:
     if isinstance(extra, str):
         try:
             extra = json.loads(extra)
         except ValueError:
             return None
-    return extra.get("seed_row") if isinstance(extra, dict) else None
+    return extra.get(key) if isinstance(extra, dict) else None
 
 
 def _cell(r, value: str) -> str:

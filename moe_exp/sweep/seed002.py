@@ -2,9 +2,7 @@
 `+sweep=seed002` run measured: each checklist item against its reference row."""
 from __future__ import annotations
 
-import json
-
-from .seed import _cell, _md
+from .seed import _cell, _md, _row_key
 
 # (row key in extra.seed002_row, label, the seed's claim, the row it is measured against)
 ROWS = (("baseline", "Baseline (every item off; fp32, math attention)", "-", None),
@@ -20,15 +18,6 @@ ROWS = (("baseline", "Baseline (every item off; fp32, math attention)", "-", Non
         ("grad_compression", "fp16 gradient compression (DDP hook)", "-", "ddp"))
 
 
-def _key(extra) -> str | None:
-    if isinstance(extra, str):
-        try:
-            extra = json.loads(extra)
-        except ValueError:
-            return None
-    return extra.get("seed002_row") if isinstance(extra, dict) else None
-
-
 def _pct(new, old) -> str:
     return f"{100 * (new / old - 1):+.0f}%"
 
@@ -37,7 +26,7 @@ def seed002_table(df) -> str:
     """Markdown of the seed's claims and the measured change per item, or "" when the sweep
     has no seed002 rows. One row per item (the first run of each: one model)."""
     at = {}
-    for r, key in zip(df.to_dict("records"), (_key(e) for e in df.get("extra", []))):
+    for r, key in zip(df.to_dict("records"), (_row_key(e, "seed002_row") for e in df.get("extra", []))):
         if key and key not in at:
             at[key] = r
     if not at:
