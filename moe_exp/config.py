@@ -81,7 +81,8 @@ def default_choices() -> Dict[str, str]:
 RANKED = ("ddp", "fsdp", "expert", "expert_fsdp", "hsdp")  # parallel options with several ranks
 MOE = Reads("model.num_experts", positive=True, what="a MoE model")
 DDP = Reads("parallel.name", ("ddp",))
-FSDP = Reads("parallel.name", ("fsdp", "expert_fsdp", "hsdp"))  # FSDP2
+FSDP2 = ("fsdp", "expert_fsdp", "hsdp")  # parallel options that shard with FSDP2
+FSDP = Reads("parallel.name", FSDP2)
 HOOKS = ("none", "fp16", "bf16", "powersgd")  # DDP communication hooks
 EXPERT = Reads("parallel.name", ("expert", "expert_fsdp"))
 MUON, WANDB = Reads("optim.name", ("muon",)), Reads("logger.name", ("wandb",))
@@ -156,8 +157,7 @@ class ParallelConfig:
     # with train.grad_accum_steps > 1, reduce gradients on the last micro-step only (DDP
     # no_sync, FSDP2 set_requires_gradient_sync); false: on every micro-step
     accum_no_sync: bool = knob(True, "with grad accumulation, reduce on the last micro-step "
-                               "only", read_by=Reads("parallel.name", ("ddp", "fsdp",
-                                                                       "expert_fsdp", "hsdp")),
+                               "only", read_by=Reads("parallel.name", ("ddp",) + FSDP2),
                                unread_ok=True)
     reshard_after_forward: bool = knob(True, "FSDP2 frees gathered parameters after forward",
                                        read_by=FSDP)
@@ -279,8 +279,8 @@ class TrainConfig:
                           "compiled)", choices=ATTENTION, off="auto", since="auto")
     # torchtitan's gc_freq: Python's automatic collections at random points of random steps
     # become one full collection every N steps
-    gc_every: int = knob(0, "0 = Python's automatic GC; N = automatic GC off, a full "
-                         "collection every N steps", since=0)
+    gc_every: int = knob(0, "0 = Python's automatic GC; N = automatic GC off, generations "
+                         "0-1 collected every N steps", since=0)
     seed: int = knob(0, "seed of the weights and the data")
     log_every: int = knob(5, "steps between loss reads (each read waits for the device)")
 

@@ -11,8 +11,8 @@ import os
 import torch
 from omegaconf import OmegaConf
 
-from .config import (CHOICES, CONF, ConfigError, NotReady, Unsupported, default_choices,
-                     env_source, group_options, no_such_key)
+from .config import (CHOICES, CONF, FSDP2, ConfigError, NotReady, Unsupported,
+                     default_choices, env_source, group_options, no_such_key)
 from .ranks import rank_env
 
 
@@ -332,7 +332,7 @@ def check_parallel(cfg) -> None:
                           f"{p.prefetch}")
     _check_hook(cfg)
     _check_hsdp(cfg, launched)
-    if p.name in ("fsdp", "expert_fsdp", "hsdp"):
+    if p.name in FSDP2:
         if p.cpu_offload and cfg.optim.name == "muon":
             raise ConfigError("parallel.cpu_offload", "not with optim=muon: its Newton-Schulz "
                               "step gathers whole matrices on the GPU (allowed: false)")
@@ -382,7 +382,7 @@ def parallel_here(cfg) -> None:
         if nccl.version() < (2, 10):  # (torch's bf16_compress_hook: NCCL > 2.9.6)
             raise Unsupported("parallel.comm_hook", f"bf16 needs NCCL >= 2.10 (bf16 "
                               f"all-reduce); this torch has {nccl.version()}")
-    if p.name in ("fsdp", "expert_fsdp", "hsdp") and p.cpu_offload and hw.device != "cuda":
+    if p.name in FSDP2 and p.cpu_offload and hw.device != "cuda":
         raise Unsupported("parallel.cpu_offload", "FSDP CPU offload needs GPUs (it moves "
                           "parameters between GPU and CPU memory)")
     if hw.device == "cpu" and n > (os.cpu_count() or 1):

@@ -255,7 +255,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
         _LossLog(losses, res, bar, on_log)
     batches = iter(loader)
     model.train()
-    collector = Collector(t.gc_every)
+    collector = Collector(t.gc_every)  # (entered in the try: its exit restores GC)
     try:
         collector.__enter__()
         for step in range(total):

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...config import FSDP2
 from .expert import shard_experts
 from .hooks import record_reduce_bytes, register_comm_hook  # noqa: F401 (the API)
 
@@ -39,7 +40,7 @@ def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh=None):
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                    bucket_cap_mb=p.bucket_cap_mb, gradient_as_bucket_view=p.gradient_as_bucket_view,
                    static_graph=p.static_graph)
-    if p.name in ("fsdp", "expert_fsdp", "hsdp"):
+    if p.name in FSDP2:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -113,7 +114,7 @@ def accum_no_sync(model: nn.Module, cfg):
         return None
     if p.name == "ddp":
         return model.no_sync
-    if p.name in ("fsdp", "expert_fsdp", "hsdp"):
+    if p.name in FSDP2:
         @contextlib.contextmanager
         def no_sync():
             model.set_requires_gradient_sync(False)
