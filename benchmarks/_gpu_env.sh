@@ -27,9 +27,10 @@ print(torch.cuda.get_device_name(0).replace(' ', '_'), 'torch', torch.__version_
       sys.version.split()[0])") || exit 1
 res=benchmarks/results/${info%% *}-$(date +%Y-%m-%d)
 mkdir -p "$res"
-# what produced these results (the device's copy has no .git: pass GIT_SHA=<commit>)
+# what produced these results (the device's copy has no .git: pass GIT_SHA=<commit>); one
+# file per pack, so the packs of several calls unpack side by side
 echo "$(date '+%F %T') $0 $* | commit ${GIT_SHA:-$(git rev-parse HEAD 2>/dev/null ||
-  echo unknown)} | ${info#* } ${info%% *}" >> "$res/provenance.txt"
+  echo unknown)} | ${info#* } ${info%% *}" >> "$res/provenance${PACK:+-$PACK}.txt"
 
 pack() {  # never fails: a pack that cannot be made must not stop the measuring
   [[ -n ${OUT:-} ]] || return 0

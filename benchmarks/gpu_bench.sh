@@ -4,22 +4,23 @@
 #
 #   bash benchmarks/gpu_bench.sh [STAGE ...]
 #
-#   check    the gpu tests (tests/test_gpu.py; the grouped dispatch's first)  ~2 min
+#   check    the gpu tests (tests/test_gpu.py; the grouped dispatch's first)  74 s
 #   layer    moe_layer.py: grouped_mm vs the naive loop (goal 1), then at moe_1b with a
-#            skewed router (--skew 2)                                         ~4 min
-#   mfu      gpu_mfu.sh: moe_1b bf16 MFU (goal 4; MFU_RUNS picks runs)       ~6-9 min
-#   compile  compile_step.py: whole step compiled vs eager (goal 2)         ~4-6 min
-#   optim    optimizer_step.py (AdamW vs Muon), row_moves.py                 ~2 min
-#   det      ab_runs.py: hardware.deterministic's cost at moe_1b             ~4 min
+#            skewed router (--skew 2)                                         70 s
+#   mfu      gpu_mfu.sh: moe_1b bf16 MFU (goal 4; MFU_RUNS picks runs)   40-80 s a run
+#   compile  compile_step.py: whole step compiled vs eager (goal 2)          67 s
+#   optim    optimizer_step.py (AdamW vs Muon), row_moves.py                 24 s
+#   det      ab_runs.py: hardware.deterministic's cost at moe_1b             46 s
 #   attention  attention.py at moe_1b bf16 (flash, efficient, cudnn, math, flex, auto),
-#            then ab_runs.py: hardware.cudnn_benchmark off vs on (seed 002)   ~4 min
+#            then ab_runs.py: hardware.cudnn_benchmark off vs on (seed 002)   79 s
 #
-# (times are estimates.) Each stage's JSON is written after every row and its printout
-# goes to <stage>.txt beside it, all under benchmarks/results/<gpu>-<date>/. A failing
-# stage does not stop the next; the exit code says whether any failed. Where $OUT is set
-# (the lent machine), the results dir is packed into $OUT/results-<stages>.tgz after every
-# stage and every minute. Needs a CUDA GPU and hydra-core + omegaconf (see _gpu_env.sh).
-# Pass GIT_SHA=<commit> (the device's copy has no .git): it goes into provenance.txt.
+# (times measured on an H200, 2026-11-26; the machine's start adds a minute or two.) Each
+# stage's JSON is written after every row and its printout goes to <stage>.txt beside it
+# (mfu: mfu-<MFU_RUNS>.txt), all under benchmarks/results/<gpu>-<date>/. A failing stage
+# does not stop the next; the exit code says whether any failed. Where $OUT is set (the
+# lent machine), the results dir is packed into $OUT/results-<stages>.tgz after every stage
+# and every minute. Needs a CUDA GPU and hydra-core + omegaconf (see _gpu_env.sh).
+# Pass GIT_SHA=<commit> (the device's copy has no .git): it goes into provenance-<pack>.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STAGES=(check layer mfu compile optim det attention)
@@ -28,12 +29,13 @@ for s in "$@"; do  # all checked before any work
     echo "error: stage '$s' is not one of: ${STAGES[*]}" >&2; exit 2; }
 done
 (($#)) || set -- "${STAGES[@]}"
+# (gpu_mfu.sh packs into the same file; a split mfu stage's calls get different names, and
+# so do their printouts and provenance: each call's pack holds that call's files only)
+mfu=$([[ " $* " == *" mfu "* && -n ${MFU_RUNS:-} ]] && echo "-${MFU_RUNS//[^A-Za-z0-9_]/-}")
+export PACK=results-$(IFS=-; echo "$*")$mfu
 set -e
 source benchmarks/_gpu_env.sh
 set +e
-# (gpu_mfu.sh packs into the same file; a split mfu stage's calls get different names)
-mfu=$([[ " $* " == *" mfu "* && -n ${MFU_RUNS:-} ]] && echo "-${MFU_RUNS//[^A-Za-z0-9_]/-}")
-export PACK=results-$(IFS=-; echo "$*")$mfu
 
 stage() {  # NAME: the stage's commands
   case $1 in
@@ -66,7 +68,7 @@ fi
 failed=()
 for s in "$@"; do
   echo "== $s ($(date +%T))"
-  stage "$s" 2>&1 | tee "$res/$s.txt"
+  stage "$s" 2>&1 | tee "$res/$s$([[ $s == mfu ]] && echo "$mfu").txt"
   rc=${PIPESTATUS[0]}
   ((rc == 0)) || { failed+=("$s"); echo "== $s failed (exit $rc)"; }
   pack

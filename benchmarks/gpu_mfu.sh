@@ -28,8 +28,8 @@ for name in $RUNS; do  # all checked before the first run
     exit 2
   fi
 done
-source benchmarks/_gpu_env.sh
 export PACK=${PACK:-mfu}
+source benchmarks/_gpu_env.sh
 out=$res/mfu
 mkdir -p "$out"
 common=(logger=none model=moe_1b precision=bf16 model.dispatch=grouped

@@ -208,6 +208,36 @@ def setup_backends(cfg) -> None:
     set_deterministic(det)  # (and DETERMINISTIC_ENV: see env_for)
 
 
+# how torch words the warning of an op without a deterministic kernel (warn_only=True)
+NONDETERMINISTIC = " does not have a deterministic implementation"
+
+
+@contextlib.contextmanager
+def nondeterministic_ops(on: bool):
+    """With hardware.deterministic: yields the set that collects the names of the ops that
+    ran without a deterministic kernel (torch warns of each: set_deterministic's
+    warn_only); every other warning is shown as before."""
+    ops: set[str] = set()
+    if not on:
+        yield ops
+        return
+    import warnings
+
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+        warnings.filterwarnings("always", message=".*" + NONDETERMINISTIC)
+
+        def show(message, *args, **kwargs):
+            text = str(message)
+            if NONDETERMINISTIC in text:
+                ops.add(text.split(NONDETERMINISTIC)[0].strip())
+            else:
+                shown(message, *args, **kwargs)
+
+        warnings.showwarning = show
+        yield ops
+
+
 def set_deterministic(on: bool) -> None:
     """hardware.deterministic: torch's deterministic algorithms (ops that have none warn;
     inductor reads them when it lowers: eager's index_put instead of its atomic adds, e.g.

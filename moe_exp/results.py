@@ -35,6 +35,7 @@ EXTRAS = (
     "comm_backend", "comm_hook", "grad_reduce_bytes", "z_loss", "tokens_per_expert", "expert_load_cv_per_layer",
     "expert_load_max_over_mean_per_layer", "expert_load_step_max_over_mean", "moe_dispatch", "moe_padded_fallback_share",
     "optim_impl", "peak_flops", "compile_cache_hit_share", "cudagraph_skips", "cpu_other_load",
+    "nondeterministic_ops",
     "job",
     "repeat", "repeats",
     "repeats_ok", "combined", "resumed_from",

@@ -104,6 +104,9 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
     else:
         rows.append(("expert load", f"null: {why.get('expert_load_cv', '')}"))
     rows.append(("loss", f"{r['loss_first']:.4f} → {r['loss_last']:.4f}"))
+    if ops := r.get("nondeterministic_ops"):
+        rows.append(("WARNING", f"hardware.deterministic: {', '.join(ops)} ran without a "
+                                "deterministic kernel: the losses may not repeat"))
     load = r.get("cpu_other_load")
     if busy(load):
         rows.append(("WARNING", f"other processes used {load:.0%} of this machine's CPU during "

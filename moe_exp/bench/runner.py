@@ -147,9 +147,16 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
     """Build, train the measured steps, record: the run as a plain training loop."""
     memory = MemoryMeter(device)
     applied, optimizer, scheduler, loader, world = _build(cfg, rec, device, memory, d)
+    from ..hardware import nondeterministic_ops
+
     cached = _graph_counts()
-    res = train_loop(cfg, applied, optimizer, scheduler, loader, device, memory,
-                     _tracker_log(cfg, tracker), progress)
+    det = bool(cfg.hardware.deterministic)
+    with nondeterministic_ops(det) as ops:
+        res = train_loop(cfg, applied, optimizer, scheduler, loader, device, memory,
+                         _tracker_log(cfg, tracker), progress)
+    rec["nondeterministic_ops"] = sorted(ops) if det else None
+    if not det:
+        rec["null_reasons"]["nondeterministic_ops"] = "hardware.deterministic=false"
     graphs = [a - b for a, b in zip(_graph_counts(), cached)]  # this run's
     _compile_cache(rec, cfg, *graphs[:4])
     _cudagraph_skips(rec, cfg, device, graphs[4])
