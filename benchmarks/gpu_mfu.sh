@@ -44,11 +44,13 @@ run() {  # name, overrides... (the whole output in <name>.log; a failure is a ro
   pack
 }
 EXTRA=("$@")
+# runs with extra overrides get their own dirs: model.routing=balanced -> mbs8_eager-model.routing-balanced
+tag=$( ((${#EXTRA[@]})) && printf -- '-%s' "${EXTRA[@]}" | tr -c 'A-Za-z0-9_.\n-' '-' || true)
 
 for name in $RUNS; do
   mbs=${name#mbs}; mbs=${mbs%%_*}
   mode=$([[ $name == *_eager ]] && echo off || echo default)
-  run "$name" "train.micro_batch_size=$mbs" "train.compile=$mode"
+  run "$name$tag" "train.micro_batch_size=$mbs" "train.compile=$mode"
 done
 
 "$PY" benchmarks/mfu_table.py "$out"

@@ -80,6 +80,7 @@ def default_choices() -> Dict[str, str]:
 
 RANKED = ("ddp", "fsdp", "expert", "expert_fsdp", "hsdp")  # parallel options with several ranks
 MOE = Reads("model.num_experts", positive=True, what="a MoE model")
+ROUTINGS = ("learned", "balanced", "skewed")  # model.routing (model/moe.py: Router)
 DDP = Reads("parallel.name", ("ddp",))
 FSDP2 = ("fsdp", "expert_fsdp", "hsdp")  # parallel options that shard with FSDP2
 FSDP = Reads("parallel.name", FSDP2)
@@ -114,6 +115,15 @@ class ModelConfig:
                          "auto (the fastest that runs here: model.moe.resolve_dispatch)",
                          choices=("auto", "grouped", "padded", "loop"), read_by=MOE,
                          unread="keep")
+    routing: str = knob("learned", "which experts tokens go to: learned (the router's top-k) | "
+                        "balanced (every expert the same number, every step) | skewed (the "
+                        "busiest gets model.routing_skew x the mean); weights stay the router's",
+                        choices=ROUTINGS, read_by=MOE, unread="keep", since="learned",
+                        off="learned")
+    routing_skew: float = knob(2.0, "with model.routing=skewed: the busiest expert's load over "
+                               "the mean (1 to num_experts / top_k)", since=2.0, unread="keep",
+                               read_by=Reads("model.routing", ("skewed",),
+                                             what="model.routing=skewed"))
 
 
 @dataclass

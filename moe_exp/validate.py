@@ -137,6 +137,15 @@ def check_model(m) -> None:
                           f"model.num_heads={m.num_heads}")
     if m.num_experts > 0 and not 1 <= m.top_k <= m.num_experts:
         raise ConfigError("model.top_k", f"must be in 1..num_experts={m.num_experts}, got {m.top_k}")
+    if m.num_experts > 0 and m.routing == "skewed":
+        if m.top_k == m.num_experts:
+            raise ConfigError("model.routing", f"skewed: with top_k = num_experts = {m.top_k} "
+                              "every token goes to every expert; use learned or balanced")
+        most = m.num_experts / m.top_k  # every token on the busiest
+        if not 1 <= m.routing_skew <= most:
+            raise ConfigError("model.routing_skew", f"must be in 1..num_experts / top_k = "
+                              f"{most:g} (the busiest expert gets every token at most), got "
+                              f"{m.routing_skew}")
     for key in ("aux_loss_coef", "z_loss_coef"):
         if m[key] < 0:
             raise ConfigError(f"model.{key}", f"must be >= 0, got {m[key]}")

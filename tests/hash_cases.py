@@ -135,6 +135,9 @@ def current(keys=None, choices=None) -> dict:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    if sys.argv[1:] not in ([], ["--show"]):  # (anything else once re-recorded the file)
+        sys.exit("usage: python tests/hash_cases.py [--show]  (no argument: record "
+                 f"{DATA.name}; --show: print every case, to diff against another commit's)")
     if sys.argv[1:] == ["--show"]:  # every case, to diff against another commit's
         for base, hashes in cases().items():
             for k, v in sorted(hashes.items()):

@@ -103,6 +103,11 @@ SKIPPED = ("precision=tf32", "precision=fp8", "hardware=h100", "hardware=gaudi3"
     ("optim.schedule=constant optim.min_lr_ratio=0.5", "optim.min_lr_ratio"),  # no decay
     ("optim.schedule=step", "optim.schedule"),
     ("train.gc_every=-1", "train.gc_every"),
+    ("model.routing=skewed model.routing_skew=0.5", "model.routing_skew"),
+    ("model.routing=skewed model.routing_skew=4.5", "model.routing_skew"),  # 8 experts / 2
+    ("model.routing_skew=3", "model.routing_skew"),  # learned: only skewed reads it
+    ("model.routing=skewed model.top_k=8", "model.routing"),  # every token on every expert
+    ("model.routing=even", "model.routing"),
     ("train.attention=sparse", "train.attention"),
     ("optim.weight_decay=-0.1", "optim.weight_decay"),
     ("optim.name=sgd", "optim.name"),

@@ -93,9 +93,12 @@ def single(tmp_path_factory):
     ("expert_fsdp", ["hardware.devices=4", "parallel.expert_parallel_size=2",
                      "train.micro_batch_size=1"]),
     # HSDP: replicate 2 x shard 2 (experts sharded like any parameter)
-    ("hsdp", ["hardware.devices=4", "parallel.replicate=2", "train.micro_batch_size=1"])],
+    ("hsdp", ["hardware.devices=4", "parallel.replicate=2", "train.micro_batch_size=1"]),
+    # a set routing load: each rank's share of the pattern is the one process's
+    ("expert", ["model.routing=balanced"])],
     ids=["ddp", "fsdp", "expert", "expert_fsdp", "expert_fsdp-selective", "fsdp-prefetch2",
-         "expert_fsdp-prefetch1-selective", "expert_fsdp-4ranks", "hsdp-4ranks"])
+         "expert_fsdp-prefetch1-selective", "expert_fsdp-4ranks", "hsdp-4ranks",
+         "expert-balanced"])
 def test_losses_after_k_steps_match_one_process(parallel, extra, single, tmp_path, monkeypatch):
     from moe_exp import validate
     from moe_exp.run import run
@@ -109,12 +112,17 @@ def test_losses_after_k_steps_match_one_process(parallel, extra, single, tmp_pat
     assert rec["status"] == "ok", rec["error"]
     world = 4 if "hardware.devices=4" in extra else 2
     assert rec["world_size"] == world and rec["parallel"] == parallel
-    assert single["status"] == "ok"
-    assert len(rec["losses"]) == len(single["losses"]) == 4
-    assert rec["losses"] == pytest.approx(single["losses"], rel=2e-5)
+    model = [e for e in extra if e.startswith("model.")]  # (the one process's too)
+    one = run_inproc([*TINY, "train.micro_batch_size=4", *model], tmp_path / "one") \
+        if model else single
+    assert one["status"] == "ok"
+    assert len(rec["losses"]) == len(one["losses"]) == 4
+    assert rec["losses"] == pytest.approx(one["losses"], rel=2e-5)
     if parallel.startswith("expert"):  # tokens per expert summed over ranks
-        assert rec["tokens_per_expert"] == single["tokens_per_expert"]
+        assert rec["tokens_per_expert"] == one["tokens_per_expert"]
     assert 1 <= rec["expert_load_step_max_over_mean"] <= 8  # the busiest rank's (8 experts)
+    if "model.routing=balanced" in extra:
+        assert rec["expert_load_step_max_over_mean"] == 1.0
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert saved["tokens_per_s"] == pytest.approx(world * saved["tokens_per_s_per_device"])
     if parallel == "ddp":  # DDP's own all-reduce: every fp32 gradient, once a step

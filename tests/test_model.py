@@ -63,6 +63,51 @@ def test_grouped_equals_loop():
     torch.testing.assert_close(a(x)[0], b(x)[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dispatch", DISPATCHES)
+def test_set_routing_gives_the_load_asked_for(dispatch):
+    """model.routing=balanced: every expert exactly the same count; skewed: the busiest at
+    the max/mean asked for (within 5%); each token's k experts distinct, weighted by the
+    router's own probabilities of them (renormalised: the router still learns); every
+    dispatch equals the token-by-token reference, forward and backward."""
+    torch.manual_seed(0)
+    for routing, skew in (("balanced", 2.0), ("skewed", 1.5), ("skewed", 2.9)):
+        moe = MoE(32, 48, num_experts=6, top_k=2, dispatch=dispatch, routing=routing,
+                  skew=skew)
+        for p in moe.parameters():
+            torch.nn.init.normal_(p, std=0.2)
+        x = torch.randn(4, 18, 32, requires_grad=True)  # 72 tokens, 144 choices: 24 each
+        out, _, _, counts = moe(x)
+        load = (counts.max() / counts.float().mean()).item()
+        if routing == "balanced":
+            assert counts.tolist() == [24] * 6
+        else:
+            assert load == pytest.approx(skew, rel=0.05)
+        _, probs, weights, experts = moe.router(x.detach().reshape(-1, 32))
+        assert all(len(set(row)) == 2 for row in experts.tolist())
+        chosen = probs.gather(1, experts)
+        torch.testing.assert_close(weights, chosen / chosen.sum(-1, keepdim=True))
+        x_ref = x.detach().clone().requires_grad_()
+        ref = naive_moe(moe, x_ref)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        g = torch.randn_like(out)
+        params = [*moe.experts.parameters(), moe.router.gate.weight]
+        grads = torch.autograd.grad(out, [x, *params], g)
+        for a, b in zip(grads, torch.autograd.grad(ref, [x_ref, *params], g)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        assert grads[-1].abs().sum() > 0  # the router's gradient
+
+
+def test_balanced_run_records_a_load_of_exactly_one(tmp_path):
+    """A run with model.routing=balanced: max/mean load 1.0 in every layer and every step."""
+    from conftest import run_inproc
+
+    rec = run_inproc(["logger=none", "model.routing=balanced", "train.steps=2",
+                      "train.warmup_steps=0", "train.micro_batch_size=2"], tmp_path)
+    assert rec["status"] == "ok"
+    assert rec["expert_load_max_over_mean"] == rec["expert_load_step_max_over_mean"] == 1.0
+    assert rec["expert_load_cv"] == 0.0
+
+
 def test_router_weights_renormalised_and_aux_losses():
     torch.manual_seed(0)
     moe = MoE(16, 16, num_experts=4, top_k=2)

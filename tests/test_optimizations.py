@@ -40,11 +40,13 @@ def test_grad_accum_run_processes_4x_tokens(tmp_path):
     assert rec["status"] == "ok" and rec["tokens_per_step"] == 4 * 8 * 128
 
 
-@pytest.mark.parametrize("dispatch,dtype", [("loop", None), ("grouped", torch.bfloat16),
-                                            ("padded", torch.bfloat16)])
-def test_moe_dispatch_compiles_without_graph_breaks(dispatch, dtype):
+@pytest.mark.parametrize("dispatch,dtype,routing", [
+    ("loop", None, "learned"), ("grouped", torch.bfloat16, "learned"),
+    ("padded", torch.bfloat16, "learned"), ("loop", None, "balanced"),
+    ("padded", torch.bfloat16, "skewed")])
+def test_moe_dispatch_compiles_without_graph_breaks(dispatch, dtype, routing):
     """The dispatches `auto` picks under torch.compile: loop (fp32), grouped_mm (GPU, bf16),
-    padded (CPU, bf16)."""
+    padded (CPU, bf16); and with a set routing load."""
     import torch._dynamo as dynamo
 
     from moe_exp.model.moe import grouped_mm_supported
@@ -52,7 +54,7 @@ def test_moe_dispatch_compiles_without_graph_breaks(dispatch, dtype):
 
     if dispatch == "grouped" and not grouped_mm_supported("cpu", dtype):
         pytest.skip("grouped_mm does not run here")
-    cfg = compose([f"model.dispatch={dispatch}"]).model
+    cfg = compose([f"model.dispatch={dispatch}", f"model.routing={routing}"]).model
     model = build_model(cfg)
     assert model.layers[0].ffn.dispatch == dispatch
     apply_compile(torch.nn.Identity(), "default")  # sets the dynamo flags the run uses

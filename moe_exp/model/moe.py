@@ -146,21 +146,46 @@ def gather_rows(x: torch.Tensor, idx: torch.Tensor, back: torch.Tensor) -> torch
 
 
 class Router(nn.Module):
-    """Softmax router, top-k, renormalised over the chosen experts (Mixtral-style)."""
+    """Softmax router, top-k, renormalised over the chosen experts (Mixtral-style).
+    routing: learned (its own top-k) | balanced | skewed (a set load: set_experts); the
+    weights are the router's probabilities of the experts chosen, so it still learns."""
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int,
+                 routing: str = "learned", skew: float = 2.0):
         super().__init__()
         self.top_k = top_k
         self.num_experts = num_experts
+        self.routing, self.skew = routing, skew
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
 
     def forward(self, x: torch.Tensor):
         # (T, E): softmax, top-k and aux losses in fp32; the gate matmul in autocast's dtype
         logits = self.gate(x).float()
         probs = logits.softmax(dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)  # (T, k)
+        if self.routing == "learned":
+            weights, experts = probs.topk(self.top_k, dim=-1)  # (T, k)
+        else:
+            experts = set_experts(x.shape[0], self.num_experts, self.top_k,
+                                  self.skew if self.routing == "skewed" else None, x.device)
+            weights = probs.gather(1, experts)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, probs, weights, experts
+
+
+def set_experts(tokens: int, num_experts: int, top_k: int, skew: float | None,
+                device) -> torch.Tensor:
+    """(tokens, top_k) expert choices at a set load, each token's k distinct. skew None:
+    balanced, pair i = (token, choice) to expert i mod E (every expert the same count, to
+    one, as torchtitan's forced load balance). Else the first round(skew * T * k / E)
+    tokens pick expert 0 first, and every other pair goes round-robin over experts 1..E-1:
+    expert 0 is the busiest, at skew x the mean (needs 1 <= skew <= E / k, k < E)."""
+    pairs = torch.arange(tokens * top_k, device=device)
+    if skew is None:
+        return pairs.remainder(num_experts).view(tokens, top_k)
+    busy = min(tokens, round(skew * tokens * top_k / num_experts))
+    first = (pairs // top_k < busy) & (pairs % top_k == 0)  # expert 0's pairs
+    rank = (~first).cumsum(0) - 1  # each other pair's place among the others
+    return torch.where(first, 0, 1 + rank.remainder(num_experts - 1)).view(tokens, top_k)
 
 
 DISPATCHES = ("grouped", "padded", "loop")
@@ -303,7 +328,7 @@ class MoE(nn.Module):
     """Dropless top-k MoE FFN. Returns (output, aux losses, tokens per expert)."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
-                 dispatch: str = "loop"):
+                 dispatch: str = "loop", routing: str = "learned", skew: float = 2.0):
         super().__init__()
         if dispatch == "auto":  # unresolved (see resolve_dispatch): the portable choice
             dispatch = "loop"
@@ -315,7 +340,7 @@ class MoE(nn.Module):
         # eager padded calls, and those that fell back (unbalanced routing): for the record
         self.padded_calls = self.padded_fallbacks = 0
         self.grouped = dispatch == "grouped"
-        self.router = Router(hidden_size, num_experts, top_k)
+        self.router = Router(hidden_size, num_experts, top_k, routing, skew)
         self.experts = Experts(num_experts, hidden_size, ffn_hidden_size)
 
     def forward(self, x: torch.Tensor):
