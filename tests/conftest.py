@@ -51,6 +51,49 @@ def run_cli(args, cwd, timeout=300, env=None):
                           capture_output=True, text=True, timeout=timeout)
 
 
+def cli_inproc(args, cwd):
+    """`python -m moe_exp.run ARGS` in this process, for commands refused before any run or
+    job (what they test is the line and the exit code, not a process: run_cli's 3 s of
+    start-up each); one at a time (sys.argv, the cwd). Returns a CompletedProcess."""
+    import contextlib
+    import io
+    import logging
+    import signal
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    import moe_exp.cli as cli
+
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    saved = (sys.argv, os.getcwd(), os.environ.get("HYDRA_FULL_ERROR"),
+             signal.getsignal(signal.SIGTERM), cli._STARTED)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level  # (Hydra's job logging: the run's log)
+    try:
+        sys.argv = ["moe_exp.run", *args]
+        os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                cli.cli()
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    finally:
+        sys.argv = saved[0]
+        os.chdir(saved[1])
+        if saved[2] is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = saved[2]
+        signal.signal(signal.SIGTERM, saved[3])
+        cli._STARTED = saved[4]
+        GlobalHydra.instance().clear()
+        for h in root.handlers:
+            if h not in handlers:
+                h.close()
+        root.handlers[:], root.level = handlers, level
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 def in_pairs(fn, items):
     """[fn(*item) for item in items], two at a time: for subprocesses that mostly start
     (import torch, compose the config) and fail, which one core each serves."""

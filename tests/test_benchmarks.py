@@ -201,22 +201,29 @@ BAD_INPUT = [
 ]
 
 
-@pytest.fixture(scope="module")
-def bad_input_runs():
-    """Each BAD_INPUT script run, two at a time (each mostly starts and fails)."""
-    from conftest import in_pairs
+def run_script(script, *args, monkeypatch):
+    """`python benchmarks/SCRIPT ARGS` in this process (for a script that stops before any
+    work: its start-up, torch's import, is not what is tested). A CompletedProcess."""
+    import contextlib
+    import io
+    import runpy
 
-    def run(script, *args):
-        return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
-                              cwd=ROOT, capture_output=True, text=True, timeout=120)
-
-    return dict(zip((tuple(a) for a, _ in BAD_INPUT), in_pairs(run, [a for a, _ in BAD_INPUT])))
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / script), *args])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (the scripts insert their dirs)
+    monkeypatch.chdir(ROOT)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(sys.argv[0], run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.parametrize("args, says", BAD_INPUT)
-def test_bad_input_fails_first_with_one_line(args, says, bad_input_runs):
+def test_bad_input_fails_first_with_one_line(args, says, monkeypatch):
     """Bad flags and configs end the script before any work: exit 2, one error line."""
-    p = bad_input_runs[tuple(args)]
+    p = run_script(*args, monkeypatch=monkeypatch)
     errors = [line for line in p.stderr.splitlines() if "error:" in line]
     assert p.returncode == 2 and p.stdout == "", p.stderr
     assert len(errors) == 1 and says in errors[0] and "Traceback" not in p.stderr, p.stderr

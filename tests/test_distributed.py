@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from conftest import cli_key, cli_runs, off_contract, run_cli, run_inproc
+from conftest import cli_inproc, off_contract, run_cli, run_inproc
 
 pytestmark = pytest.mark.distributed
 TINY = ["hardware=cpu", "logger=none", "model.aux_loss_coef=0", "optim.grad_clip=0.05",
@@ -367,19 +367,14 @@ PARALLEL_ERRORS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def parallel_errors(tmp_path_factory):
-    """Each PARALLEL_ERRORS run, two at a time (each mostly starts and fails)."""
+@pytest.mark.parametrize("override,key", PARALLEL_ERRORS)
+def test_parallel_errors_before_any_work(override, key, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("CPU-specific checks")
-    return cli_runs(tmp_path_factory, [([*o, "logger=none"], None) for o, _ in PARALLEL_ERRORS])
-
-
-@pytest.mark.parametrize("override,key", PARALLEL_ERRORS)
-def test_parallel_errors_before_any_work(override, key, parallel_errors):
-    p, _ = parallel_errors[cli_key([*override, "logger=none"])]
+    p = cli_inproc([*override, "logger=none"], tmp_path)  # (refused before any rank starts)
     assert p.returncode == 2
     assert p.stderr.strip().startswith(f"error: {key}: "), p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
 def test_comm_sizes_are_whole_elements_per_rank_without_repeats():

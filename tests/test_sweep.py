@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import ROOT, in_pairs, off_contract, run_cli
+from conftest import ROOT, cli_inproc, in_pairs, off_contract, run_cli
 
 CASES = f"hydra.searchpath=[file://{ROOT / 'tests' / 'sweep_cases'}]"
 pytestmark = pytest.mark.slow
@@ -544,7 +544,8 @@ def test_sweep_checks_fail_before_any_job(tmp_path):
             (tmp_path / "p", ["+case=fp32", "precision=tf32,fp8"], "precision: precision=tf32 "
              "is not supported on hardware=cpu (supported: fp32, fp16, bf16) (every job "
              "of the sweep is skipped on this machine)")])]
-    results = in_pairs(lambda d, args, line: sweep(d, *args, "logger=none"), cases)
+    results = [cli_inproc(["-m", CASES, f"hydra.sweep.dir={d}", *args, "logger=none"],
+                          tmp_path) for d, args, line in cases]
     for (d, args, line), r in zip(cases, results):
         assert r.returncode == 2, r.stderr[-3000:]
         assert r.stderr.strip().startswith(f"error: {line}") and len(r.stderr.strip().splitlines()) == 1
