@@ -5,7 +5,26 @@ import json
 from pathlib import Path
 
 
-def read_offline_run(run_file: str | Path) -> dict:
+def read_offline_run(run_file: str | Path, wait_s: float = 30.0) -> dict:
+    """read_run once the file holds the run's exit record: W&B's service process writes the
+    file, and on a loaded machine its last records can land after run.finish() has
+    returned (a CI run read exit_code None once); after wait_s, what it holds."""
+    import time
+
+    end = time.monotonic() + wait_s
+    while True:
+        try:
+            out = read_run(run_file)
+        except Exception:  # noqa: BLE001 - a record cut mid-write: read again
+            if time.monotonic() > end:
+                raise
+            out = None
+        if out is not None and (out["exit_code"] is not None or time.monotonic() > end):
+            return out
+        time.sleep(0.2)
+
+
+def read_run(run_file: str | Path) -> dict:
     """Parse an offline `run-*.wandb` file (a 7-byte W&B header, then a LevelDB-log stream of
     protobuf Records) into {config, summary, history, exit_code, group, start_time (epoch s)}.
     wandb 0.31 has no Python reader of these (its reading lives in its Go core)."""
