@@ -55,8 +55,6 @@ def cli_inproc(args, cwd):
     """`python -m moe_exp.run ARGS` in this process, for commands refused before any run or
     job (what they test is the line and the exit code, not a process: run_cli's 3 s of
     start-up each); one at a time (sys.argv, the cwd). Returns a CompletedProcess."""
-    import contextlib
-    import io
     import logging
     import signal
 
@@ -64,7 +62,6 @@ def cli_inproc(args, cwd):
 
     import moe_exp.cli as cli
 
-    out, err, code = io.StringIO(), io.StringIO(), 0
     saved = (sys.argv, os.getcwd(), os.environ.get("HYDRA_FULL_ERROR"),
              signal.getsignal(signal.SIGTERM), cli._STARTED)
     root = logging.getLogger()
@@ -72,11 +69,7 @@ def cli_inproc(args, cwd):
     try:
         sys.argv = ["moe_exp.run", *args]
         os.chdir(cwd)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                cli.cli()
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        return as_process(args, cli.cli)
     finally:
         sys.argv = saved[0]
         os.chdir(saved[1])
@@ -91,6 +84,20 @@ def cli_inproc(args, cwd):
             if h not in handlers:
                 h.close()
         root.handlers[:], root.level = handlers, level
+
+
+def as_process(args, main):
+    """main() in this process with its output captured and its exit turned into a code,
+    as a CompletedProcess (an exception other than SystemExit fails the test)."""
+    import contextlib
+    import io
+
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 

@@ -204,20 +204,15 @@ BAD_INPUT = [
 def run_script(script, *args, monkeypatch):
     """`python benchmarks/SCRIPT ARGS` in this process (for a script that stops before any
     work: its start-up, torch's import, is not what is tested). A CompletedProcess."""
-    import contextlib
-    import io
     import runpy
 
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / script), *args])
+    from conftest import as_process
+
+    path = str(ROOT / "benchmarks" / script)
+    monkeypatch.setattr(sys, "argv", [path, *args])
     monkeypatch.setattr(sys, "path", list(sys.path))  # (the scripts insert their dirs)
     monkeypatch.chdir(ROOT)
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            runpy.run_path(sys.argv[0], run_name="__main__")
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    return as_process(args, lambda: runpy.run_path(path, run_name="__main__"))
 
 
 @pytest.mark.parametrize("args, says", BAD_INPUT)

@@ -105,8 +105,7 @@ class Block(nn.Module):
         self.is_moe = cfg.num_experts > 0
         if self.is_moe:
             self.ffn = MoE(cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts, cfg.top_k,
-                           cfg.dispatch, cfg.get("routing", "learned"),
-                           float(cfg.get("routing_skew", 2.0)))
+                           cfg.dispatch, cfg.routing, float(cfg.routing_skew))
         else:
             self.ffn = SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size)
 
