@@ -202,7 +202,7 @@ def rank_main(cfg_dict: dict, out_dir: str, overrides, choices, progress,
 def container(cfg) -> dict:
     """The config as a dict, resolved; where a ${...} does not resolve, that value null."""
     try:
-        return OmegaConf.tocontainer(cfg, resolve=True)
+        return OmegaConf.to_container(cfg, resolve=True)
     except Exception:  # noqa: BLE001 - e.g. ${bogus}: keep what resolves
         return _resolved(cfg)
 

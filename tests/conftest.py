@@ -59,11 +59,12 @@ def cli_inproc(args, cwd):
     import signal
 
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
 
     import moe_exp.cli as cli
 
     saved = (sys.argv, os.getcwd(), os.environ.get("HYDRA_FULL_ERROR"),
-             signal.getsignal(signal.SIGTERM), cli._STARTED)
+             signal.getsignal(signal.SIGTERM), cli._STARTED, HydraConfig.instance().cfg)
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level  # (Hydra's job logging: the run's log)
     try:
@@ -79,6 +80,7 @@ def cli_inproc(args, cwd):
             os.environ["HYDRA_FULL_ERROR"] = saved[2]
         signal.signal(signal.SIGTERM, saved[3])
         cli._STARTED = saved[4]
+        HydraConfig.instance().cfg = saved[5]  # (an error in Hydra's set-up left its own)
         GlobalHydra.instance().clear()
         for h in root.handlers:
             if h not in handlers:
@@ -127,6 +129,27 @@ def cli_runs(tmp_path_factory, cases):
 
 def cli_key(args, env=None):
     return tuple(args), tuple(sorted((env or {}).items()))
+
+
+# Modules with module-scoped fixtures (ranks' launches, a sweep, a cold compile, CLI runs)
+# shared by several tests: under pytest -n each goes to one worker whole (the fixture once)
+ONE_WORKER = {f"tests/{p.name}" for p in Path(__file__).parent.glob("test_*.py")
+              if 'fixture(scope="module")' in p.read_text()}
+
+
+@pytest.hookimpl(optionalhook=True)  # (a hook of pytest-xdist's)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest -n: xdist's load scheduling, but each ONE_WORKER module a unit (largest units
+    first); every other test its own unit. (xdist's own loadgroup does not group under
+    pytest 9.2: pytest-dev/pytest-xdist#1386.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            module = nodeid.split("::")[0]
+            return module if module in ONE_WORKER else nodeid
+
+    return Scheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):

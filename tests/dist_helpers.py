@@ -197,6 +197,12 @@ def muon_round_robin(overrides, parallel="fsdp") -> dict:
         distributed.finish()
 
 
+def run_rank(cfg_dict: dict, out_dir: str) -> dict | None:
+    """One run's rank body as the app's own launch runs it (pipeline.rank_main): its record
+    on rank 0 (the cfg prepared by the parent, as pipeline.run does)."""
+    from moe_exp.pipeline import rank_main
+
+    return rank_main(cfg_dict, out_dir, [], {}, False, True)
 
 
 def several(calls) -> list:

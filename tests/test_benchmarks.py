@@ -71,8 +71,9 @@ def test_compile_step_benchmark_row(tmp_path):
 @pytest.mark.slow
 def test_overhead_benchmark_phases(tmp_path):
     out = tmp_path / "overhead.json"
-    bench("overhead.py", "--runs", "1", "--json", str(out), "train.steps=3",
-          "train.warmup_steps=1")
+    bench("overhead.py", "--runs", "1", "--json", str(out), "train.steps=3",  # (W&B's start
+          "train.warmup_steps=1", "train.micro_batch_size=2", "train.seq_len=32",  # left out)
+          "logger=none")
     res = json.loads(out.read_text())
     for n in ("default", "none"):
         assert 0 < res["runs"][n]["startup_s"] < res["runs"][n]["wall_s"]
@@ -142,8 +143,9 @@ def test_pad_multiple_benchmark_rows(tmp_path):
     """Each multiple runs as its own training run; same losses (padding changes no math)."""
     out = tmp_path / "pad.json"
     stdout = bench("pad_multiple.py", "--rounds", "1", "--compile", "off", "--json", str(out),
-                   "precision=bf16", "train.steps=3", "train.warmup_steps=1", "logger=none",
-                   "train.micro_batch_size=2")  # (bf16 on a CPU without it: ~1 s a default step)
+                   "precision=fp32", "train.steps=3", "train.warmup_steps=1", "logger=none",
+                   "train.micro_batch_size=2", "train.seq_len=32")  # (the script's bf16: ~1 s
+    # a default step on a CPU without bf16 matmuls; the rows and their losses are the point)
     rows = json.loads(out.read_text())["rows"]
     assert [r["multiple"] for r in rows] == [1, 16] and "×" in stdout
     assert all(r["tokens_per_s"] > 0 and r["peak_mem_gib"] > 0 for r in rows)
@@ -155,7 +157,8 @@ def test_ab_runs_benchmark_rows(tmp_path):
     out = tmp_path / "ab.json"
     stdout = bench("ab_runs.py", "--rounds", "2", "--variant", "a:", "--variant",
                    "ckpt:train.activation_checkpointing=full", "--json", str(out),
-                   "--", "train.steps=2", "train.warmup_steps=1", "logger=none")
+                   "--", "train.steps=2", "train.warmup_steps=1", "logger=none",
+                   "train.micro_batch_size=2", "train.seq_len=32")
     rows = json.loads(out.read_text())["rows"]
     assert [r["variant"] for r in rows] == ["a", "ckpt"] and "×" in stdout
     assert all(r["runs"] + r["dropped"] == 2 and r["tokens_per_s"] > 0 for r in rows)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import CONF, cli_key, cli_runs, compose, in_pairs, run_cli, run_inproc
+from conftest import CONF, cli_inproc, cli_key, cli_runs, compose, in_pairs, run_cli, run_inproc
 
 GROUPS = ["model", "precision", "parallel", "hardware", "data", "optim", "logger"]
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
@@ -372,15 +372,16 @@ HYDRA_ERRORS = [
                         "'abc' of type 'str' could not be converted to Integer"),
     ("precision=bf61", "error: precision: 'bf61' is not one of: bf16, fp16, fp32, fp8, tf32"),
 ]
-PLAIN, FULL = {"HYDRA_FULL_ERROR": ""}, {"HYDRA_FULL_ERROR": "1"}
+FULL = {"HYDRA_FULL_ERROR": "1"}
 
 
 @pytest.mark.parametrize("override,line", HYDRA_ERRORS)
-def test_cli_hydra_errors_are_one_line_exit_2(override, line, cli_errors):
+def test_cli_hydra_errors_are_one_line_exit_2(override, line, cli_errors, tmp_path):
     """Hydra's own errors (unknown key or option, wrong type) read like moe_exp's checks."""
-    p, _ = cli_errors[cli_key([override], PLAIN)]
+    p = cli_inproc([override], tmp_path)
     assert (p.returncode, p.stderr.strip()) == (2, line)
-    full, _ = cli_errors[cli_key([override], FULL)]  # Hydra's own report
+    full, _ = cli_errors[cli_key([override], FULL)]  # Hydra's own report (a traceback: a
+    # process of its own)
     assert full.returncode != 0 and "Traceback" in full.stderr
 
 
@@ -424,8 +425,8 @@ GROUP_ERRORS = [
 
 
 @pytest.mark.parametrize("args,line", GROUP_ERRORS)
-def test_cli_group_set_to_null_a_list_or_removed_is_one_line(args, line, cli_errors):
-    p, cwd = cli_errors[cli_key([*args, "logger=none"], PLAIN)]
+def test_cli_group_set_to_null_a_list_or_removed_is_one_line(args, line, tmp_path):
+    p, cwd = cli_inproc([*args, "logger=none"], tmp_path), tmp_path
     assert (p.returncode, p.stderr.strip()) == (2, f"error: {line}")
     assert not (cwd / "outputs").exists() and not (cwd / "multirun").exists()
 
@@ -465,8 +466,8 @@ FLAG_ERRORS = [  # (Hydra's ValueError traceback, before)
 
 
 @pytest.mark.parametrize("args,line", FLAG_ERRORS)
-def test_conflicting_hydra_flags_are_one_line(args, line, cli_errors):
-    p, _ = cli_errors[cli_key([*args, "logger=none"], PLAIN)]
+def test_conflicting_hydra_flags_are_one_line(args, line, tmp_path):
+    p = cli_inproc([*args, "logger=none"], tmp_path)
     assert (p.returncode, p.stderr.strip()) == (2, f"error: {line}")
 
 
@@ -487,20 +488,17 @@ INTERPOLATION_ERRORS = [  # (OmegaConf's traceback from Hydra's set-up, before)
 
 
 @pytest.mark.parametrize("args,line", INTERPOLATION_ERRORS)
-def test_an_interpolation_hydra_resolves_first_is_one_line(args, line, cli_errors):
-    p, cwd = cli_errors[cli_key([*args, "logger=none"], PLAIN)]
+def test_an_interpolation_hydra_resolves_first_is_one_line(args, line, tmp_path):
+    p, cwd = cli_inproc([*args, "logger=none"], tmp_path), tmp_path
     assert (p.returncode, p.stderr.strip()) == (2, f"error: {line}")
     assert not list(cwd.glob("**/metrics.json")) and "[sweep]" not in p.stdout
 
 
 @pytest.fixture(scope="module")
 def cli_errors(tmp_path_factory):
-    """The CLI runs of the parametrized one-line-error tests above, two at a time (each
-    mostly starts and fails: one core each)."""
-    cases = [([o], env) for o, _ in HYDRA_ERRORS for env in (PLAIN, FULL)]
-    cases += [([*args, "logger=none"], PLAIN)
-              for args, _ in (*GROUP_ERRORS, *FLAG_ERRORS, *INTERPOLATION_ERRORS)]
-    return cli_runs(tmp_path_factory, cases)
+    """HYDRA_FULL_ERROR=1 runs of HYDRA_ERRORS (Hydra re-raises: a traceback a process of
+    its own prints), two at a time (each mostly starts and fails: one core each)."""
+    return cli_runs(tmp_path_factory, [([o], FULL) for o, _ in HYDRA_ERRORS])
 
 
 def test_an_output_dir_that_is_a_file_is_one_line(tmp_path):

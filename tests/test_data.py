@@ -128,50 +128,52 @@ def test_a_token_file_that_cannot_be_read_is_one_line(tmp_path, monkeypatch):
     assert "cannot be read as tokens (OSError: [Errno 19] No such device)" in rec["error"]
 
 
-def test_prepare_cli_rejects_missing_input(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "moe_exp.data", "prepare", "nope.txt",
-                        str(tmp_path / "o.bin")], capture_output=True, text=True, cwd=ROOT)
-    assert p.returncode == 2 and "no such file: nope.txt" in p.stderr
+def prepare_cli(capsys, *args) -> tuple[int, str]:
+    """`python -m moe_exp.data prepare ARGS` in this process (its main, as __main__ calls
+    it; test_prepare_cli_and_token_source_run runs the module): (exit code, stderr)."""
+    from moe_exp.data.__main__ import main
+
+    code = main(["prepare", *map(str, args)])
+    return code, capsys.readouterr().err
 
 
-def test_prepare_cli_rejects_inputs_with_no_text(tmp_path):
+def test_prepare_cli_rejects_missing_input(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, err = prepare_cli(capsys, "nope.txt", tmp_path / "o.bin")
+    assert code == 2 and "no such file: nope.txt" in err
+
+
+def test_prepare_cli_rejects_inputs_with_no_text(tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     out = tmp_path / "o.bin"
-    p = subprocess.run([sys.executable, "-m", "moe_exp.data", "prepare", str(empty), str(out)],
-                       capture_output=True, text=True, cwd=ROOT)
-    assert p.returncode == 2 and p.stderr.startswith("error: the inputs hold no text")
+    code, err = prepare_cli(capsys, empty, out)
+    assert code == 2 and err.startswith("error: the inputs hold no text")
     assert not out.exists()
 
 
-def test_prepare_cli_never_overwrites_an_input(tmp_path):
+def test_prepare_cli_never_overwrites_an_input(tmp_path, capsys):
     text = tmp_path / "a.txt"
     text.write_text("keep me")
     for out in (text, tmp_path):  # the output is an input; a directory
-        p = subprocess.run([sys.executable, "-m", "moe_exp.data", "prepare", str(text), str(out)],
-                           capture_output=True, text=True, cwd=ROOT)
-        assert p.returncode == 2 and p.stderr.startswith("error: the output")
-        assert "Traceback" not in p.stderr and text.read_text() == "keep me"
+        code, err = prepare_cli(capsys, text, out)
+        assert code == 2 and err.startswith("error: the output")
+        assert "Traceback" not in err and text.read_text() == "keep me"
 
 
-def test_prepare_cli_keeps_an_existing_file_unless_forced(tmp_path):
+def test_prepare_cli_keeps_an_existing_file_unless_forced(tmp_path, capsys):
     """`prepare a.txt b.txt` (the output left off): b.txt is not a token file, so it is kept;
     --force overwrites it; an existing token file is rewritten as before."""
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     a.write_text("some text")
     b.write_text("my notes")
-
-    def prepare_cli(*args):
-        return subprocess.run([sys.executable, "-m", "moe_exp.data", "prepare", *map(str, args)],
-                              capture_output=True, text=True, cwd=ROOT)
-
-    p = prepare_cli(a, b)
-    assert p.returncode == 2 and "is not a token file" in p.stderr and b.read_text() == "my notes"
-    assert prepare_cli(a, b, "--force").returncode == 0
+    code, err = prepare_cli(capsys, a, b)
+    assert code == 2 and "is not a token file" in err and b.read_text() == "my notes"
+    assert prepare_cli(capsys, a, b, "--force")[0] == 0
     first = read_meta(b)["num_tokens"]
     c = tmp_path / "c.txt"
     c.write_text("some more text")
-    assert prepare_cli(c, b).returncode == 0  # b.txt is a token file now: rewritten
+    assert prepare_cli(capsys, c, b)[0] == 0  # b.txt is a token file now: rewritten
     assert read_meta(b)["num_tokens"] == first + len("some more text") - len("some text")
 
 

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from conftest import cli_inproc, off_contract, run_cli, run_inproc
+from conftest import cli_inproc, compose, off_contract, run_cli, run_inproc
 
 pytestmark = pytest.mark.distributed
 TINY = ["hardware=cpu", "logger=none", "model.aux_loss_coef=0", "optim.grad_clip=0.05",
@@ -20,14 +20,10 @@ def launch(fn, *args, n=2):
     return elastic(rank_entry, n, fn, *args)
 
 
-@pytest.mark.parametrize("ranks,ep", [(2, 2), (4, 2)])
-def test_expert_parallel_loss_grads_and_counts_match_one_process(ranks, ep):
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_expert_parallel_loss_grads_and_counts_match_one_process(ranks, launched):
     """4 ranks, ep=2: two expert-parallel groups, experts replicated over dp=2."""
-    import dist_helpers
-
-    res = launch(dist_helpers.ep_grads_match, ["parallel=expert", f"hardware.devices={ranks}",
-                                               f"parallel.expert_parallel_size={ep}",
-                                               "model.aux_loss_coef=0"], 3, n=ranks)
+    res = launched[f"ep grads {ranks}"]
     assert res["loss"] == pytest.approx(res["ref_loss"], rel=1e-5)
     assert res["counts_equal"]
     assert any(".experts.w1" in n for n in res["grad_diffs"])
@@ -38,39 +34,109 @@ def test_expert_parallel_loss_grads_and_counts_match_one_process(ranks, ep):
 CLIPPED = ["ddp", "fsdp", "expert", "expert_fsdp"]
 # HSDP on 2 ranks: 2-D DTensor grads on a 1 x 2 mesh (sharded) and a 2 x 1 one (replicated)
 HSDP_2 = {"hsdp": "parallel.replicate=1", "hsdp-2x1": "parallel.replicate=2"}
-# dist_helpers calls on 2 ranks that share one launch (the two_ranks fixture)
-TWO_RANKS = {
-    **{f"clip {p}": ("grad_norm_matches", [[f"parallel={p}", "hardware.devices=2",
-                                            "model.aux_loss_coef=0"], 3]) for p in CLIPPED},
-    **{f"clip {k}": ("grad_norm_matches", [["parallel=hsdp", "hardware.devices=2", mesh,
-                                            "model.aux_loss_coef=0"], 3])
+# dist_helpers calls: (ranks, helper, its args)
+CALLS = {
+    **{f"ep grads {n}": (n, "ep_grads_match", [["parallel=expert", f"hardware.devices={n}",
+                                                "parallel.expert_parallel_size=2",
+                                                "model.aux_loss_coef=0"], 3]) for n in (2, 4)},
+    **{f"clip {p}": (2, "grad_norm_matches", [[f"parallel={p}", "hardware.devices=2",
+                                               "model.aux_loss_coef=0"], 3]) for p in CLIPPED},
+    **{f"clip {k}": (2, "grad_norm_matches", [["parallel=hsdp", "hardware.devices=2", mesh,
+                                               "model.aux_loss_coef=0"], 3])
        for k, mesh in HSDP_2.items()},
-    "accum once": ("ddp_reductions_per_step", [["train.grad_accum_steps=3"]]),
-    "accum every": ("ddp_reductions_per_step", [["train.grad_accum_steps=3",
-                                                 "parallel.accum_no_sync=false"]]),
-    "nulls": ("max_with_nulls", [[]]),
+    "accum once": (2, "ddp_reductions_per_step", [["train.grad_accum_steps=3"]]),
+    "accum every": (2, "ddp_reductions_per_step", [["train.grad_accum_steps=3",
+                                                    "parallel.accum_no_sync=false"]]),
+    "nulls": (2, "max_with_nulls", [[]]),
     # (one Newton-Schulz step: these count calls and compare two ways of the same step)
-    **{f"muon {m}": ("muon_round_robin", [[f"model={m}", "optim.ns_steps=1"]])
+    **{f"muon {m}": (2, "muon_round_robin", [[f"model={m}", "optim.ns_steps=1"]])
        for m in ("tiny_dense", "tiny_moe")},
-    "muon hsdp": ("muon_round_robin", [["optim.ns_steps=1", "parallel.replicate=1"], "hsdp"]),
+    "muon hsdp": (2, "muon_round_robin", [["optim.ns_steps=1", "parallel.replicate=1"],
+                                          "hsdp"]),
+}
+# whole runs on ranks (the run's own rank body): their ids, overrides beyond TINY
+LOSSES = {
+    "ddp": ["parallel=ddp"], "fsdp": ["parallel=fsdp"], "expert": ["parallel=expert"],
+    "expert_fsdp": ["parallel=expert_fsdp"],
+    "fsdp-prefetch2": ["parallel=fsdp", "parallel.prefetch=2"],  # explicit FSDP2 prefetching
+    # FSDP2-sharded experts inside a selectively checkpointed block (used to fail in the
+    # recompute: see optimizations/checkpointing.py), prefetching the next one
+    "expert_fsdp-prefetch1-selective": ["parallel=expert_fsdp", "parallel.prefetch=1",
+                                        "train.activation_checkpointing=selective"],
+    # ep=2 x dp=2 (gloo has no PREMUL_SUM: FSDP2 is told to sum, then divide)
+    "expert_fsdp-4ranks": ["parallel=expert_fsdp", "hardware.devices=4",
+                           "parallel.expert_parallel_size=2", "train.micro_batch_size=1"],
+    # HSDP: replicate 2 x shard 2 (experts sharded like any parameter)
+    "hsdp-4ranks": ["parallel=hsdp", "hardware.devices=4", "parallel.replicate=2",
+                    "train.micro_batch_size=1"],
+    # a set routing load: each rank's share of the pattern is the one process's
+    "expert-balanced": ["parallel=expert", "model.routing=balanced"],
+}
+# One Newton-Schulz step: on a CPU without bf16 matmuls, Muon's five (in bf16) took most of
+# a step's time; the ranks' losses match one process's whatever the count
+MUON = ["optim=muon", "optim.ns_steps=1"]
+MUON_RUNS = {
+    "ddp": ["parallel=ddp"], "fsdp": ["parallel=fsdp"], "expert": ["parallel=expert"],
+    "expert_fsdp": ["parallel=expert_fsdp"],
+    # ep=2 x dp=2: each expert stack FSDP-sharded over 2 ranks on the expert dim
+    "expert_fsdp-4ranks": ["parallel=expert_fsdp", "hardware.devices=4",
+                           "parallel.expert_parallel_size=2", "train.micro_batch_size=1"],
+    # replicate 2 x shard 2: Newton-Schulz round-robin over each replica's shard group
+    "hsdp-4ranks": ["parallel=hsdp", "hardware.devices=4", "parallel.replicate=2",
+                    "train.micro_batch_size=1"],
+}
+HOOKS = ("fp16", "bf16", "powersgd")
+ACCUM = [*TINY, "train.grad_accum_steps=2"]
+RUNS = {  # id: every override
+    **{f"losses {k}": [*TINY, "hardware.devices=2", *o] for k, o in LOSSES.items()},
+    **{f"muon run {k}": [*TINY, *MUON, "hardware.devices=2", *o] for k, o in MUON_RUNS.items()},
+    **{f"hook {h}": [*TINY, "parallel=ddp", "hardware.devices=2", f"parallel.comm_hook={h}"]
+       for h in HOOKS},
+    **{f"accum {p}": [*ACCUM, "train.micro_batch_size=1", f"parallel={p}",
+                      "hardware.devices=2"] for p in ("ddp", "fsdp")},
 }
 
 
+def ranks_of(overrides) -> int:
+    return 4 if "hardware.devices=4" in overrides else 2
+
+
 @pytest.fixture(scope="module")
-def two_ranks():
-    """Rank 0's result of each TWO_RANKS call, from one launch of 2 ranks (each call joins
-    and leaves the process group as it would alone)."""
+def launched(tmp_path_factory):
+    """Rank 0's result of each CALLS call, and each RUNS run's (record, output dir), from
+    one launch per world size: a launch's start (~5 s of a 2-core CPU, more with 4 ranks)
+    once, not per case. Each call joins and leaves the process group as it would alone
+    (dist_helpers.several); each run is checked and resolved here first, as pipeline.run
+    does, then runs the app's rank body (dist_helpers.run_rank)."""
     import dist_helpers
 
-    return dict(zip(TWO_RANKS, launch(dist_helpers.several, list(TWO_RANKS.values()))))
+    from moe_exp import validate
+    from moe_exp.hardware import hardware_env
+    from moe_exp.pipeline import container, prepare
+
+    root, out = tmp_path_factory.mktemp("ranks"), {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(validate.os, "cpu_count", lambda: 4)  # 4 ranks on a 2-core CI VM
+        for n in (2, 4):
+            todo = {k: (f, a) for k, (w, f, a) in CALLS.items() if w == n}
+            for k, o in RUNS.items():
+                if ranks_of(o) == n:
+                    cfg, rec = prepare(compose(o), o)
+                    assert rec is None, (k, rec["error"])
+                    todo[k] = ("run_rank", [container(cfg), str(root / k.replace(" ", "_"))])
+            with hardware_env(cfg.hardware):  # (every run's: hardware=cpu)
+                got = launch(dist_helpers.several, list(todo.values()), n=n)
+            for k, res in zip(todo, got):
+                out[k] = (res, root / k.replace(" ", "_")) if k in RUNS else res
+    return out
 
 
 @pytest.mark.parametrize("parallel", [*CLIPPED, *HSDP_2])
-def test_clipping_uses_the_global_gradient_norm(parallel, two_ranks):
+def test_clipping_uses_the_global_gradient_norm(parallel, launched):
     """Every strategy clips by the norm one process would see on the global batch (expert
     shards' squares summed over the EP group, FSDP shards' over their mesh; HSDP's over its
     shard dim only, not over the replicas)."""
-    res = two_ranks[f"clip {parallel}"]
+    res = launched[f"clip {parallel}"]
     assert res["norm"] == pytest.approx(res["ref_norm"], rel=1e-5)
     if parallel.startswith("hsdp"):  # (2-D: device_mesh.get_group() raised on it)
         assert res["placements"] == ["(Replicate(), Shard(dim=0))"]
@@ -82,50 +148,27 @@ def single(tmp_path_factory):
     return run_inproc([*TINY, "train.micro_batch_size=4"], tmp_path_factory.mktemp("one"))
 
 
-@pytest.mark.parametrize("parallel,extra", [
-    ("ddp", []), ("fsdp", []), ("expert", []), ("expert_fsdp", []),
-    # FSDP2-sharded experts inside a selectively checkpointed block (used to fail in the
-    # recompute: see optimizations/checkpointing.py)
-    ("expert_fsdp", ["train.activation_checkpointing=selective"]),
-    ("fsdp", ["parallel.prefetch=2"]),  # explicit FSDP2 prefetching
-    ("expert_fsdp", ["parallel.prefetch=1", "train.activation_checkpointing=selective"]),
-    # ep=2 x dp=2 (gloo has no PREMUL_SUM: FSDP2 is told to sum, then divide)
-    ("expert_fsdp", ["hardware.devices=4", "parallel.expert_parallel_size=2",
-                     "train.micro_batch_size=1"]),
-    # HSDP: replicate 2 x shard 2 (experts sharded like any parameter)
-    ("hsdp", ["hardware.devices=4", "parallel.replicate=2", "train.micro_batch_size=1"]),
-    # a set routing load: each rank's share of the pattern is the one process's
-    ("expert", ["model.routing=balanced"])],
-    ids=["ddp", "fsdp", "expert", "expert_fsdp", "expert_fsdp-selective", "fsdp-prefetch2",
-         "expert_fsdp-prefetch1-selective", "expert_fsdp-4ranks", "hsdp-4ranks",
-         "expert-balanced"])
-def test_losses_after_k_steps_match_one_process(parallel, extra, single, tmp_path, monkeypatch):
-    from moe_exp import validate
-    from moe_exp.run import run
-
-    from conftest import compose
-
-    monkeypatch.setattr(validate.os, "cpu_count", lambda: 4)  # 4 ranks on a 2-core CI VM
-
-    rec = run(compose([*TINY, f"parallel={parallel}", "hardware.devices=2", *extra]),
-              out_dir=tmp_path, progress=False)
+@pytest.mark.parametrize("case", LOSSES)
+def test_losses_after_k_steps_match_one_process(case, launched, single, tmp_path):
+    rec, out = launched[f"losses {case}"]
     assert rec["status"] == "ok", rec["error"]
-    world = 4 if "hardware.devices=4" in extra else 2
-    assert rec["world_size"] == world and rec["parallel"] == parallel
+    extra = LOSSES[case]
+    world = ranks_of(extra)
+    assert rec["world_size"] == world and rec["parallel"] == extra[0].split("=")[1]
     model = [e for e in extra if e.startswith("model.")]  # (the one process's too)
     one = run_inproc([*TINY, "train.micro_batch_size=4", *model], tmp_path / "one") \
         if model else single
     assert one["status"] == "ok"
     assert len(rec["losses"]) == len(one["losses"]) == 4
     assert rec["losses"] == pytest.approx(one["losses"], rel=2e-5)
-    if parallel.startswith("expert"):  # tokens per expert summed over ranks
+    if case.startswith("expert"):  # tokens per expert summed over ranks
         assert rec["tokens_per_expert"] == one["tokens_per_expert"]
     assert 1 <= rec["expert_load_step_max_over_mean"] <= 8  # the busiest rank's (8 experts)
     if "model.routing=balanced" in extra:
         assert rec["expert_load_step_max_over_mean"] == 1.0
-    saved = json.loads((tmp_path / "metrics.json").read_text())
+    saved = json.loads((out / "metrics.json").read_text())
     assert saved["tokens_per_s"] == pytest.approx(world * saved["tokens_per_s_per_device"])
-    if parallel == "ddp":  # DDP's own all-reduce: every fp32 gradient, once a step
+    if case == "ddp":  # DDP's own all-reduce: every fp32 gradient, once a step
         assert rec["grad_reduce_bytes"] == 4 * rec["params_total"]
     else:
         assert rec["grad_reduce_bytes"] is None and rec["null_reasons"]["grad_reduce_bytes"]
@@ -135,8 +178,8 @@ def test_losses_after_k_steps_match_one_process(parallel, extra, single, tmp_pat
 ROUNDOFF = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
 
 
-@pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd"])
-def test_comm_hooks_train_close_to_plain_ddp_and_reduce_fewer_bytes(hook, single, tmp_path):
+@pytest.mark.parametrize("hook", HOOKS)
+def test_comm_hooks_train_close_to_plain_ddp_and_reduce_fewer_bytes(hook, single, launched):
     """2 gloo ranks with each DDP communication hook against one process on the global batch
     (what parallel.comm_hook=none matches, rel 2e-5). fp16/bf16: each gradient rounded once
     (relative error <= u); AdamW's update divides m by sqrt(v), both off by <= u, so each
@@ -145,13 +188,9 @@ def test_comm_hooks_train_close_to_plain_ddp_and_reduce_fewer_bytes(hook, single
     none's; the 4th follows a rank-1 step, which moves each weight as far as AdamW's step
     would (its update is normalized) but not in the gradient's own direction: to first
     order it changes the loss by at most twice none's step did, and still lowers it."""
-    from moe_exp.run import run
     from moe_exp.summary import summary_rows
 
-    from conftest import compose
-
-    rec = run(compose([*TINY, "parallel=ddp", "hardware.devices=2",
-                       f"parallel.comm_hook={hook}"]), out_dir=tmp_path, progress=False)
+    rec = launched[f"hook {hook}"][0]
     assert rec["status"] == "ok", rec["error"]
     assert rec["comm_hook"] == hook
     assert f"MiB/step/rank reduced ({hook} hook)" in dict(summary_rows(rec))["parallel"]
@@ -181,61 +220,35 @@ def powersgd_elements(model_cfg, rank: int) -> int:
     return total
 
 
-# One Newton-Schulz step: on a CPU without bf16 matmuls, Muon's five (in bf16) took most of
-# a step's time; the ranks' losses match one process's whatever the count
-MUON = ["optim=muon", "optim.ns_steps=1"]
-
-
 @pytest.fixture(scope="module")
 def single_muon(tmp_path_factory):
     return run_inproc([*TINY, *MUON, "train.micro_batch_size=4"],
                       tmp_path_factory.mktemp("one_muon"))
 
 
-@pytest.mark.parametrize("parallel,extra", [
-    ("ddp", []), ("fsdp", []), ("expert", []), ("expert_fsdp", []),
-    # ep=2 x dp=2: each expert stack FSDP-sharded over 2 ranks on the expert dim
-    ("expert_fsdp", ["hardware.devices=4", "parallel.expert_parallel_size=2",
-                     "train.micro_batch_size=1"]),
-    # replicate 2 x shard 2: Newton-Schulz round-robin over each replica's shard group
-    ("hsdp", ["hardware.devices=4", "parallel.replicate=2", "train.micro_batch_size=1"])],
-    ids=["ddp", "fsdp", "expert", "expert_fsdp", "expert_fsdp-4ranks", "hsdp-4ranks"])
-def test_muon_losses_match_one_process(parallel, extra, single_muon, tmp_path, monkeypatch):
+@pytest.mark.parametrize("case", MUON_RUNS)
+def test_muon_losses_match_one_process(case, launched, single_muon):
     """Muon on several ranks: FSDP-sharded matrices are orthogonalized whole (gathered),
     expert shards per expert; the losses are one process's on the global batch."""
-    from moe_exp import validate
-    from moe_exp.run import run
-
-    from conftest import compose
-
-    monkeypatch.setattr(validate.os, "cpu_count", lambda: 4)  # 4 ranks on a 2-core CI VM
-
-    rec = run(compose([*TINY, *MUON, f"parallel={parallel}", "hardware.devices=2", *extra]),
-              out_dir=tmp_path, progress=False)
+    rec = launched[f"muon run {case}"][0]
     assert rec["status"] == single_muon["status"] == "ok", rec["error"]
     assert len(rec["losses"]) == 4
     assert rec["losses"] == pytest.approx(single_muon["losses"], rel=2e-5)
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_grad_accumulation_reduced_once_matches_one_process(parallel, tmp_path):
+def test_grad_accumulation_reduced_once_matches_one_process(parallel, launched, tmp_path):
     """2 ranks x micro-batch 1 x 2 micro-steps, gradients reduced on the last micro-step
     only, train as one process with micro-batch 2 x 2 micro-steps."""
-    from moe_exp.run import run
-
-    from conftest import compose
-
-    accum = [*TINY, "train.grad_accum_steps=2"]
-    one = run_inproc(accum, tmp_path / "one")
-    rec = run(compose([*accum, "train.micro_batch_size=1", f"parallel={parallel}",
-                       "hardware.devices=2"]), out_dir=tmp_path / "two", progress=False)
+    one = run_inproc(ACCUM, tmp_path / "one")
+    rec = launched[f"accum {parallel}"][0]
     assert one["status"] == rec["status"] == "ok", rec["error"]
     assert len(rec["losses"]) == 4
     assert rec["losses"] == pytest.approx(one["losses"], rel=2e-5)
 
 
-def test_ddp_accumulation_reduces_on_the_last_micro_step_only(two_ranks):
-    once, every = two_ranks["accum once"], two_ranks["accum every"]
+def test_ddp_accumulation_reduces_on_the_last_micro_step_only(launched):
+    once, every = launched["accum once"], launched["accum every"]
     assert once >= 1 and every == 3 * once
 
 
@@ -259,13 +272,12 @@ def test_peak_memory_leaves_out_the_profiled_steps(tmp_path):
     """The last parallel.profile_steps run under torch.profiler (for comm_ms): its own memory
     is not the run's. It made ddp's peak 0.174 GiB with 5 profiled steps against 0.077."""
     peaks = {}
-    for n in (0, 5):
-        out = tmp_path / str(n)
-        p = run_cli(["parallel=ddp", "hardware.devices=2", "logger=none", "train.steps=10",
-                     "train.micro_batch_size=4", f"parallel.profile_steps={n}",
-                     f"hydra.run.dir={out}"], tmp_path)
-        assert p.returncode == 0, p.stderr[-3000:]
-        peaks[n] = json.loads((out / "metrics.json").read_text())["peak_mem_gib"]
+    for n in (0, 5):  # (each rank a process of its own: its own peak RSS)
+        rec = run_inproc(["parallel=ddp", "hardware.devices=2", "logger=none", "train.steps=10",
+                          "train.micro_batch_size=4", f"parallel.profile_steps={n}"],
+                         tmp_path / str(n))
+        assert rec["status"] == "ok", rec["error"]
+        peaks[n] = rec["peak_mem_gib"]
     assert peaks[5] < 1.25 * peaks[0], peaks  # (CPU peak RSS varies ~10% run to run)
 
 
@@ -426,11 +438,11 @@ def test_sweep_over_parallel_and_devices(tmp_path):
     assert df.loc[0, "baseline"] and df.loc[3, "speedup"] > 0
 
 
-def test_max_over_ranks_keeps_nulls_apart(two_ranks):
+def test_max_over_ranks_keeps_nulls_apart(launched):
     """Peaks and comm time -> max over ranks with the same keys on every rank: a figure one
     rank could not measure (null) takes the others' (the null list used to be skipped,
     so ranks with different nulls passed collectives of different sizes)."""
-    assert two_ranks["nulls"] == [5.0, 2.0, None]
+    assert launched["nulls"] == [5.0, 2.0, None]
 
 
 # NS calls per rank: gathered (every matrix on every rank), round-robin (the busier rank).
@@ -439,19 +451,19 @@ def test_max_over_ranks_keeps_nulls_apart(two_ranks):
 @pytest.mark.parametrize("model,gathered,round_robin", [("tiny_dense", 14, 7),
                                                         ("tiny_moe", 16, 6 + 5)])
 def test_muon_under_fsdp_orthogonalizes_each_matrix_once(model, gathered, round_robin,
-                                                        two_ranks):
+                                                        launched):
     """Round-robin Newton-Schulz: each sharded matrix is orthogonalized on one rank and
     sent back in shards; the step is exactly the one every rank gathering and
     orthogonalizing every matrix gave."""
-    res = two_ranks[f"muon {model}"]
+    res = launched[f"muon {model}"]
     assert res["diff"] == 0.0
     assert res["calls"] == {"gathered": [gathered] * 2, "round_robin": [round_robin] * 2}
 
 
-def test_muon_under_hsdp_round_robins_over_the_shard_dim(two_ranks):
+def test_muon_under_hsdp_round_robins_over_the_shard_dim(launched):
     """HSDP's 2-D shards (replicate x shard, here 1 x 2): Newton-Schulz round-robin over the
     shard dim, as FSDP's 1-D (tiny_moe: the same counts), the step unchanged."""
-    res = two_ranks["muon hsdp"]
+    res = launched["muon hsdp"]
     assert res["diff"] == 0.0
     assert res["calls"] == {"gathered": [16] * 2, "round_robin": [6 + 5] * 2}
 
@@ -477,18 +489,14 @@ def _inject_failure(tmp_path, fail_rank) -> dict:
     return {**os.environ, "PYTHONPATH": f"{inject}:{ROOT}", "FAIL_RANK": str(fail_rank)}
 
 
-def test_a_failed_launch_keeps_what_it_knew(tmp_path):
+def test_a_failed_launch_keeps_what_it_knew(tmp_path, monkeypatch):
     """A rank that raises under the app's own launch: the record names it (status error)
     and keeps the analytic figures (they were null: "not measured")."""
-    import subprocess
-    import sys
-
+    env = _inject_failure(tmp_path, 1)  # (what the spawned ranks start with)
+    for k in ("PYTHONPATH", "FAIL_RANK"):
+        monkeypatch.setenv(k, env[k])
     out = tmp_path / "bad"
-    p = subprocess.run([sys.executable, "-m", "moe_exp.run", *TINY, "parallel=ddp",
-                        "hardware.devices=2", f"hydra.run.dir={out}"], cwd=tmp_path,
-                       env=_inject_failure(tmp_path, 1), capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 1, p.stderr[-3000:]
+    assert run_inproc([*TINY, "parallel=ddp", "hardware.devices=2"], out)["status"] == "error"
     rec = json.loads((out / "metrics.json").read_text())
     assert rec["status"] == "error" and rec["error"].startswith("rank 1 failed: ValueError")
     assert rec["params_total"] == 1739392 and rec["flops_per_token"] > 0

@@ -203,7 +203,7 @@ def test_ctrl_c_in_an_in_process_sweep_keeps_the_runs_own_record(tmp_path):
     end = time.time() + 120
     while not (d / "1").is_dir() and time.time() < end:
         time.sleep(0.2)
-    time.sleep(10)  # into its steps (job 0 and job 1's start take about 5 s)
+    time.sleep(5)  # into its steps (job 1 starts in the sweep's process: no imports)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err[-3000:]
@@ -216,7 +216,7 @@ def test_ctrl_c_in_an_in_process_sweep_keeps_the_runs_own_record(tmp_path):
 
 def test_repeats_report_median_and_spread(tmp_path):
     d = tmp_path / "s"
-    r = sweep(d, "+case=fp32,bf16", "logger=none", "sweep.repeats=2")
+    r = sweep(d, "+case=fp32,bf16", "logger=none", "sweep.repeats=2", "sweep.isolate=false")
     assert r.returncode == 0, r.stderr[-3000:]
     df = pd.read_parquet(d / "results.parquet")
     for i in range(2):
@@ -311,7 +311,8 @@ def test_report_cli_rebuilds_with_chosen_baseline(swept, tmp_path):
 def bf16_baseline(tmp_path_factory):
     """fp32 and bf16 with the README's ++sweep.baseline={precision:bf16}."""
     d = tmp_path_factory.mktemp("bf16_baseline") / "s"
-    r = sweep(d, "+case=fp32,bf16", "logger=none", "++sweep.baseline={precision:bf16}")
+    r = sweep(d, "+case=fp32,bf16", "logger=none", "++sweep.baseline={precision:bf16}",
+              "sweep.isolate=false")  # (tables are the point: the jobs in its process)
     assert r.returncode == 0, r.stderr[-3000:]
     return d
 
@@ -391,11 +392,11 @@ def test_notebook_finds_the_newest_sweep_from_its_own_folder(swept, tmp_path):
 
 def test_job_timeout_kills_the_job_as_crashed(tmp_path):
     d = tmp_path / "s"
-    r = sweep(d, "+case=long", "logger=none", "sweep.job_timeout_s=8")
+    r = sweep(d, "+case=long", "logger=none", "sweep.job_timeout_s=4")
     assert r.returncode == 1, r.stderr[-3000:]  # its only job failed
     df = pd.read_csv(d / "results.csv")
     assert list(df["status"]) == ["crashed"]
-    assert "sweep.job_timeout_s=8" in df.loc[0, "error"]
+    assert "sweep.job_timeout_s=4" in df.loc[0, "error"]
     assert f"[sweep] job #0: crashed: {df.loc[0, 'error']}" in r.stderr  # said as it happened
 
 
@@ -423,7 +424,8 @@ def test_chosen_baseline_from_the_command_line_and_one_that_matches_nothing(bf16
     report (no speedups), with a one-line warning."""
     assert list(pd.read_parquet(bf16_baseline / "results.parquet")["baseline"]) == [False, True]
     d2 = tmp_path / "s2"
-    r = sweep(d2, "+case=fp32,invalid", "logger=none", "++sweep.baseline={seq_len:4096}")
+    r = sweep(d2, "+case=fp32,invalid", "logger=none", "++sweep.baseline={seq_len:4096}",
+              "sweep.isolate=false")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "[report] sweep.baseline seq_len=4096 matches no finished" in r.stderr
     assert (d2 / "report.md").is_file() and (d2 / "plots" / "throughput.png").is_file()
@@ -590,8 +592,9 @@ def test_second_sweep_into_a_running_sweeps_dir_fails_before_any_job(tmp_path):
     d = tmp_path / "s"
     first = _sweep_in_background(d, "+case=long")
     try:
-        _child_of(d / "0")
-        r = sweep(d, "+case=long", "sweep.resume=true", "logger=none")
+        _child_of(d / "0")  # (refused before any job: in this process)
+        r = cli_inproc(["-m", CASES, f"hydra.sweep.dir={d}", "+case=long", "sweep.resume=true",
+                        "logger=none"], d.parent)
         assert r.returncode == 2, r.stderr[-3000:]
         line = r.stderr.strip()
         assert line.startswith(f"error: hydra.sweep.dir: '{d}' is in use by another sweep "
