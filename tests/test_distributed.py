@@ -254,7 +254,8 @@ def test_ddp_accumulation_reduces_on_the_last_micro_step_only(launched):
 
 def test_cli_expert_parallel_record(tmp_path):
     p = run_cli(["parallel=expert", "hardware.devices=2", "logger=none", "train.steps=6",
-                 f"hydra.run.dir={tmp_path}"], tmp_path)
+                 "train.micro_batch_size=2", "train.seq_len=32", f"hydra.run.dir={tmp_path}"],
+                tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     rec = json.loads((tmp_path / "metrics.json").read_text())
     assert rec["status"] == "ok" and rec["world_size"] == 2
@@ -430,6 +431,7 @@ def test_sweep_over_parallel_and_devices(tmp_path):
     d = tmp_path / "s"  # (jobs in the sweep's process: their rows are the point here)
     p = run_cli(["-m", "parallel=none,ddp", "hardware.devices=1,2", "logger=none",
                  "train.steps=4", "train.warmup_steps=1", "train.seq_len=32",
+                 "train.micro_batch_size=2",
                  "sweep.isolate=false", f"hydra.sweep.dir={d}"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     df = pd.read_csv(d / "results.csv")

@@ -753,8 +753,8 @@ JOB_LOGGING = ["file", "disabled", "stdout", "default"]
 
 
 def _job_logging_args(choice):
-    return ["logger=none", "train.steps=2", "train.warmup_steps=1",
-            f"hydra/job_logging={choice}", "hydra.run.dir={cwd}"]
+    return ["logger=none", "train.steps=2", "train.warmup_steps=1", "train.micro_batch_size=2",
+            "train.seq_len=32", f"hydra/job_logging={choice}", "hydra.run.dir={cwd}"]
 
 
 @pytest.fixture(scope="module")
