@@ -115,6 +115,7 @@ def launched(tmp_path_factory):
     from moe_exp.pipeline import container, prepare
 
     root, out = tmp_path_factory.mktemp("ranks"), {}
+    dirs = {k: root / k.replace(" ", "_") for k in RUNS}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(validate.os, "cpu_count", lambda: 4)  # 4 ranks on a 2-core CI VM
         for n in (2, 4):
@@ -123,11 +124,11 @@ def launched(tmp_path_factory):
                 if ranks_of(o) == n:
                     cfg, rec = prepare(compose(o), o)
                     assert rec is None, (k, rec["error"])
-                    todo[k] = ("run_rank", [container(cfg), str(root / k.replace(" ", "_"))])
-            with hardware_env(cfg.hardware):  # (every run's: hardware=cpu)
+                    todo[k] = ("run_rank", [container(cfg), str(dirs[k])])
+            with hardware_env(cfg.hardware):  # (every run's: TINY's hardware=cpu)
                 got = launch(dist_helpers.several, list(todo.values()), n=n)
             for k, res in zip(todo, got):
-                out[k] = (res, root / k.replace(" ", "_")) if k in RUNS else res
+                out[k] = (res, dirs[k]) if k in RUNS else res
     return out
 
 
