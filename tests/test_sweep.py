@@ -154,11 +154,39 @@ def _child_of(job_dir: Path, timeout=120):
     raise TimeoutError(f"no process for {job_dir}")
 
 
+_BACKGROUND: list = []  # sweeps started in the background, stopped after each test
+
+
+@pytest.fixture(autouse=True)
+def _stop_background_sweeps():
+    """A test that fails before its sweep ends leaves no sweep (nor job) running: SIGTERM,
+    which the sweep passes to its job."""
+    yield
+    while _BACKGROUND:
+        proc = _BACKGROUND.pop()
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+
+
 def _sweep_in_background(d: Path, cases: str, *args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "moe_exp.run", "-m", CASES,
+    proc = subprocess.Popen([sys.executable, "-m", "moe_exp.run", "-m", CASES,
                              f"hydra.sweep.dir={d}", cases, "logger=none", *args], cwd=d.parent,
                             env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_sigint)
+    _BACKGROUND.append(proc)
+    return proc
+
+
+def _default_sigint():
+    """Ctrl-C's default in the sweep, whatever pytest was started under (a shell's `cmd &`
+    ignores SIGINT, and Python then never turns it into KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_killed_job_is_crashed_row_and_sweep_goes_on(tmp_path):
