@@ -81,6 +81,8 @@ def default_choices() -> Dict[str, str]:
 RANKED = ("ddp", "fsdp", "expert", "expert_fsdp", "hsdp")  # parallel options with several ranks
 MOE = Reads("model.num_experts", positive=True, what="a MoE model")
 ROUTINGS = ("learned", "balanced", "skewed")  # model.routing (model/moe.py: Router)
+GQA = Reads("model.attention_type", ("gqa",), what="model.attention_type=gqa")
+MLA = Reads("model.attention_type", ("mla",), what="model.attention_type=mla")
 DDP = Reads("parallel.name", ("ddp",))
 FSDP2 = ("fsdp", "expert_fsdp", "hsdp")  # parallel options that shard with FSDP2
 FSDP = Reads("parallel.name", FSDP2)
@@ -124,6 +126,43 @@ class ModelConfig:
                                "the mean (1 to num_experts / top_k)", since=2.0, unread="keep",
                                read_by=Reads("model.routing", ("skewed",),
                                              what="model.routing=skewed"))
+    attention_type: str = knob("gqa", "grouped-query attention | mla (multi-head latent "
+                               "attention, DeepSeek-V2/V3)", choices=("gqa", "mla"), since="gqa")
+    head_dim: Optional[int] = knob(None, "per attention head; null = hidden_size / num_heads "
+                                   "(Qwen3 sets it apart)", since=None, read_by=GQA)
+    qk_norm: bool = knob(False, "RMSNorm of each head's q and k before RoPE (Qwen3)", since=False,
+                         read_by=GQA)
+    q_lora_rank: Optional[int] = knob(None, "MLA: the rank of q's projection; null = full rank",
+                                      since=None, read_by=MLA)
+    kv_lora_rank: int = knob(512, "MLA: the shared key/value latent's size", since=512,
+                             read_by=MLA)
+    qk_nope_head_dim: int = knob(128, "MLA: per head, the q/k dims without RoPE", since=128,
+                                 read_by=MLA)
+    qk_rope_head_dim: int = knob(64, "MLA: per head, the q/k dims with RoPE (k's shared by all "
+                                 "heads)", since=64, read_by=MLA)
+    v_head_dim: int = knob(128, "MLA: per head, the value dims", since=128, read_by=MLA)
+    num_shared_experts: int = knob(0, "always-on experts beside the routed ones (DeepSeek)",
+                                   read_by=MOE, unread="keep", since=0)
+    shared_ffn_hidden_size: Optional[int] = knob(
+        None, "each shared expert's FFN size; null = ffn_hidden_size", unread="keep", since=None,
+        read_by=Reads("model.num_shared_experts", positive=True, what="shared experts"))
+    first_k_dense: int = knob(0, "the first k blocks have a dense FFN (DeepSeek)", read_by=MOE,
+                              unread="keep", since=0)
+    dense_ffn_hidden_size: Optional[int] = knob(
+        None, "the FFN size of the first_k_dense blocks; null = ffn_hidden_size", unread="keep",
+        since=None, read_by=Reads("model.first_k_dense", positive=True, what="dense first layers"))
+    score_func: str = knob("softmax", "router scores: softmax over experts (Mixtral, Qwen3) | "
+                           "sigmoid per expert (DeepSeek-V3)", choices=("softmax", "sigmoid"),
+                           read_by=MOE, unread="keep", since="softmax")
+    route_norm: bool = knob(True, "renormalise the chosen experts' weights to sum 1",
+                            read_by=MOE, unread="keep", since=True)
+    route_scale: float = knob(1.0, "multiplies the routed experts' weights (DeepSeek-V3: 2.5)",
+                              read_by=MOE, unread="keep", since=1.0)
+    n_groups: int = knob(1, "group-limited routing: the experts in n_groups groups; each token "
+                         "picks among its topk_groups best (DeepSeek-V3)", read_by=MOE,
+                         unread="keep", since=1)
+    topk_groups: int = knob(1, "with model.n_groups > 1: the groups each token may use",
+                            read_by=MOE, unread="keep", since=1)
 
 
 @dataclass
@@ -136,6 +175,9 @@ class PrecisionConfig:
     fp8_recipe: str = knob("tensorwise", "torchao Float8LinearConfig recipe",
                            choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"),
                            read_by=Reads("precision.name", ("fp8",)))
+    router_dtype: str = knob("compute", "the MoE router's gate matmul: compute (autocast's "
+                             "dtype) | fp32", choices=("compute", "fp32"), read_by=MOE,
+                             since="compute")
 
 
 @dataclass

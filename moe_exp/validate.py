@@ -126,10 +126,16 @@ def check_model(m) -> None:
                           f"builds its RoPE table for every position), got {m.max_seq_len:,}")
     if not str(m.name).strip():
         raise ConfigError("model.name", "empty: it labels every result; name the model")
-    if m.hidden_size % m.num_heads:
+    if m.attention_type == "mla":
+        check_mla(m)
+    elif m.head_dim is not None:
+        if m.head_dim < 2 or m.head_dim % 2:
+            raise ConfigError("model.head_dim", f"must be an even number >= 2 (RoPE rotates "
+                              f"pairs) or null (hidden_size / num_heads), got {m.head_dim}")
+    elif m.hidden_size % m.num_heads:
         raise ConfigError("model.hidden_size", f"{m.hidden_size} is not divisible by "
-                          f"model.num_heads={m.num_heads}")
-    if (m.hidden_size // m.num_heads) % 2:
+                          f"model.num_heads={m.num_heads} (or set model.head_dim)")
+    elif (m.hidden_size // m.num_heads) % 2:
         raise ConfigError("model.num_heads", f"head dim {m.hidden_size // m.num_heads} must be "
                           "even for RoPE")
     if m.num_heads % m.num_kv_heads:
@@ -146,12 +152,56 @@ def check_model(m) -> None:
             raise ConfigError("model.routing_skew", f"must be in 1..num_experts / top_k = "
                               f"{most:g} (the busiest expert gets every token at most), got "
                               f"{m.routing_skew}")
+    if m.num_experts > 0:
+        check_moe_options(m)
     for key in ("aux_loss_coef", "z_loss_coef"):
         if m[key] < 0:
             raise ConfigError(f"model.{key}", f"must be >= 0, got {m[key]}")
     for key in ("init_std", "norm_eps", "rope_theta"):
         if not m[key] > 0:
             raise ConfigError(f"model.{key}", f"must be > 0, got {m[key]}")
+
+
+def check_mla(m) -> None:
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+        if m[key] < 1:
+            raise ConfigError(f"model.{key}", f"must be >= 1, got {m[key]}")
+    if m.q_lora_rank is not None and m.q_lora_rank < 1:
+        raise ConfigError("model.q_lora_rank", f"must be >= 1 or null (full rank), got "
+                          f"{m.q_lora_rank}")
+    if m.qk_rope_head_dim < 2 or m.qk_rope_head_dim % 2:
+        raise ConfigError("model.qk_rope_head_dim", f"must be an even number >= 2 (RoPE "
+                          f"rotates pairs), got {m.qk_rope_head_dim}")
+
+
+def check_moe_options(m) -> None:
+    """The architecture options of a MoE model (model.num_experts > 0)."""
+    for key, low in (("num_shared_experts", 0), ("first_k_dense", 0), ("n_groups", 1),
+                     ("topk_groups", 1)):
+        if m[key] < low:
+            raise ConfigError(f"model.{key}", f"must be >= {low}, got {m[key]}")
+    for key in ("shared_ffn_hidden_size", "dense_ffn_hidden_size"):
+        if m[key] is not None and m[key] < 1:
+            raise ConfigError(f"model.{key}", f"must be >= 1 or null (ffn_hidden_size), got "
+                              f"{m[key]}")
+    if m.first_k_dense >= m.num_layers:
+        raise ConfigError("model.first_k_dense", f"must be below model.num_layers="
+                          f"{m.num_layers} (a model with no MoE block: model.num_experts=0), got "
+                          f"{m.first_k_dense}")
+    if not 0 < m.route_scale < float("inf"):
+        raise ConfigError("model.route_scale", f"must be > 0, got {m.route_scale}")
+    g = m.n_groups
+    if g > 1:
+        if m.num_experts % g or m.num_experts // g < 2:
+            raise ConfigError("model.n_groups", f"must divide model.num_experts={m.num_experts} "
+                              f"into groups of 2 or more (a group's score is its best two "
+                              f"experts'), got {g}")
+        if m.topk_groups > g:
+            raise ConfigError("model.topk_groups", f"must be in 1..n_groups={g}, got "
+                              f"{m.topk_groups}")
+        if m.top_k > m.topk_groups * (m.num_experts // g):
+            raise ConfigError("model.top_k", f"{m.top_k} experts do not fit in topk_groups="
+                              f"{m.topk_groups} groups of {m.num_experts // g}")
 
 
 def check_train(cfg) -> None:

@@ -404,8 +404,8 @@ def test_an_override_hydra_cannot_parse_is_named_with_its_fix(override, line):
     assert got.startswith(line + " (the grammar: https://hydra.cc/") and "\n" not in got
 
 
-MODELS = ("dense_1b, mixtral_8x7b, moe_1b, seed_dense, seed_moe16, seed_moe8, small_dense, "
-          "small_moe, tiny_dense, tiny_moe")
+MODELS = ("deepseek_v3, dense_1b, mixtral_8x7b, moe_1b, qwen3_30b_a3b, seed_dense, seed_moe16, "
+          "seed_moe8, small_dense, small_moe, tiny_deepseek, tiny_dense, tiny_moe, tiny_qwen3")
 
 
 GROUP_ERRORS = [

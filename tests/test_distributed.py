@@ -20,10 +20,12 @@ def launch(fn, *args, n=2):
     return elastic(rank_entry, n, fn, *args)
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_expert_parallel_loss_grads_and_counts_match_one_process(ranks, launched):
-    """4 ranks, ep=2: two expert-parallel groups, experts replicated over dp=2."""
-    res = launched[f"ep grads {ranks}"]
+@pytest.mark.parametrize("case", ["2", "4", "tiny_deepseek", "tiny_qwen3"])
+def test_expert_parallel_loss_grads_and_counts_match_one_process(case, launched):
+    """4 ranks, ep=2: two expert-parallel groups, experts replicated over dp=2. DeepSeek's
+    shared experts, dense first block and sigmoid group-limited routing, Qwen3's fine-grained
+    experts: the same on 2 ranks as in one process."""
+    res = launched[f"ep grads {case}"]
     assert res["loss"] == pytest.approx(res["ref_loss"], rel=1e-5)
     assert res["counts_equal"]
     assert any(".experts.w1" in n for n in res["grad_diffs"])
@@ -39,6 +41,9 @@ CALLS = {
     **{f"ep grads {n}": (n, "ep_grads_match", [["parallel=expert", f"hardware.devices={n}",
                                                 "parallel.expert_parallel_size=2",
                                                 "model.aux_loss_coef=0"], 3]) for n in (2, 4)},
+    **{f"ep grads {m}": (2, "ep_grads_match", [["parallel=expert", "hardware.devices=2",
+                                                f"model={m}", "model.aux_loss_coef=0"], 3])
+       for m in ("tiny_deepseek", "tiny_qwen3")},
     **{f"clip {p}": (2, "grad_norm_matches", [[f"parallel={p}", "hardware.devices=2",
                                                "model.aux_loss_coef=0"], 3]) for p in CLIPPED},
     **{f"clip {k}": (2, "grad_norm_matches", [["parallel=hsdp", "hardware.devices=2", mesh,

@@ -27,7 +27,10 @@ def naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
             h = F.silu(flat[t] @ ex.w1[e]) * (flat[t] @ ex.w3[e])
             acc = acc + weights[t, j] * (h @ ex.w2[e])
         rows.append(acc)
-    return torch.stack(rows).reshape(x.shape)
+    out = torch.stack(rows)
+    if moe.shared_experts is not None:
+        out = out + moe.shared_experts(flat)
+    return out.reshape(x.shape)
 
 
 @pytest.mark.parametrize("dispatch", DISPATCHES)
@@ -48,6 +51,51 @@ def test_dispatch_matches_naive_reference(dispatch):
                                           moe.router.gate.weight], g)
     for a, b in zip(grads, grads_ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+ROUTERS = {  # the router and expert options of DeepSeek-V3 and Qwen3 beside Mixtral's
+    "sigmoid-groups-scaled-shared": dict(score_func="sigmoid", n_groups=3, topk_groups=2,
+                                         route_scale=2.5, shared_ffn=40),
+    "softmax-unnormalised": dict(route_norm=False),
+    "sigmoid-balanced": dict(score_func="sigmoid", routing="balanced"),
+}
+
+
+@pytest.mark.parametrize("dispatch", DISPATCHES)
+@pytest.mark.parametrize("router", ROUTERS)
+def test_router_options_match_the_reference_in_every_dispatch(dispatch, router):
+    """Sigmoid scores, group-limited choice, route_scale, unnormalised weights and shared
+    experts: each dispatch equals the token-by-token reference, forward and backward; the
+    weights are the chosen experts' scores (normalised where route_norm), times route_scale;
+    group-limited tokens use experts of topk_groups groups only, the best by their top two."""
+    torch.manual_seed(0)
+    kw = ROUTERS[router]
+    moe = MoE(32, 48, num_experts=6, top_k=2, dispatch=dispatch, **kw)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(3, 7, 32, requires_grad=True)
+    out, balance, z, counts = moe(x)
+    assert counts.sum() == 42 and torch.isfinite(balance)
+    x_ref = x.detach().clone().requires_grad_()
+    ref = naive_moe(moe, x_ref)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(out)
+    params = [p for p in moe.parameters()]
+    for a, b in zip(torch.autograd.grad(out, [x, *params], g),
+                    torch.autograd.grad(ref, [x_ref, *params], g)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    flat = x.detach().reshape(-1, 32)
+    logits, probs, weights, experts = moe.router(flat)
+    scores = logits.sigmoid() if kw.get("score_func") == "sigmoid" else logits.softmax(-1)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(21))
+    chosen = scores.gather(1, experts)
+    if kw.get("route_norm", True):
+        chosen = chosen / chosen.sum(-1, keepdim=True)
+    torch.testing.assert_close(weights, chosen * kw.get("route_scale", 1.0))
+    if kw.get("n_groups", 1) > 1:
+        best = scores.view(21, 3, 2).sum(-1).topk(2, dim=-1).indices  # groups of 2: top-2 = all
+        for row, groups in zip(experts.tolist(), best.tolist()):
+            assert {e // 2 for e in row} <= set(groups)
 
 
 def test_grouped_equals_loop():
@@ -121,7 +169,8 @@ def test_router_weights_renormalised_and_aux_losses():
     assert z.item() == pytest.approx(torch.log(torch.tensor(4.0)).item() ** 2, rel=1e-5)
 
 
-@pytest.mark.parametrize("model", ["tiny_moe", "tiny_dense", "small_moe"])
+@pytest.mark.parametrize("model", ["tiny_moe", "tiny_dense", "small_moe", "tiny_qwen3",
+                                   "tiny_deepseek"])
 def test_forward_backward_and_param_count(model):
     cfg = compose([f"model={model}"]).model
     torch.manual_seed(0)
@@ -133,8 +182,8 @@ def test_forward_backward_and_param_count(model):
     assert abs(out.ce.item() - torch.log(torch.tensor(float(cfg.vocab_size))).item()) < 0.5
     out.loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
-    if cfg.num_experts:
-        assert out.counts.shape == (cfg.num_layers, cfg.num_experts)
+    if cfg.num_experts:  # (the MoE blocks': not first_k_dense's)
+        assert out.counts.shape == (cfg.num_layers - cfg.first_k_dense, cfg.num_experts)
         assert (out.counts.sum(1) == 2 * 16 * cfg.top_k).all()
 
 

@@ -40,13 +40,16 @@ def test_grad_accum_run_processes_4x_tokens(tmp_path):
     assert rec["status"] == "ok" and rec["tokens_per_step"] == 4 * 8 * 128
 
 
-@pytest.mark.parametrize("dispatch,dtype,routing", [
-    ("loop", None, "learned"), ("grouped", torch.bfloat16, "learned"),
-    ("padded", torch.bfloat16, "learned"), ("loop", None, "balanced"),
-    ("padded", torch.bfloat16, "skewed")])
-def test_moe_dispatch_compiles_without_graph_breaks(dispatch, dtype, routing):
+@pytest.mark.parametrize("dispatch,dtype,routing,model", [
+    ("loop", None, "learned", "tiny_moe"), ("grouped", torch.bfloat16, "learned", "tiny_moe"),
+    ("padded", torch.bfloat16, "learned", "tiny_moe"), ("loop", None, "balanced", "tiny_moe"),
+    ("padded", torch.bfloat16, "skewed", "tiny_moe"),
+    ("loop", None, "learned", "tiny_deepseek"), ("padded", torch.bfloat16, "learned",
+                                                 "tiny_qwen3")])
+def test_moe_dispatch_compiles_without_graph_breaks(dispatch, dtype, routing, model):
     """The dispatches `auto` picks under torch.compile: loop (fp32), grouped_mm (GPU, bf16),
-    padded (CPU, bf16); and with a set routing load."""
+    padded (CPU, bf16); with a set routing load; DeepSeek's (MLA, shared experts, a dense
+    first block, sigmoid group-limited routing) and Qwen3's options."""
     import torch._dynamo as dynamo
 
     from moe_exp.model.moe import grouped_mm_supported
@@ -54,9 +57,10 @@ def test_moe_dispatch_compiles_without_graph_breaks(dispatch, dtype, routing):
 
     if dispatch == "grouped" and not grouped_mm_supported("cpu", dtype):
         pytest.skip("grouped_mm does not run here")
-    cfg = compose([f"model.dispatch={dispatch}", f"model.routing={routing}"]).model
+    cfg = compose([f"model={model}", f"model.dispatch={dispatch}",
+                   f"model.routing={routing}"]).model
     model = build_model(cfg)
-    assert model.layers[0].ffn.dispatch == dispatch
+    assert model.layers[-1].ffn.dispatch == dispatch
     apply_compile(torch.nn.Identity(), "default")  # sets the dynamo flags the run uses
     tokens = torch.randint(0, cfg.vocab_size, (2, 16))
     ctx = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
@@ -311,3 +315,27 @@ def test_deterministic_cuda_runs_get_a_fixed_cublas_workspace(monkeypatch):
     assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     assert "CUBLAS_WORKSPACE_CONFIG" not in env_for(gpu)
+
+
+def test_router_dtype_fp32_runs_the_gate_in_fp32_under_autocast():
+    """precision.router_dtype=fp32: every MoE router's gate matmul in fp32 under bf16
+    autocast (compute: autocast's bf16), same parameters and names, applied by `apply`."""
+    from moe_exp.model import build_model
+    from moe_exp.optimizations import apply
+    from moe_exp.optimizations.precision import FP32Linear
+
+    cfg = compose(["precision=bf16", "precision.router_dtype=fp32"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    names = [n for n, _ in model.named_parameters()]
+    gate = model.layers[0].ffn.router.gate
+    x = torch.randn(40, cfg.model.hidden_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert gate(x).dtype == torch.bfloat16
+    applied = apply(model, cfg, torch.device("cpu"))
+    assert all(type(b.ffn.router.gate) is FP32Linear for b in model.layers)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = gate(x)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, x @ gate.weight.T, rtol=0, atol=0)
+    assert [n for n, _ in applied.model.named_parameters()] == names

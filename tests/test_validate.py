@@ -38,3 +38,29 @@ def test_a_memory_size_no_device_has_is_invalid_up_front(value):
     o = [f"hardware.memory_gib={value}"]
     _, rec = prepare(compose(o), o)
     assert rec["status"] == "invalid" and rec["error"].startswith("hardware.memory_gib: must be")
+
+
+@pytest.mark.parametrize("overrides, says", [
+    ("model=tiny_moe model.n_groups=3", "model.n_groups: must divide model.num_experts=8"),
+    ("model=tiny_moe model.n_groups=8", "model.n_groups: must divide"),  # groups of 1
+    ("model=tiny_moe model.n_groups=4 model.topk_groups=5", "model.topk_groups: must be in"),
+    ("model=tiny_deepseek model.top_k=9", "model.top_k: 9 experts do not fit"),
+    ("model=tiny_moe model.first_k_dense=2", "model.first_k_dense: must be below"),
+    ("model=tiny_moe model.head_dim=15", "model.head_dim: must be an even number"),
+    ("model=tiny_moe model.route_scale=0", "model.route_scale: must be > 0"),
+    ("model=tiny_moe model.shared_ffn_hidden_size=0 model.num_shared_experts=1",
+     "model.shared_ffn_hidden_size: must be >= 1"),
+    ("model=tiny_deepseek model.qk_rope_head_dim=7", "model.qk_rope_head_dim: must be an even"),
+    ("model=tiny_deepseek model.q_lora_rank=0", "model.q_lora_rank: must be >= 1 or null"),
+    ("model=tiny_deepseek model.qk_norm=true", "model.qk_norm: "),  # GQA's, not MLA's
+    ("model=tiny_dense model.num_shared_experts=1", "model.num_shared_experts: "),  # a MoE's
+    ("model=tiny_moe model.dense_ffn_hidden_size=64", "model.dense_ffn_hidden_size: "),
+    ("model=tiny_dense precision=bf16 precision.router_dtype=fp32", "precision.router_dtype: "),
+    ("model=tiny_moe model.score_func=relu", "model.score_func: "),
+])
+def test_architecture_mistakes_are_one_line_invalid(overrides, says):
+    """The architecture options' bad values and the keys their model does not read."""
+    o = overrides.split()
+    _, rec = prepare(compose(o), o)
+    assert rec["status"] == "invalid" and rec["error"].startswith(says), rec["error"]
+    assert "\n" not in rec["error"]

@@ -1,10 +1,10 @@
 """Parameter counts and analytic training FLOPs per token (PaLM / torchtitan convention).
 
 flops_per_token = 6 * N_matmul_active + 6 * L * n_heads * (d_qk + d_v) * S
-N_matmul_active: the weights a token multiplies (attention, router, top_k experts or the
-dense FFN, LM head); embeddings (a lookup) and norm weights excluded. Causal attention is
-counted in full, as the convention does; activation recomputation is not counted (MFU,
-not HFU).
+N_matmul_active: the weights a token multiplies (attention, router, top_k routed experts
+and the shared ones, or the dense FFN, LM head); embeddings (a lookup) and norm weights
+excluded. Causal attention is counted in full, as the convention does; activation
+recomputation is not counted (MFU, not HFU).
 
 Checked against torch.utils.flop_counter.FlopCounterMode on real steps (with formulas for
 grouped_mm and CPU attention): moe_exp.bench.flop_check and tests/test_flops.py.
@@ -12,28 +12,65 @@ grouped_mm and CPU attention): moe_exp.bench.flop_check and tests/test_flops.py.
 from __future__ import annotations
 
 
+def head_dim(m) -> int:
+    """GQA's per-head dims (q, k and v alike)."""
+    return m.head_dim or m.hidden_size // m.num_heads
+
+
+def qk_v_dims(m) -> tuple[int, int]:
+    """Per head: the dims q.k and the values span (attention's FLOPs)."""
+    if m.attention_type == "mla":
+        return m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+    return head_dim(m), head_dim(m)
+
+
+def attention_params(m) -> tuple[int, int]:
+    """One block's attention (matmul weights, norm weights)."""
+    h, n = m.hidden_size, m.num_heads
+    if m.attention_type == "mla":
+        qk, r = m.qk_nope_head_dim + m.qk_rope_head_dim, m.q_lora_rank
+        q = h * r + r * n * qk if r else h * n * qk
+        kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + \
+            m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim)
+        return q + kv + n * m.v_head_dim * h, (r or 0) + m.kv_lora_rank
+    d = head_dim(m)
+    return h * n * d * 2 + h * m.num_kv_heads * d * 2, 2 * d if m.qk_norm else 0
+
+
+def moe_layers(m) -> int:
+    """Blocks with a MoE FFN (all but the first_k_dense; none in a dense model)."""
+    return m.num_layers - m.first_k_dense if m.num_experts > 0 else 0
+
+
+def expert_params(m) -> int:
+    """The routed experts' weights, all layers (what expert parallel shards)."""
+    return moe_layers(m) * m.num_experts * 3 * m.hidden_size * m.ffn_hidden_size
+
+
 def param_counts(m) -> dict:
-    h, f, d = m.hidden_size, m.ffn_hidden_size, m.hidden_size // m.num_heads
-    attn = h * m.num_heads * d * 2 + h * m.num_kv_heads * d * 2
-    if m.num_experts > 0:
-        ffn_total = m.num_experts * 3 * h * f + h * m.num_experts
-        ffn_active = m.top_k * 3 * h * f + h * m.num_experts
-    else:
-        ffn_total = ffn_active = 3 * h * f
+    h, f, L = m.hidden_size, m.ffn_hidden_size, m.num_layers
+    attn, attn_norms = attention_params(m)
+    moe = moe_layers(m)
+    dense = L - moe  # dense FFN blocks: a dense model's, or a MoE's first_k_dense
+    dense_f = (m.dense_ffn_hidden_size or f) if moe else f
+    shared = 3 * h * m.num_shared_experts * (m.shared_ffn_hidden_size or f) if moe else 0
+    router = h * m.num_experts if moe else 0
+    ffn_total = dense * 3 * h * dense_f + moe * (shared + router) + expert_params(m)
+    ffn_active = dense * 3 * h * dense_f + moe * (shared + router + m.top_k * 3 * h * f)
     embed = head = m.vocab_size * h
-    norms = m.num_layers * 2 * h + h
-    matmul_active = m.num_layers * (attn + ffn_active) + head
+    norms = L * (2 * h + attn_norms) + h
+    matmul_active = L * attn + ffn_active + head
     return {
-        "params_total": embed + head + norms + m.num_layers * (attn + ffn_total),
+        "params_total": embed + head + norms + L * attn + ffn_total,
         "params_active": embed + norms + matmul_active,
         "params_matmul_active": matmul_active,
     }
 
 
 def flops_per_token(m, seq_len: int) -> float:
-    d = m.hidden_size // m.num_heads
+    qk, v = qk_v_dims(m)
     n = param_counts(m)["params_matmul_active"]
-    return 6.0 * n + 6.0 * m.num_layers * m.num_heads * (d + d) * seq_len
+    return 6.0 * n + 6.0 * m.num_layers * m.num_heads * (qk + v) * seq_len
 
 
 def analytic(m, seq_len: int) -> dict:
@@ -49,7 +86,8 @@ def muon_params(m) -> int:
     """Parameters optim=muon updates (optim.muon.hidden_matrices): all but the embeddings,
     the head and the norms (2 per block + the final one), which AdamW updates."""
     h = m.hidden_size
-    return param_counts(m)["params_total"] - 2 * m.vocab_size * h - (2 * m.num_layers + 1) * h
+    norms = (2 * m.num_layers + 1) * h + m.num_layers * attention_params(m)[1]
+    return param_counts(m)["params_total"] - 2 * m.vocab_size * h - norms
 
 
 def state_lower_bound(cfg, world: int) -> float:
@@ -59,7 +97,7 @@ def state_lower_bound(cfg, world: int) -> float:
     expert parallel's experts over its group)."""
     m, p = cfg.model, cfg.parallel
     total = param_counts(m)["params_total"]
-    experts = m.num_layers * m.num_experts * 3 * m.hidden_size * m.ffn_hidden_size
+    experts = expert_params(m)
     if p.name in ("fsdp", "expert_fsdp"):
         per_rank = total / world
     elif p.name == "hsdp":  # sharded within a replica group

@@ -1,4 +1,4 @@
-"""Mixture-of-Experts FFN: softmax top-k router, SwiGLU experts, dropless dispatch.
+"""Mixture-of-Experts FFN: top-k router, SwiGLU experts (routed and shared), dropless dispatch.
 
 Dispatch: every (token, choice) pair is sorted by expert, each expert multiplies its
 contiguous slice (grouped: one grouped matmul per weight; padded: one bmm over groups
@@ -146,30 +146,59 @@ def gather_rows(x: torch.Tensor, idx: torch.Tensor, back: torch.Tensor) -> torch
 
 
 class Router(nn.Module):
-    """Softmax router, top-k, renormalised over the chosen experts (Mixtral-style).
+    """Top-k router. Scores: softmax over experts (Mixtral, Qwen3) or each expert's sigmoid
+    (DeepSeek-V3); group-limited (n_groups > 1): each token picks among its topk_groups
+    best groups of experts, a group scored by its two best experts' sum (DeepSeek-V3); the
+    chosen experts' scores, renormalised to sum 1 (route_norm) and times route_scale, weight
+    their outputs.
     routing: learned (its own top-k) | balanced | skewed (a set load: set_experts); the
-    weights are the router's probabilities of the experts chosen, so it still learns."""
+    weights are the router's scores of the experts chosen, so it still learns."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int,
-                 routing: str = "learned", skew: float = 2.0):
+                 routing: str = "learned", skew: float = 2.0, score_func: str = "softmax",
+                 route_norm: bool = True, route_scale: float = 1.0, n_groups: int = 1,
+                 topk_groups: int = 1):
         super().__init__()
         self.top_k = top_k
         self.num_experts = num_experts
         self.routing, self.skew = routing, skew
+        self.score_func, self.route_norm, self.route_scale = score_func, route_norm, route_scale
+        self.n_groups, self.topk_groups = n_groups, topk_groups
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
 
     def forward(self, x: torch.Tensor):
-        # (T, E): softmax, top-k and aux losses in fp32; the gate matmul in autocast's dtype
+        """Returns logits (T, E), probs (T, E: each token's scores summing to 1, for the
+        balance loss), weights (T, k) and experts (T, k)."""
+        # the gate matmul in autocast's dtype (precision.router_dtype may say fp32);
+        # scores, top-k and aux losses in fp32
         logits = self.gate(x).float()
-        probs = logits.softmax(dim=-1)
+        if self.score_func == "sigmoid":
+            scores = logits.sigmoid()
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        else:
+            scores = probs = logits.softmax(dim=-1)
         if self.routing == "learned":
-            weights, experts = probs.topk(self.top_k, dim=-1)  # (T, k)
+            experts = self.choose(scores)
         else:
             experts = set_experts(x.shape[0], self.num_experts, self.top_k,
                                   self.skew if self.routing == "skewed" else None, x.device)
-            weights = probs.gather(1, experts)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = scores.gather(1, experts)
+        if self.route_norm:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.route_scale != 1.0:
+            weights = weights * self.route_scale
         return logits, probs, weights, experts
+
+    def choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """(T, k) experts: the top-k scores, within each token's best groups."""
+        if self.n_groups > 1:
+            t, g = scores.shape[0], self.n_groups
+            grouped = scores.view(t, g, -1)
+            best = grouped.topk(2, dim=-1).values.sum(-1).topk(self.topk_groups, dim=-1).indices
+            keep = torch.zeros(t, g, 1, dtype=torch.bool, device=scores.device)
+            keep = keep.scatter(1, best[..., None], True)
+            scores = grouped.masked_fill(~keep, float("-inf")).view(t, -1)
+        return scores.topk(self.top_k, dim=-1).indices
 
 
 def set_experts(tokens: int, num_experts: int, top_k: int, skew: float | None,
@@ -186,6 +215,19 @@ def set_experts(tokens: int, num_experts: int, top_k: int, skew: float | None,
     first = (pairs // top_k < busy) & (pairs % top_k == 0)  # expert 0's pairs
     rank = (~first).cumsum(0) - 1  # each other pair's place among the others
     return torch.where(first, 0, 1 + rank.remainder(num_experts - 1)).view(tokens, top_k)
+
+
+class SwiGLU(nn.Module):
+    """A dense SwiGLU FFN: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
+        self.w3 = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
+        self.w2 = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 DISPATCHES = ("grouped", "padded", "loop")
@@ -325,10 +367,13 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Dropless top-k MoE FFN. Returns (output, aux losses, tokens per expert)."""
+    """Dropless top-k MoE FFN, plus always-on shared experts (one SwiGLU of shared_ffn,
+    DeepSeek's; 0: none). Returns (output, aux losses, tokens per expert). router: Router's
+    options."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
-                 dispatch: str = "loop", routing: str = "learned", skew: float = 2.0):
+                 dispatch: str = "loop", routing: str = "learned", skew: float = 2.0,
+                 shared_ffn: int = 0, **router):
         super().__init__()
         if dispatch == "auto":  # unresolved (see resolve_dispatch): the portable choice
             dispatch = "loop"
@@ -340,8 +385,9 @@ class MoE(nn.Module):
         # eager padded calls, and those that fell back (unbalanced routing): for the record
         self.padded_calls = self.padded_fallbacks = 0
         self.grouped = dispatch == "grouped"
-        self.router = Router(hidden_size, num_experts, top_k, routing, skew)
+        self.router = Router(hidden_size, num_experts, top_k, routing, skew, **router)
         self.experts = Experts(num_experts, hidden_size, ffn_hidden_size)
+        self.shared_experts = SwiGLU(hidden_size, shared_ffn) if shared_ffn else None
 
     def forward(self, x: torch.Tensor):
         shape = x.shape
@@ -373,6 +419,8 @@ class MoE(nn.Module):
             y = gather_rows(y, inv, order[:, None])  # back to (token, choice) order
         # The routing-weighted sum over the k choices.
         out = sum_middle(y.view(x.shape[0], self.top_k, y.shape[-1]), weights.to(y.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
         if x.shape[0] == 0:  # no tokens, no aux losses (their means over none would be nan)
             zero = logits.sum()
             return out.reshape(shape), zero, zero, counts

@@ -1,4 +1,5 @@
-"""Decoder-only transformer: RMSNorm, RoPE, SDPA attention (GQA), MoE or dense SwiGLU FFN.
+"""Decoder-only transformer: RMSNorm, RoPE, SDPA attention (GQA or MLA), MoE or dense
+SwiGLU FFN.
 
 Plain PyTorch, no precision, parallelism or checkpointing code: those are applied
 from outside by moe_exp.optimizations.
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .moe import MoE
+from .moe import MoE, SwiGLU
 
 
 class Output(NamedTuple):
@@ -30,7 +31,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if x.dtype == self.weight.dtype:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # a bf16 x against an fp32 weight (QK-norm's, MLA's latents under autocast) has no
+        # fused kernel: in fp32, back to x's dtype
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float):
@@ -63,51 +68,107 @@ def causal_attention(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
+def head_dim(cfg) -> int:
+    """The dims RoPE rotates per head: model.head_dim, or hidden_size / num_heads where null
+    (MLA: qk_rope_head_dim)."""
+    if cfg.attention_type == "mla":
+        return cfg.qk_rope_head_dim
+    return cfg.head_dim or cfg.hidden_size // cfg.num_heads
+
+
 class Attention(nn.Module):
+    """Grouped-query attention; qk_norm: RMSNorm of each head's q and k before RoPE (Qwen3)."""
+
     def __init__(self, cfg):
         super().__init__()
         self.n_heads, self.n_kv = cfg.num_heads, cfg.num_kv_heads
-        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.head_dim = head_dim(cfg)
         h, d = cfg.hidden_size, self.head_dim
         self.wq = nn.Linear(h, self.n_heads * d, bias=False)
         self.wk = nn.Linear(h, self.n_kv * d, bias=False)
         self.wv = nn.Linear(h, self.n_kv * d, bias=False)
         self.wo = nn.Linear(self.n_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.attend = causal_attention  # (q, k, v) -> y; an attention kernel may replace it
 
     def forward(self, x, cos, sin):
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        q = self.q_norm(self.wq(x).view(b, s, self.n_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.wk(x).view(b, s, self.n_kv, self.head_dim)).transpose(1, 2)
         v = self.wv(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = self.attend(q, k, v)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, hidden_size: int, ffn_hidden_size: int):
-        super().__init__()
-        self.w1 = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
-        self.w3 = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
-        self.w2 = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (MLA, DeepSeek-V2/V3): q through a low-rank projection
+    (q_lora_rank; null: a full one), keys and values from one shared latent of kv_lora_rank
+    (RMS-normed) expanded per head, and RoPE on qk_rope_head_dim extra dims per head whose
+    key part is shared by all heads. RoPE rotates halves, as everywhere here (DeepSeek's
+    checkpoints interleave pairs: the same attention with those dims permuted)."""
 
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+    def __init__(self, cfg):
+        super().__init__()
+        h, n = cfg.hidden_size, cfg.num_heads
+        self.n_heads, self.kv_rank = n, cfg.kv_lora_rank
+        self.nope, self.rope, self.vdim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        qk = self.nope + self.rope
+        if cfg.q_lora_rank:
+            self.wq = nn.Sequential(nn.Linear(h, cfg.q_lora_rank, bias=False),
+                                    RMSNorm(cfg.q_lora_rank, cfg.norm_eps),
+                                    nn.Linear(cfg.q_lora_rank, n * qk, bias=False))
+        else:
+            self.wq = nn.Linear(h, n * qk, bias=False)
+        self.wkv_a = nn.Linear(h, self.kv_rank + self.rope, bias=False)
+        self.kv_norm = RMSNorm(self.kv_rank, cfg.norm_eps)
+        self.wkv_b = nn.Linear(self.kv_rank, n * (self.nope + self.vdim), bias=False)
+        self.wo = nn.Linear(n * self.vdim, h, bias=False)
+        self.attend = causal_attention  # (q, k, v) -> y; an attention kernel may replace it
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, -1).transpose(1, 2)
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        latent, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope], dim=-1)
+        kv = self.wkv_b(self.kv_norm(latent)).view(b, s, self.n_heads, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.vdim], dim=-1)
+        q_rope = apply_rope(q_rope, cos, sin)
+        k_rope = apply_rope(k_rope[:, None], cos, sin).expand(-1, self.n_heads, -1, -1)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        k = torch.cat([k_nope, k_rope], dim=-1)
+        y = self.attend(q, k, v)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+
+def moe_layer(cfg, layer: int) -> bool:
+    """Whether block `layer` has a MoE FFN (the first model.first_k_dense are dense)."""
+    return cfg.num_experts > 0 and layer >= cfg.first_k_dense
+
+
+def make_moe(cfg) -> MoE:
+    return MoE(cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts, cfg.top_k, cfg.dispatch,
+               cfg.routing, float(cfg.routing_skew),
+               shared_ffn=cfg.num_shared_experts * (cfg.shared_ffn_hidden_size
+                                                    or cfg.ffn_hidden_size),
+               score_func=cfg.score_func, route_norm=bool(cfg.route_norm),
+               route_scale=float(cfg.route_scale), n_groups=int(cfg.n_groups),
+               topk_groups=int(cfg.topk_groups))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = LatentAttention(cfg) if cfg.attention_type == "mla" else Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.is_moe = cfg.num_experts > 0
+        self.is_moe = moe_layer(cfg, layer)
         if self.is_moe:
-            self.ffn = MoE(cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts, cfg.top_k,
-                           cfg.dispatch, cfg.routing, float(cfg.routing_skew))
-        else:
-            self.ffn = SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size)
+            self.ffn = make_moe(cfg)
+        else:  # a dense model's FFN, or one of a MoE's first_k_dense layers
+            size = cfg.dense_ffn_hidden_size if cfg.num_experts > 0 else None
+            self.ffn = SwiGLU(cfg.hidden_size, size or cfg.ffn_hidden_size)
 
     def forward(self, x, cos, sin):
         """Returns (x, balance, z, counts); the last three are zeros for a dense block."""
@@ -130,10 +191,10 @@ class Transformer(nn.Module):
         self.init_std, self.num_layers = float(cfg.init_std), int(cfg.num_layers)
         self.aux_loss_coef, self.z_loss_coef = float(cfg.aux_loss_coef), float(cfg.z_loss_coef)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        cos, sin = rope_tables(cfg.hidden_size // cfg.num_heads, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(head_dim(cfg), cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
@@ -155,11 +216,16 @@ class Transformer(nn.Module):
         balances, zs, counts = [], [], []
         for layer in self.layers:
             x, balance, z, c = layer(x, self.rope_cos, self.rope_sin)
-            balances.append(balance)
-            zs.append(z)
-            counts.append(c)
+            if layer.is_moe:
+                balances.append(balance)
+                zs.append(z)
+                counts.append(c)
         logits = self.head(self.norm(x))
         ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        if not counts:  # dense
+            zero = torch.zeros((), device=x.device)
+            return Output(ce, ce, zero, zero, torch.zeros(0, 0, dtype=torch.long,
+                                                          device=x.device))
         balance = torch.stack(balances).mean()
         z = torch.stack(zs).mean()
         loss = ce + self.aux_loss_coef * balance + self.z_loss_coef * z

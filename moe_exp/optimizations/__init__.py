@@ -11,7 +11,8 @@ from torch import nn
 from .attention import apply_attention
 from .checkpointing import apply_checkpointing
 from .compile import apply_compile
-from .precision import apply_fp8, autocast_factory, grad_scaler, set_matmul_precision
+from .precision import (apply_fp8, autocast_factory, grad_scaler, router_fp32,
+                        set_matmul_precision)
 
 
 @dataclass
@@ -41,6 +42,8 @@ def apply(model: nn.Module, cfg, device: torch.device, world: int = 1) -> Applie
     apply_attention(model, cfg.train.attention)
     if cfg.precision.name == "fp8":
         model = apply_fp8(model, cfg.precision)
+    if cfg.precision.router_dtype == "fp32":
+        router_fp32(model)
     par = cfg.parallel.name
     mesh = ep_group = dp_group = None
     if par in ("expert", "expert_fsdp"):

@@ -5,6 +5,7 @@ import contextlib
 from typing import Callable, ContextManager, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -29,6 +30,26 @@ def autocast_factory(cfg, device: torch.device) -> Callable[[], ContextManager]:
 
 def grad_scaler(cfg, device: torch.device) -> Optional[torch.amp.GradScaler]:
     return torch.amp.GradScaler(device.type) if cfg.grad_scaler else None
+
+
+class FP32Linear(nn.Linear):
+    """A Linear computed in fp32 whatever autocast says."""
+
+    def forward(self, x):
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.float(), self.weight.float(),
+                            None if self.bias is None else self.bias.float())
+
+
+def router_fp32(model: nn.Module) -> int:
+    """precision.router_dtype=fp32: every MoE router's gate computes in fp32 (its class
+    swapped: same parameters and names). Returns how many."""
+    from ..model.moe import Router
+
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    for r in routers:
+        r.gate.__class__ = FP32Linear
+    return len(routers)
 
 
 def apply_fp8(model: nn.Module, cfg) -> nn.Module:
