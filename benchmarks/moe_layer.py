@@ -10,6 +10,11 @@ Contenders, all with the same router, the same weights and the same routing:
             torch.where(one_hot mask), gather its tokens, SwiGLU, scale by the routing
             weight, index_add_ into the output. Written here (class Naive).
   naive-v4  the same loop over one nn.Linear module per expert (transformers 4.x Mixtral).
+  hf        Hugging Face transformers' own layer at that shape, as it runs by default
+            (its experts_implementation: grouped_mm where torch has it): Qwen3-MoE's
+            (softmax, renormalised top-k) or, with shared experts, DeepSeek-V3's (sigmoid,
+            one shared expert); its own router, with the same weights. Where transformers
+            is installed.
   loop      moe_exp's `model.dispatch=loop` (sort by expert, split, per-expert matmuls)
   grouped   moe_exp's `model.dispatch=grouped` (sort by expert, three grouped matmuls)
   padded    moe_exp's `model.dispatch=padded` (groups padded to the largest, three bmm)
@@ -51,17 +56,77 @@ from _timing import (add_device, at_least, device_name, one_of, out_file,  # noq
 
 from moe_exp.model.moe import MoE, resolve_dispatch  # noqa: E402
 
-# name: (tokens, hidden, ffn, experts, top_k); tokens = micro_batch_size * seq_len
+# name: (tokens, hidden, ffn, experts, top_k[, shared ffn]); tokens = micro_batch_size *
+# seq_len; shared ffn: always-on shared experts' size (DeepSeek's; 0: none)
 SHAPES = {
     "tiny": (8 * 128, 128, 256, 8, 2),  # tiny_moe, default micro batch 8
     "small": (8 * 256, 256, 512, 16, 2),  # small_moe, micro batch 8
     "1b-cpu": (2048, 1024, 1152, 16, 2),  # moe_1b's layer, one 2048-token sequence
     "1b": (4 * 2048, 1024, 1152, 16, 2),  # moe_1b, micro batch 4 (GPU)
+    "fine": (2048, 512, 128, 64, 8),  # fine-grained: 64 experts of ffn 128, top-8
+    "fine-shared": (2048, 512, 128, 64, 6, 256),  # + two shared experts' worth (DeepSeek)
+    "qwen3": (4 * 2048, 2048, 768, 128, 8),  # Qwen3-30B-A3B's layer, micro batch 4 (GPU)
 }
 
 
-COLS = ("naive", "naive-v4", "loop", "grouped", "padded", "auto", "naive-c", "compiled",
-        "mm-only")
+COLS = ("naive", "naive-v4", "hf", "loop", "grouped", "padded", "auto", "naive-c",
+        "compiled", "mm-only")
+
+
+def moe_layer(shape, dispatch: str) -> MoE:
+    """moe_exp's layer at `shape`: Qwen3's router (softmax, renormalised) or, with shared
+    experts, DeepSeek-V3's (sigmoid, one group)."""
+    t, h, f, e, k, *shared = shape
+    shared = shared[0] if shared else 0
+    return MoE(h, f, e, k, dispatch=dispatch, shared_ffn=shared,
+               score_func="sigmoid" if shared else "softmax")
+
+
+def hf_layer(base: MoE):
+    """Hugging Face's own layer with base's weights; None where transformers is missing."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    ex, h = base.experts, base.experts.w1.shape[1]
+    e, f = ex.w1.shape[0], ex.w1.shape[2]
+    # (what a model built from its config runs: modeling_utils'
+    # get_correct_experts_implementation picks grouped_mm where it can dispatch)
+    common = dict(hidden_size=h, moe_intermediate_size=f, num_experts_per_tok=base.top_k,
+                  norm_topk_prob=True, experts_implementation="grouped_mm")
+    if base.shared_experts is None:
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+        block = Qwen3MoeSparseMoeBlock(transformers.Qwen3MoeConfig(num_experts=e, **common))
+    else:
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+        shared = base.shared_experts.w1.out_features
+        block = DeepseekV3MoE(transformers.DeepseekV3Config(
+            n_routed_experts=e, n_shared_experts=shared // f, n_group=1, topk_group=1,
+            routed_scaling_factor=1.0, **common))
+        sh = block.shared_experts
+        for ours, theirs in ((base.shared_experts.w1, sh.gate_proj),
+                             (base.shared_experts.w3, sh.up_proj),
+                             (base.shared_experts.w2, sh.down_proj)):
+            theirs.weight = torch.nn.Parameter(ours.weight.detach().clone())
+    block.gate.weight = torch.nn.Parameter(base.router.gate.weight.detach().clone())
+    block.experts.gate_up_proj = torch.nn.Parameter(
+        torch.cat([ex.w1, ex.w3], dim=2).transpose(1, 2).contiguous().detach())
+    block.experts.down_proj = torch.nn.Parameter(ex.w2.transpose(1, 2).contiguous().detach())
+    return Batched(block).to(ex.w1.device)
+
+
+class Batched(torch.nn.Module):
+    """A layer that takes (batch, seq, hidden), called on (tokens, hidden)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        y = self.block(x[None])
+        return (y[0] if isinstance(y, tuple) else y)[0]
 
 
 class Naive(torch.nn.Module):
@@ -78,6 +143,7 @@ class Naive(torch.nn.Module):
     def __init__(self, moe: MoE, style: str = "v5"):
         super().__init__()
         self.router, self.num_experts, self.style = moe.router, moe.num_experts, style
+        self.shared = moe.shared_experts  # (the same module: a dense FFN, not the loop's)
         ex = moe.experts
         with torch.no_grad():
             if style == "v5":
@@ -116,12 +182,14 @@ class Naive(torch.nn.Module):
                 y = m.w2(F.silu(m.w1(cur)) * m.w3(cur))
             y = y * weights[top_x, idx, None]
             out.index_add_(0, top_x, y.to(out.dtype))
+        if self.shared is not None:
+            out = out + self.shared(x)
         return out.reshape(shape)
 
 
 def mm_only(shape, device, dtype):
     """The expert matmuls of one layer alone: forward and backward, balanced groups."""
-    t, h, f, e, k = shape
+    t, h, f, e, k = shape[:5]
     n = t * k // e
     torch.manual_seed(2)
     leaf = dict(requires_grad=True, device=device, dtype=dtype)
@@ -145,9 +213,9 @@ def compiled(model):
 
 
 def contenders(shape, device, dtype, skew=1.0):
-    t, h, f, e, k = shape
+    t, h, f, e, k = shape[:5]
     torch.manual_seed(0)
-    base = MoE(h, f, e, k, dispatch="loop").to(device)
+    base = moe_layer(shape, "loop").to(device)
     for p in base.parameters():
         torch.nn.init.normal_(p, std=0.02)
     with torch.no_grad():  # skew > 1: the first E/8 experts' logits spread wider, so they
@@ -155,11 +223,13 @@ def contenders(shape, device, dtype, skew=1.0):
         base.router.gate.weight[: max(1, e // 8)] *= skew
     out = {"naive": Naive(base, "v5").to(device), "naive-v4": Naive(base, "v4").to(device),
            "loop": base}
+    if (hf := hf_layer(base)) is not None:
+        out["hf"] = hf
     auto = resolve_dispatch("auto", device, dtype)
     for d in ("grouped", "padded"):
         if d == "grouped" and resolve_dispatch("grouped", device, dtype) != "grouped":
             continue  # grouped_mm does not run here
-        m = MoE(h, f, e, k, dispatch=d).to(device)
+        m = moe_layer(shape, d).to(device)
         m.load_state_dict(base.state_dict())
         out[d] = m
     out["auto"] = out[auto]
@@ -168,9 +238,8 @@ def contenders(shape, device, dtype, skew=1.0):
 
 def compiled_contenders(models, shape, device, dtype):
     """naive and moe_exp's layer (dispatch auto picks under compile) under torch.compile."""
-    t, h, f, e, k = shape
     d = resolve_dispatch("auto", device, dtype, compiled=True)
-    m = MoE(h, f, e, k, dispatch=d).to(device)
+    m = moe_layer(shape, d).to(device)
     m.load_state_dict(models["loop"].state_dict())
     return {"naive-c": compiled(models["naive"]), "compiled": compiled(m)}, d
 
@@ -193,7 +262,7 @@ def sync(device):
 
 
 def bench_shape(name, shape, device, dtype, reps, warmup, compile_=True, skew=1.0):
-    t, h, f, e, k = shape
+    t, h, f, e, k = shape[:5]
     models, auto = contenders(shape, device, dtype, skew)
     auto_c = None
     if compile_:
@@ -244,6 +313,7 @@ def bench_shape(name, shape, device, dtype, reps, warmup, compile_=True, skew=1.
     return {"auto": auto, "auto_compiled": auto_c, "compile_s": compile_s, "shape": name,
             "skew": skew, "load": load,
             "tokens": t, "hidden": h, "ffn": f, "experts": e, "top_k": k,
+            "shared_ffn": shape[5] if len(shape) > 5 else 0,
             "dtype": str(dtype).replace("torch.", ""), "device": device.type,
             "rounds": res["rounds"], "dropped_rounds": res["dropped_rounds"], "order": res["order"],
             "contended": res["contended"],

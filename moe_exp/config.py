@@ -83,6 +83,7 @@ MOE = Reads("model.num_experts", positive=True, what="a MoE model")
 ROUTINGS = ("learned", "balanced", "skewed")  # model.routing (model/moe.py: Router)
 GQA = Reads("model.attention_type", ("gqa",), what="model.attention_type=gqa")
 MLA = Reads("model.attention_type", ("mla",), what="model.attention_type=mla")
+CAPACITY = Reads("model.capacity_factor", positive=True, what="token capacity")
 DDP = Reads("parallel.name", ("ddp",))
 FSDP2 = ("fsdp", "expert_fsdp", "hsdp")  # parallel options that shard with FSDP2
 FSDP = Reads("parallel.name", FSDP2)
@@ -163,6 +164,20 @@ class ModelConfig:
                          unread="keep", since=1)
     topk_groups: int = knob(1, "with model.n_groups > 1: the groups each token may use",
                             read_by=MOE, unread="keep", since=1)
+    bias_update_rate: float = knob(0.0, "auxiliary-loss-free balancing (DeepSeek-V3): after each "
+                                   "step every expert's routing bias moves this much toward "
+                                   "equal load; 0 = off (DeepSeek-V3: 0.001)", read_by=MOE,
+                                   unread="keep", since=0.0)
+    capacity_factor: Optional[float] = knob(
+        None, "token capacity: an expert takes at most capacity_factor x tokens x top_k / "
+        "num_experts of a micro-batch's choices, the rest are dropped (their tokens pass "
+        "through the residual); null = dropless", read_by=MOE, unread="keep", since=None)
+    drop_policy: str = knob("score", "which choices an over-full expert drops: score (the lowest "
+                            "routing weights) | position (the latest tokens)",
+                            choices=("score", "position"), read_by=CAPACITY, since="score")
+    pad_to_capacity: bool = knob(False, "every expert padded to its capacity: static shapes "
+                                 "(compiled code, CUDA graphs); runs model.dispatch=padded",
+                                 read_by=CAPACITY, since=False)
 
 
 @dataclass

@@ -99,6 +99,13 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                                     + ", aux loss "
                                     f"{r['aux_loss']:.4f}"
                                     + _fallbacks(r.get("moe_padded_fallback_share"))))
+        routed = [f"{r['drop_rate']:.1%} of choices dropped (over capacity)"
+                  if r.get("drop_rate") else "",
+                  f"{r['dead_experts']} expert(s) got no token" if r.get("dead_experts") else "",
+                  f"routing bias spread {r['router_bias_spread']:.4f}"
+                  if r.get("router_bias_spread") is not None else ""]
+        if any(routed):
+            rows.append(("routing", "; ".join(x for x in routed if x)))
         if note := _padding_note(r):
             rows.append(("NOTE", note))
     else:

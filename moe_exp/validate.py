@@ -188,6 +188,13 @@ def check_moe_options(m) -> None:
         raise ConfigError("model.first_k_dense", f"must be below model.num_layers="
                           f"{m.num_layers} (a model with no MoE block: model.num_experts=0), got "
                           f"{m.first_k_dense}")
+    if m.capacity_factor is not None and not 0 < m.capacity_factor <= m.num_experts:
+        raise ConfigError("model.capacity_factor", f"must be in (0, num_experts="
+                          f"{m.num_experts}] (1.0: the balanced share) or null (dropless), got "
+                          f"{m.capacity_factor}")
+    if m.pad_to_capacity and m.dispatch != "padded":
+        raise ConfigError("model.pad_to_capacity", f"runs the padded kernel; this run has "
+                          f"model.dispatch={m.dispatch} (set model.dispatch=padded)")
     if not 0 < m.route_scale < float("inf"):
         raise ConfigError("model.route_scale", f"must be > 0, got {m.route_scale}")
     g = m.n_groups

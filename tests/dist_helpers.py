@@ -13,9 +13,11 @@ def _cfg(overrides):
     return cfg
 
 
-def ep_grads_match(overrides, batch: int) -> dict:
+def ep_grads_match(overrides, batch: int, per_rank: bool = False) -> dict:
     """One forward/backward of the global batch: EP on 2 ranks vs one process on rank 0.
-    Returns rank 0's comparison (max abs differences, counts equal)."""
+    Returns rank 0's comparison (max abs differences, counts equal). per_rank: the one
+    process runs each rank's micro-batch apart (the mean of their losses), as token
+    capacity is each micro-batch's."""
     from moe_exp import distributed
     from moe_exp.model import build_model
     from moe_exp.optimizations import apply
@@ -43,7 +45,13 @@ def ep_grads_match(overrides, batch: int) -> dict:
         dist.all_gather_object(gathered, grads)
         if not d.main:
             return None
-        ref_out = ref(x, y)
+        if per_rank:
+            outs = [ref(x[r * batch:(r + 1) * batch], y[r * batch:(r + 1) * batch])
+                    for r in range(d.world)]
+            ref_out = outs[0]._replace(loss=sum(o.loss for o in outs) / d.world,
+                                       counts=sum(o.counts for o in outs))
+        else:
+            ref_out = ref(x, y)
         ref_out.loss.backward()
         diffs = {}
         for name, p in ref.named_parameters():
@@ -59,7 +67,8 @@ def ep_grads_match(overrides, batch: int) -> dict:
                     assert torch.equal(other[name], mine_g), name
             diffs[name] = (mine_g - p.grad).abs().max().item()
         return {"loss": loss.item(), "ref_loss": ref_out.loss.item(), "grad_diffs": diffs,
-                "counts_equal": torch.equal(counts, ref_out.counts)}
+                "counts_equal": torch.equal(counts, ref_out.counts), "kept": int(counts.sum()),
+                "choices": x.numel() * cfg.model.top_k * counts.shape[0]}
     finally:
         distributed.finish()
 

@@ -20,12 +20,13 @@ def launch(fn, *args, n=2):
     return elastic(rank_entry, n, fn, *args)
 
 
-@pytest.mark.parametrize("case", ["2", "4", "tiny_deepseek", "tiny_qwen3"])
+@pytest.mark.parametrize("case", ["2", "4", "tiny_deepseek", "tiny_qwen3", "capacity"])
 def test_expert_parallel_loss_grads_and_counts_match_one_process(case, launched):
     """4 ranks, ep=2: two expert-parallel groups, experts replicated over dp=2. DeepSeek's
     shared experts, dense first block and sigmoid group-limited routing, Qwen3's fine-grained
-    experts: the same on 2 ranks as in one process."""
+    experts, token capacity: the same on 2 ranks as in one process."""
     res = launched[f"ep grads {case}"]
+    assert (res["kept"] < res["choices"]) == (case == "capacity")  # (some dropped)
     assert res["loss"] == pytest.approx(res["ref_loss"], rel=1e-5)
     assert res["counts_equal"]
     assert any(".experts.w1" in n for n in res["grad_diffs"])
@@ -44,6 +45,10 @@ CALLS = {
     **{f"ep grads {m}": (2, "ep_grads_match", [["parallel=expert", "hardware.devices=2",
                                                 f"model={m}", "model.aux_loss_coef=0"], 3])
        for m in ("tiny_deepseek", "tiny_qwen3")},
+    # token capacity (each rank's micro-batch): the reference runs the micro-batches apart
+    "ep grads capacity": (2, "ep_grads_match", [["parallel=expert", "hardware.devices=2",
+                                                 "model=tiny_deepseek", "model.aux_loss_coef=0",
+                                                 "model.capacity_factor=0.9"], 3, True]),
     **{f"clip {p}": (2, "grad_norm_matches", [[f"parallel={p}", "hardware.devices=2",
                                                "model.aux_loss_coef=0"], 3]) for p in CLIPPED},
     **{f"clip {k}": (2, "grad_norm_matches", [["parallel=hsdp", "hardware.devices=2", mesh,
@@ -76,6 +81,9 @@ LOSSES = {
                     "train.micro_batch_size=1"],
     # a set routing load: each rank's share of the pattern is the one process's
     "expert-balanced": ["parallel=expert", "model.routing=balanced"],
+    # DeepSeek's options, the aux-loss-free bias moved by the counts of every rank's tokens
+    "expert-deepseek-bias": ["parallel=expert", "model=tiny_deepseek",
+                             "model.bias_update_rate=0.01"],
 }
 # One Newton-Schulz step: on a CPU without bf16 matmuls, Muon's five (in bf16) took most of
 # a step's time; the ranks' losses match one process's whatever the count
@@ -161,7 +169,7 @@ def test_losses_after_k_steps_match_one_process(case, launched, single, tmp_path
     extra = LOSSES[case]
     world = ranks_of(extra)
     assert rec["world_size"] == world and rec["parallel"] == extra[0].split("=")[1]
-    model = [e for e in extra if e.startswith("model.")]  # (the one process's too)
+    model = [e for e in extra if e.startswith(("model.", "model="))]  # (the one process's)
     one = run_inproc([*TINY, "train.micro_batch_size=4", *model], tmp_path / "one") \
         if model else single
     assert one["status"] == "ok"
@@ -172,6 +180,7 @@ def test_losses_after_k_steps_match_one_process(case, launched, single, tmp_path
     assert 1 <= rec["expert_load_step_max_over_mean"] <= 8  # the busiest rank's (8 experts)
     if "model.routing=balanced" in extra:
         assert rec["expert_load_step_max_over_mean"] == 1.0
+    assert rec["router_bias_spread"] == pytest.approx(one["router_bias_spread"])
     saved = json.loads((out / "metrics.json").read_text())
     assert saved["tokens_per_s"] == pytest.approx(world * saved["tokens_per_s_per_device"])
     if case == "ddp":  # DDP's own all-reduce: every fp32 gradient, once a step

@@ -12,6 +12,8 @@ from moe_exp.model import MoE, grouped_mm_supported
     ["model=small_moe", "precision=bf16", "model.dispatch=grouped"],
     ["model=tiny_qwen3", "model.dispatch=loop"],
     ["model=tiny_deepseek", "model.dispatch=loop"],
+    # token capacity: the useful FLOPs, those of the choices kept
+    ["model=tiny_deepseek", "model.dispatch=loop", "model.capacity_factor=0.5"],
 ])
 def test_analytic_flops_match_counted_step(overrides):
     if "model.dispatch=grouped" in overrides and not grouped_mm_supported("cpu", torch.bfloat16):
@@ -26,12 +28,22 @@ def test_analytic_flops_match_counted_step(overrides):
         assert r["by_op"]["aten._grouped_mm"] > 0
 
 
-@pytest.mark.parametrize("model", ["model=moe_1b", "model=qwen3_30b_a3b model.num_layers=2",
-                                   "model=deepseek_v3 model.num_layers=4"])
-def test_real_shapes_flops_on_meta_device(model):
-    """The real shapes, layer for layer (fewer layers: each is the same; deepseek_v3 keeps a
-    dense and a MoE block)."""
-    r = check([*model.split(), "train.micro_batch_size=1", "train.seq_len=64"], device="meta")
+def _presets():
+    from moe_exp.config import group_options
+
+    return group_options("model")
+
+
+@pytest.mark.parametrize("model", _presets())
+def test_every_presets_flops_on_meta_device(model):
+    """Every preset, its real shape layer for layer (at most 2 blocks past the dense first
+    ones: each block of a kind is the same), on the meta device."""
+    from conftest import compose
+
+    m = compose([f"model={model}"]).model
+    layers = min(m.num_layers, m.first_k_dense + 2)
+    r = check([f"model={model}", f"model.num_layers={layers}", "train.micro_batch_size=1",
+               "train.seq_len=64"], device="meta")
     assert abs(r["rel_diff"]) <= 0.02, r
 
 

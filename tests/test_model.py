@@ -15,15 +15,25 @@ DISPATCHES = ["loop", "padded"] + (["grouped"] if grouped_mm_supported("cpu", to
 
 
 def naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
-    """Token by token: out[t] = sum_j w_tj * SwiGLU_{e_tj}(x[t])."""
+    """Token by token: out[t] = sum_j w_tj * SwiGLU_{e_tj}(x[t]), over the choices kept
+    (with a capacity: those drop_over_capacity keeps)."""
+    from moe_exp.model.capacity import capacity, drop_over_capacity
+
     flat = x.reshape(-1, x.shape[-1])
     _, _, weights, experts = moe.router(flat)
+    kept = torch.ones_like(experts, dtype=torch.bool)
+    if moe.capacity_factor is not None:
+        cap = capacity(flat.shape[0], moe.top_k, moe.num_experts, moe.capacity_factor)
+        kept = drop_over_capacity(experts, weights, moe.num_experts, cap,
+                                  moe.drop_policy).view_as(experts) < moe.num_experts
     ex = moe.experts
     rows = []
     for t in range(flat.shape[0]):
         acc = torch.zeros_like(flat[t])
         for j in range(moe.top_k):
             e = experts[t, j]
+            if not kept[t, j]:
+                continue
             h = F.silu(flat[t] @ ex.w1[e]) * (flat[t] @ ex.w3[e])
             acc = acc + weights[t, j] * (h @ ex.w2[e])
         rows.append(acc)
@@ -58,6 +68,10 @@ ROUTERS = {  # the router and expert options of DeepSeek-V3 and Qwen3 beside Mix
                                          route_scale=2.5, shared_ffn=40),
     "softmax-unnormalised": dict(route_norm=False),
     "sigmoid-balanced": dict(score_func="sigmoid", routing="balanced"),
+    # token capacity below the load (each drop policy), and padded to it (static shapes)
+    "capacity-score": dict(capacity_factor=0.8),
+    "capacity-position": dict(capacity_factor=1.0, drop_policy="position", shared_ffn=24),
+    "capacity-padded": dict(capacity_factor=1.25, pad_to_capacity=True),
 }
 
 
@@ -70,12 +84,19 @@ def test_router_options_match_the_reference_in_every_dispatch(dispatch, router):
     group-limited tokens use experts of topk_groups groups only, the best by their top two."""
     torch.manual_seed(0)
     kw = ROUTERS[router]
+    if kw.get("pad_to_capacity") and dispatch != "padded":
+        pytest.skip("pad_to_capacity runs the padded kernel")
     moe = MoE(32, 48, num_experts=6, top_k=2, dispatch=dispatch, **kw)
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.2)
     x = torch.randn(3, 7, 32, requires_grad=True)
     out, balance, z, counts = moe(x)
-    assert counts.sum() == 42 and torch.isfinite(balance)
+    if "capacity_factor" in kw:  # 42 choices, capacity ceil(f * 42 / 6) each: some dropped
+        cap = -(-kw["capacity_factor"] * 42 // 6)
+        assert counts.max() <= cap and counts.sum() < 42
+    else:
+        assert counts.sum() == 42
+    assert torch.isfinite(balance)
     x_ref = x.detach().clone().requires_grad_()
     ref = naive_moe(moe, x_ref)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -96,6 +117,25 @@ def test_router_options_match_the_reference_in_every_dispatch(dispatch, router):
         best = scores.view(21, 3, 2).sum(-1).topk(2, dim=-1).indices  # groups of 2: top-2 = all
         for row, groups in zip(experts.tolist(), best.tolist()):
             assert {e // 2 for e in row} <= set(groups)
+
+
+@pytest.mark.parametrize("policy", ["score", "position"])
+def test_capacity_drops_exactly_the_policys_choices(policy):
+    """Each expert keeps its `capacity` best choices: the highest routing weights (score;
+    ties by token order) or the earliest tokens (position); the others are dropped."""
+    from moe_exp.model.capacity import drop_over_capacity
+
+    g = torch.Generator().manual_seed(3)
+    experts = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(30)])  # (30, 2)
+    weights = torch.rand(30, 2, generator=g)
+    got = drop_over_capacity(experts, weights, 5, 7, policy).view(30, 2)
+    for e in range(5):
+        pairs = [(t, j) for t in range(30) for j in range(2) if experts[t, j] == e]
+        if policy == "score":
+            pairs.sort(key=lambda p: -weights[p].item())
+        want_kept = set(pairs[:7])
+        for p in pairs:
+            assert (got[p] == e) == (p in want_kept) and (got[p] in (e, 5))
 
 
 def test_grouped_equals_loop():
@@ -443,3 +483,41 @@ def test_pad_capacity_rounds_up_and_judges_balance_on_the_real_rows():
     assert pad_capacity(counts, 300) == 80
     skew = torch.tensor([80, 35, 35, 35, 35, 35, 35, 10])  # 8 * 80 > 578: falls back
     assert pad_capacity(skew, int(skew.sum())) is None
+
+
+def test_aux_free_bias_balances_a_skewed_router_and_is_state_not_a_parameter(tmp_path):
+    """model.bias_update_rate: with the router's weights fixed toward a few experts, the
+    bias alone brings the load's CV down within a few dozen steps; the bias is in the
+    model's state dict, never among its parameters (nor so the optimizer's), centred at 0,
+    and only the choice sees it (weights stay the router's scores). A run records its
+    spread."""
+    from moe_exp.bench.balance import BiasBalancer, bias_spread
+
+    torch.manual_seed(0)
+    moe = MoE(32, 16, num_experts=8, top_k=2, score_func="sigmoid", bias_rate=0.02)
+    with torch.no_grad():
+        moe.router.gate.weight.normal_(std=0.3)
+        moe.router.gate.weight[:2] += 0.5  # experts 0 and 1 favoured
+    assert "router.expert_bias" in moe.state_dict()
+    assert all("bias" not in n for n, _ in moe.named_parameters())
+    balancer = BiasBalancer(moe)
+    cvs = []
+    for _ in range(40):
+        counts = moe(torch.randn(128, 32) + 0.5)[3].float()
+        cvs.append((counts.std(unbiased=False) / counts.mean()).item())
+        balancer.add(counts[None])
+        balancer.step()
+    assert cvs[0] > 0.5 and sum(cvs[-5:]) / 5 < 0.4 * cvs[0], cvs
+    assert abs(moe.router.expert_bias.sum().item()) < 1e-5
+    assert bias_spread(moe) == pytest.approx(
+        (moe.router.expert_bias.max() - moe.router.expert_bias.min()).item())
+    x = torch.randn(10, 32)
+    logits, _, weights, experts = moe.router(x)
+    torch.testing.assert_close(weights, logits.sigmoid().gather(1, experts) /
+                               logits.sigmoid().gather(1, experts).sum(-1, keepdim=True))
+    from conftest import run_inproc
+
+    rec = run_inproc(["logger=none", "model=tiny_deepseek", "model.bias_update_rate=0.01",
+                      "train.steps=3", "train.warmup_steps=1", "train.micro_batch_size=2",
+                      "train.seq_len=32"], tmp_path)
+    assert rec["status"] == "ok" and rec["router_bias_spread"] > 0

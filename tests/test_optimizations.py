@@ -45,11 +45,15 @@ def test_grad_accum_run_processes_4x_tokens(tmp_path):
     ("padded", torch.bfloat16, "learned", "tiny_moe"), ("loop", None, "balanced", "tiny_moe"),
     ("padded", torch.bfloat16, "skewed", "tiny_moe"),
     ("loop", None, "learned", "tiny_deepseek"), ("padded", torch.bfloat16, "learned",
-                                                 "tiny_qwen3")])
+                                                 "tiny_qwen3"),
+    ("loop", None, "learned", "tiny_moe model.capacity_factor=1"),
+    ("padded", torch.bfloat16, "learned",
+     "tiny_moe model.capacity_factor=1.25 model.pad_to_capacity=true")])
 def test_moe_dispatch_compiles_without_graph_breaks(dispatch, dtype, routing, model):
     """The dispatches `auto` picks under torch.compile: loop (fp32), grouped_mm (GPU, bf16),
     padded (CPU, bf16); with a set routing load; DeepSeek's (MLA, shared experts, a dense
-    first block, sigmoid group-limited routing) and Qwen3's options."""
+    first block, sigmoid group-limited routing) and Qwen3's options; token capacity, and
+    padded to it."""
     import torch._dynamo as dynamo
 
     from moe_exp.model.moe import grouped_mm_supported
@@ -57,8 +61,8 @@ def test_moe_dispatch_compiles_without_graph_breaks(dispatch, dtype, routing, mo
 
     if dispatch == "grouped" and not grouped_mm_supported("cpu", dtype):
         pytest.skip("grouped_mm does not run here")
-    cfg = compose([f"model={model}", f"model.dispatch={dispatch}",
-                   f"model.routing={routing}"]).model
+    cfg = compose([f"model={model.split()[0]}", *model.split()[1:],
+                   f"model.dispatch={dispatch}", f"model.routing={routing}"]).model
     model = build_model(cfg)
     assert model.layers[-1].ffn.dispatch == dispatch
     apply_compile(torch.nn.Identity(), "default")  # sets the dynamo flags the run uses

@@ -52,6 +52,8 @@ def hf_names(sd: dict, rope: int = 0) -> dict:
             out[pre + "mlp.experts.gate_up_proj"] = torch.cat([t, w3], 2).transpose(1, 2)
         elif rest == "ffn.experts.w2":
             out[pre + "mlp.experts.down_proj"] = t.transpose(1, 2)
+        elif rest == "ffn.router.expert_bias":
+            out[pre + "mlp.gate.e_score_correction_bias"] = t
         elif rest != "ffn.experts.w3":
             mod, leaf = rest.rsplit(".", 1)
             if rope and mod in ("attn.wq", "attn.wq.2", "attn.wkv_a"):
@@ -72,6 +74,7 @@ def interleave_rows(w: torch.Tensor, rope: int, heads: bool) -> torch.Tensor:
 def compare(model, hf, vocab: int, rope: int = 0) -> None:
     hf = hf.double()
     missing, unexpected = hf.load_state_dict(hf_names(model.state_dict(), rope), strict=False)
+    # (Mixtral's and Qwen3's have no balancing bias; DeepSeek-V3's, where moe_exp's is off)
     assert not unexpected and all("e_score_correction_bias" in k for k in missing), \
         (missing, unexpected)
     g = torch.Generator().manual_seed(1)
@@ -125,13 +128,15 @@ HEADS = 4  # the MLA test's
 @pytest.mark.parametrize("q_rank", [None, 24])
 def test_deepseek_equals_transformers_deepseek_v3(interleave, q_rank):
     """MLA (q low-rank or not), a dense first block, sigmoid group-limited routing scaled by
-    route_scale, a shared expert; the reference's interleaved RoPE pairs are our halves."""
+    route_scale, a shared expert, the aux-loss-free balancing bias (set to random values:
+    it moves the choice); the reference's interleaved RoPE pairs are our halves."""
     m = dict(hidden_size=64, num_layers=3, num_heads=HEADS, num_kv_heads=HEADS,
              attention_type="mla", q_lora_rank=q_rank, kv_lora_rank=16, qk_nope_head_dim=12,
              qk_rope_head_dim=8, v_head_dim=10, ffn_hidden_size=16, num_experts=8, top_k=3,
              num_shared_experts=2, first_k_dense=1, dense_ffn_hidden_size=48,
              score_func="sigmoid", route_scale=2.5, n_groups=4, topk_groups=2, vocab_size=97,
-             max_seq_len=32, rope_theta=1e4, norm_eps=1e-6, dispatch="loop")
+             max_seq_len=32, rope_theta=1e4, norm_eps=1e-6, dispatch="loop",
+             bias_update_rate=0.001)
     cfg = transformers.DeepseekV3Config(
         vocab_size=97, hidden_size=64, intermediate_size=48, moe_intermediate_size=16,
         num_hidden_layers=3, num_attention_heads=HEADS, num_key_value_heads=HEADS,
@@ -141,4 +146,8 @@ def test_deepseek_equals_transformers_deepseek_v3(interleave, q_rank):
         max_position_embeddings=32, rms_norm_eps=1e-6, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1e4}, rope_interleave=interleave,
         attn_implementation="eager", experts_implementation="eager")
-    compare(ours(**m), transformers.DeepseekV3ForCausalLM(cfg), 97, 8 if interleave else 0)
+    model = ours(**m)
+    with torch.no_grad():
+        for layer in model.layers[1:]:
+            layer.ffn.router.expert_bias.normal_(std=0.1)
+    compare(model, transformers.DeepseekV3ForCausalLM(cfg), 97, 8 if interleave else 0)

@@ -280,6 +280,28 @@ def test_presets_compose_and_count_jobs():
                             "model"}
 
 
+def test_routing_preset_sweeps_balancing_by_capacity_and_every_job_is_valid():
+    """+sweep=routing: aux loss x aux-free bias x capacity (dropless, 1.0, 1.25), 12 jobs,
+    each of which passes validation on tiny_deepseek."""
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    from moe_exp.run import prepare
+    from moe_exp.sweep.callback import plan
+
+    args = ["+sweep=routing", "model=tiny_deepseek"]
+    with initialize_config_module(config_module="moe_exp.conf", version_base="1.3"):
+        config = GlobalHydra.instance().hydra.config_loader.load_configuration(
+            "run", args, run_mode=RunMode.MULTIRUN)
+        jobs, varying = plan(config)
+    assert len(jobs) == 12 and set(varying) == {
+        "model.aux_loss_coef", "model.bias_update_rate", "model.capacity_factor"}
+    for job in jobs[::5]:
+        _, rec = prepare(compose(job), job)
+        assert rec is None, rec["error"]
+
+
 def test_jobs_fast_composition_is_hydras():
     """check_jobs composes one job per choice of groups and sets the value overrides on a
     copy: the row keys are those of Hydra's own composition of each job."""
@@ -316,8 +338,9 @@ def test_plan_counts_a_glob_over_a_group():
         "overrides": {"task": ["model=glob(tiny*)", "precision=fp32,bf16"]}}})
     with initialize_config_module(config_module="moe_exp.conf", version_base="1.3"):
         jobs, varying = plan(cfg)
-    assert varying == {"model": ["tiny_dense", "tiny_moe"], "precision": ["fp32", "bf16"]}
-    assert len(jobs) == 4 and ["model=tiny_moe", "precision=bf16"] in jobs
+    tiny = ["tiny_deepseek", "tiny_dense", "tiny_moe", "tiny_qwen3"]
+    assert varying == {"model": tiny, "precision": ["fp32", "bf16"]}
+    assert len(jobs) == 8 and ["model=tiny_moe", "precision=bf16"] in jobs
 
 
 @pytest.mark.distributed

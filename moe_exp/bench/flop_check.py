@@ -68,7 +68,9 @@ def count_step_flops(model, tokens, targets, autocast=contextlib.nullcontext) ->
         out.loss.backward()
     by_op = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
     total = counter.get_total_flops()
-    return {"total": total, "per_token": total / tokens.numel(), "by_op": by_op}
+    kept = getattr(out, "counts", None)
+    return {"total": total, "per_token": total / tokens.numel(), "by_op": by_op,
+            "kept": int(kept.sum()) if kept is not None and not kept.is_meta else None}
 
 
 def check_config(cfg) -> None:
@@ -116,6 +118,12 @@ def check(overrides=(), device: str = "cpu") -> dict:
     counted = count_step_flops(model, tokens, tokens,
                                autocast_factory(cfg.precision, torch.device("cpu")))
     analytic = flops_per_token(m, t.seq_len)
+    if m.num_experts and m.capacity_factor is not None and device != "meta":
+        from .flops import moe_layers, routed_flops_per_token
+
+        # useful FLOPs: those of the choices kept (as the record counts them)
+        dropped = 1 - counted["kept"] / (tokens.numel() * m.top_k * moe_layers(m))
+        analytic -= routed_flops_per_token(m) * dropped
     return {"model": m.name, "dispatch": m.dispatch if m.num_experts else None, "precision": cfg.precision.name,
             "analytic_per_token": analytic, "counted_per_token": counted["per_token"],
             "rel_diff": counted["per_token"] / analytic - 1, "by_op": counted["by_op"]}

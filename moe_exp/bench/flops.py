@@ -73,6 +73,12 @@ def flops_per_token(m, seq_len: int) -> float:
     return 6.0 * n + 6.0 * m.num_layers * m.num_heads * (qk + v) * seq_len
 
 
+def routed_flops_per_token(m) -> float:
+    """The routed experts' share of flops_per_token: what a dropped choice does not compute
+    (with model.capacity_factor, flops_per_token less this times the drop rate)."""
+    return 6.0 * moe_layers(m) * m.top_k * 3 * m.hidden_size * m.ffn_hidden_size
+
+
 def analytic(m, seq_len: int) -> dict:
     """The record's figures known from the config alone."""
     counts = param_counts(m)

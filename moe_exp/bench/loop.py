@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from ..config import total_steps
 from ..optimizations.collect import Collector
+from .balance import BiasBalancer
 from .memory import MemoryMeter
 from .load import snapshot, window
 from .timer import StepTimer, device_sync, process_age_s
@@ -36,6 +37,7 @@ class LoopResult:
     first_step_s: float | None = None
     wall_s: float | None = None  # the measured window, wall clock
     counts: torch.Tensor | None = None  # tokens per expert summed over measured steps
+    choices: int = 0  # (token, choice) pairs each MoE layer routed in them (kept or dropped)
     # per micro-step and layer, the busiest expert's tokens / the mean (rows-weighted mean)
     step_max_over_mean: float | None = None
     balance: float | None = None  # mean load-balancing loss over measured steps
@@ -164,13 +166,14 @@ class _MoeStats:
     """Expert load and router losses summed over the measured micro-steps, on the device
     (read once at the end)."""
 
-    def __init__(self, device):
+    def __init__(self, device, top_k: int):
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # balance, z, busiest
-        self.n, self.counts = 0, None
+        self.n, self.counts, self.top_k, self.choices = 0, None, top_k, 0
 
-    def add(self, out) -> None:
+    def add(self, out, tokens: int) -> None:
         if not out.counts.numel():  # (a dense model)
             return
+        self.choices += tokens * self.top_k
         self.counts = (out.counts.clone() if self.counts is None  # (a CUDA graph's output
                        else self.counts.add_(out.counts))  # is overwritten by its next replay)
         self.sums[0] += out.balance.detach()
@@ -179,7 +182,7 @@ class _MoeStats:
         self.n += 1
 
     def into(self, res: LoopResult) -> None:
-        res.counts = self.counts
+        res.counts, res.choices = self.counts, self.choices
         if self.n:  # (busiest: summed over micro-steps and layers, as the mean's rows)
             balance, z, busiest = self.sums.tolist()
             res.balance, res.z = balance / self.n, z / self.n
@@ -251,8 +254,9 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
     losses = torch.zeros(total, device=device)  # each step's loss, read at each log
     bar = tqdm(total=total, desc="warmup", unit="step", disable=not progress,
                mininterval=0.5 if sys.stderr.isatty() else 10.0, dynamic_ncols=True)
-    win, moe, log = _Window(cfg, device, memory, res), _MoeStats(device), \
+    win, moe, log = _Window(cfg, device, memory, res), _MoeStats(device, cfg.model.top_k), \
         _LossLog(losses, res, bar, on_log)
+    balancer = BiasBalancer(model)
     batches = iter(loader)
     model.train()
     collector = Collector(t.gc_every)  # (entered in the try: its exit restores GC)
@@ -274,9 +278,11 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                     out = micro_step(model, tokens, targets, autocast, scaler, accum, timer)
                 step_loss += out.ce.detach() / accum
                 if win.measured(step):
-                    moe.add(out)
+                    moe.add(out, tokens.numel())
+                balancer.add(out.counts)
             res.lrs.append(optimizer.param_groups[0]["lr"])
             optimizer_step(cfg, applied, optimizer, scheduler, scaler, params, timer)
+            balancer.step()
             timer.lap("optimizer")
             if collector.step(step):
                 timer.lap("gc")  # (in the step's time, in no phase)

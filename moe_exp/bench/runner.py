@@ -13,7 +13,8 @@ import torch
 from ..config import total_steps
 from ..results import (fill_null_reasons, hold_sigint, release_sigint, stop_signal,
                        write_json_atomic)
-from .flops import analytic
+from .balance import bias_spread
+from .flops import analytic, routed_flops_per_token
 from .load import other_share
 
 DENSE = "dense model (model.num_experts=0)"  # why its expert figures are null
@@ -269,14 +270,25 @@ def _record_moe(cfg, rec: dict, res, model, device: torch.device, world: int) ->
         why["moe_padded_fallback_share"] = (
             f"model.dispatch={cfg.model.dispatch}: only padded falls back"
             if cfg.model.num_experts else DENSE)
+    rec["router_bias_spread"] = bias_spread(model)
+    if rec["router_bias_spread"] is None:
+        why["router_bias_spread"] = "model.bias_update_rate=0: no routing bias" \
+            if cfg.model.num_experts else DENSE
     if res.counts is not None:
-        rec.update(load_stats(res.counts))
+        rec.update(load_stats(res.counts, res.choices))
+        if rec["drop_rate"]:  # useful FLOPs: the dropped choices computed nothing
+            full = rec["flops_per_token"]
+            rec["flops_per_token"] = full - routed_flops_per_token(cfg.model) * rec["drop_rate"]
+            for k in ("tflops_per_device", "mfu"):
+                if rec.get(k) is not None:
+                    rec[k] *= rec["flops_per_token"] / full
         rec["expert_load_step_max_over_mean"] = res.step_max_over_mean
         rec["aux_loss"] = res.balance
         rec["z_loss"] = res.z
     else:
         for k in ("aux_loss", "expert_load_cv", "expert_load_max_over_mean",
-                  "expert_load_step_max_over_mean", "moe_dispatch"):
+                  "expert_load_step_max_over_mean", "moe_dispatch", "drop_rate", "dead_experts",
+                  "expert_load_quantiles_per_layer"):
             rec[k] = None
             why[k] = DENSE
 
@@ -399,6 +411,9 @@ def _across_ranks(res, tm: dict, mem: dict, device) -> None:
     res.comm_ms, res.comm_share, res.step_max_over_mean = vals[-3:]
     if res.counts is not None:
         dist.all_reduce(res.counts)
+        choices = torch.tensor([res.choices], dtype=torch.float64, device=dev)
+        dist.all_reduce(choices)
+        res.choices = int(choices.item())
     if res.balance is not None:
         res.balance, res.z = all_mean(torch.tensor([res.balance, res.z], dtype=torch.float64,
                                                    device=dev)).tolist()

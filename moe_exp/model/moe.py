@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .capacity import capacity, drop_over_capacity
+
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
@@ -134,6 +136,29 @@ def sum_middle(t: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
     return out
 
 
+class _WeightedSum(torch.autograd.Function):
+    """sum_middle(t, w) with a backward of two broadcast ops. Autograd's, through the slices
+    t[:, j], materialised a zero (n, m, d) gradient per slice and filled it (top-8 of 64
+    experts, 2048 tokens: a third of the layer's fp32 time on CPU)."""
+
+    @staticmethod
+    def forward(ctx, t, w):
+        ctx.save_for_backward(t, w)
+        return sum_middle(t, w)
+
+    @staticmethod
+    def backward(ctx, g):
+        t, w = ctx.saved_tensors
+        gt = g[:, None, :] * w[:, :, None] if ctx.needs_input_grad[0] else None
+        gw = (g[:, None, :] * t).sum(-1) if ctx.needs_input_grad[1] else None
+        return gt, gw
+
+
+def weighted_sum(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """t (n, m, d), w (n, m) -> sum_j t[:, j] * w[:, j, None] (see _WeightedSum)."""
+    return _WeightedSum.apply(t, w)
+
+
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     """inv with inv[order[i]] = i: where each row went (a scatter, no sort)."""
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(),
@@ -150,21 +175,25 @@ class Router(nn.Module):
     (DeepSeek-V3); group-limited (n_groups > 1): each token picks among its topk_groups
     best groups of experts, a group scored by its two best experts' sum (DeepSeek-V3); the
     chosen experts' scores, renormalised to sum 1 (route_norm) and times route_scale, weight
-    their outputs.
+    their outputs. bias_rate > 0: auxiliary-loss-free balancing (DeepSeek-V3): a per-expert
+    bias (`expert_bias`, state saved with the model, not a parameter) is added to the
+    scores for the choice only, and update_expert_bias moves it after each step.
     routing: learned (its own top-k) | balanced | skewed (a set load: set_experts); the
     weights are the router's scores of the experts chosen, so it still learns."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int,
                  routing: str = "learned", skew: float = 2.0, score_func: str = "softmax",
                  route_norm: bool = True, route_scale: float = 1.0, n_groups: int = 1,
-                 topk_groups: int = 1):
+                 topk_groups: int = 1, bias_rate: float = 0.0):
         super().__init__()
         self.top_k = top_k
         self.num_experts = num_experts
         self.routing, self.skew = routing, skew
         self.score_func, self.route_norm, self.route_scale = score_func, route_norm, route_scale
-        self.n_groups, self.topk_groups = n_groups, topk_groups
+        self.n_groups, self.topk_groups, self.bias_rate = n_groups, topk_groups, bias_rate
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        if bias_rate > 0:
+            self.register_buffer("expert_bias", torch.zeros(num_experts))
 
     def forward(self, x: torch.Tensor):
         """Returns logits (T, E), probs (T, E: each token's scores summing to 1, for the
@@ -190,7 +219,10 @@ class Router(nn.Module):
         return logits, probs, weights, experts
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
-        """(T, k) experts: the top-k scores, within each token's best groups."""
+        """(T, k) experts: the top-k scores (plus the balancing bias), within each token's
+        best groups."""
+        if self.bias_rate > 0:
+            scores = scores + self.expert_bias
         if self.n_groups > 1:
             t, g = scores.shape[0], self.n_groups
             grouped = scores.view(t, g, -1)
@@ -199,6 +231,15 @@ class Router(nn.Module):
             keep = keep.scatter(1, best[..., None], True)
             scores = grouped.masked_fill(~keep, float("-inf")).view(t, -1)
         return scores.topk(self.top_k, dim=-1).indices
+
+
+@torch.no_grad()
+def update_expert_bias(router: Router, counts: torch.Tensor) -> None:
+    """After a step whose tokens went counts[e] to expert e: every expert's bias moves by
+    bias_rate toward the mean load (down if above it, up if below; DeepSeek-V3), the moves
+    centred to sum 0 (as torchtitan's), so the biases keep a mean of 0."""
+    delta = router.bias_rate * torch.sign(counts.float().mean() - counts.float())
+    router.expert_bias += delta - delta.mean()
 
 
 def set_experts(tokens: int, num_experts: int, top_k: int, skew: float | None,
@@ -345,35 +386,42 @@ class Experts(nn.Module):
             outs.append(h @ w2[e])
         return torch.cat(outs)
 
-    def padded(self, x: torch.Tensor, slot: torch.Tensor, cap: int, fan: int = 1
-               ) -> torch.Tensor:
+    def padded(self, x: torch.Tensor, slot: torch.Tensor, cap: int, fan: int = 1,
+               dropped: bool = False) -> torch.Tensor:
         """Every expert's rows padded to `cap`, three batched matmuls, unpadded.
 
         x (R, H); slot (R * fan,): the padded row (pad_slots) of output row i, whose input is
         x row i // fan. Returns (R * fan, H): one gather in, one out. Padding rows read row
         0 (any finite row): their outputs are dropped, so their gradients are zero and they
-        add nothing to the weight gradients.
+        add nothing to the weight gradients. dropped: slot E * cap marks output rows no
+        expert computes (over capacity): they read a row of zeros.
         """
         num_experts = self.w1.shape[0]
+        rows = num_experts * cap + dropped  # (+ the dropped rows' slot)
         out = torch.arange(slot.shape[0], device=x.device)
-        src = slot.new_zeros(num_experts * cap).scatter_(0, slot, out // fan)
-        owner = slot.new_full((num_experts * cap,), -1).scatter_(0, slot, out)
+        src = slot.new_zeros(rows).scatter_(0, slot, out // fan)
+        owner = slot.new_full((rows,), -1).scatter_(0, slot, out)
         dt = _mm_dtype(x)
-        xp = gather_rows(x.to(dt), src, slot.view(-1, fan)).view(num_experts, cap, -1)
+        xp = gather_rows(x.to(dt), src, slot.view(-1, fan))[:num_experts * cap]
+        xp = xp.view(num_experts, cap, -1)
         w1, w3, w2 = (w.to(dt) for w in (self.w1, self.w3, self.w2))
         h = F.silu(torch.bmm(xp, w1)) * torch.bmm(xp, w3)
         y = torch.bmm(h, w2).view(num_experts * cap, -1)
+        if dropped:
+            y = torch.cat([y, y.new_zeros(1, y.shape[1])])
         return gather_rows(y, slot, owner)
 
 
 class MoE(nn.Module):
-    """Dropless top-k MoE FFN, plus always-on shared experts (one SwiGLU of shared_ffn,
-    DeepSeek's; 0: none). Returns (output, aux losses, tokens per expert). router: Router's
-    options."""
+    """Top-k MoE FFN, dropless unless capacity_factor (see capacity.py; pad_to_capacity: every
+    expert padded to its capacity, one bmm per weight: static shapes), plus always-on shared
+    experts (one SwiGLU of shared_ffn, DeepSeek's; 0: none). Returns (output, aux losses,
+    tokens per expert: those computed). router: Router's options."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
                  dispatch: str = "loop", routing: str = "learned", skew: float = 2.0,
-                 shared_ffn: int = 0, **router):
+                 shared_ffn: int = 0, capacity_factor: float | None = None,
+                 drop_policy: str = "score", pad_to_capacity: bool = False, **router):
         super().__init__()
         if dispatch == "auto":  # unresolved (see resolve_dispatch): the portable choice
             dispatch = "loop"
@@ -388,11 +436,58 @@ class MoE(nn.Module):
         self.router = Router(hidden_size, num_experts, top_k, routing, skew, **router)
         self.experts = Experts(num_experts, hidden_size, ffn_hidden_size)
         self.shared_experts = SwiGLU(hidden_size, shared_ffn) if shared_ffn else None
+        self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
+        self.pad_to_capacity = pad_to_capacity
 
     def forward(self, x: torch.Tensor):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (T, H)
         logits, probs, weights, experts = self.router(x)
+        if self.capacity_factor is not None:
+            y, counts, chosen = self._with_capacity(x, weights, experts)
+        else:
+            y, counts = self._dropless(x, experts)
+            chosen = counts
+        # The routing-weighted sum over the k choices.
+        out = weighted_sum(y.view(x.shape[0], self.top_k, y.shape[-1]), weights.to(y.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        if x.shape[0] == 0:  # no tokens, no aux losses (their means over none would be nan)
+            zero = logits.sum()
+            return out.reshape(shape), zero, zero, counts
+        # Switch load-balancing loss: E * sum_e (fraction of choices of e) * (mean prob of e)
+        frac = chosen.to(probs.dtype) / experts.numel()
+        balance = self.num_experts * (frac * probs.mean(dim=0)).sum()
+        z = torch.logsumexp(logits, dim=-1).square().mean()
+        return out.reshape(shape), balance, z, counts
+
+    def _with_capacity(self, x, weights, experts):
+        """(T*k, H) outputs in (token, choice) order, zero where dropped; counts kept and
+        chosen per expert."""
+        n, k, e = experts.numel(), self.top_k, self.num_experts
+        cap = capacity(x.shape[0], k, e, self.capacity_factor)
+        flat = drop_over_capacity(experts, weights, e, cap, self.drop_policy)
+        chosen = experts.new_zeros(e).scatter_add_(0, experts.reshape(-1),
+                                                   torch.ones_like(experts.reshape(-1)))
+        order = torch.argsort(flat, stable=True)  # kept by expert, then the dropped
+        inv = inverse_permutation(order)
+        every = flat.new_zeros(e + 1).scatter_add_(0, flat, torch.ones_like(flat))
+        counts = every[:e]
+        if self.pad_to_capacity and isinstance(self.experts, Experts):
+            slot = torch.where(flat < e, pad_slots(flat.clamp(max=e - 1), inv, every, cap),
+                               e * cap)
+            return self.experts.padded(x, slot, cap, k, dropped=True), counts, chosen
+        kept = int(counts.sum())  # host sync (compiled: a data-dependent size)
+        torch._check(kept <= n)
+        hint_size(kept)
+        mode = self.grouped if self.dispatch != "padded" else "padded"
+        xs = gather_rows(x.to(_mm_dtype(x)), order // k, inv.view(-1, k))
+        y = self.experts(xs[:kept], counts, mode)
+        y = torch.cat([y, y.new_zeros(n - kept, y.shape[1])])
+        return gather_rows(y, inv, order[:, None]), counts, chosen
+
+    def _dropless(self, x, experts):
+        """(T*k, H) outputs in (token, choice) order; counts per expert."""
         flat = experts.reshape(-1)  # (T*k,) in (token, choice) order
         order = torch.argsort(flat, stable=True)
         # static-shape histogram (bincount's output size is data-dependent under compile)
@@ -417,15 +512,4 @@ class MoE(nn.Module):
             xs = gather_rows(x.to(_mm_dtype(x)), order // self.top_k, inv.view(-1, self.top_k))
             y = self.experts(xs, counts, mode)
             y = gather_rows(y, inv, order[:, None])  # back to (token, choice) order
-        # The routing-weighted sum over the k choices.
-        out = sum_middle(y.view(x.shape[0], self.top_k, y.shape[-1]), weights.to(y.dtype))
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        if x.shape[0] == 0:  # no tokens, no aux losses (their means over none would be nan)
-            zero = logits.sum()
-            return out.reshape(shape), zero, zero, counts
-        # Switch load-balancing loss: E * sum_e (fraction of assignments to e) * (mean prob of e)
-        frac = counts.to(probs.dtype) / flat.numel()
-        balance = self.num_experts * (frac * probs.mean(dim=0)).sum()
-        z = torch.logsumexp(logits, dim=-1).square().mean()
-        return out.reshape(shape), balance, z, counts
+        return y, counts

@@ -148,13 +148,16 @@ def moe_layer(cfg, layer: int) -> bool:
 
 
 def make_moe(cfg) -> MoE:
+    """The MoE FFN of cfg (plain numbers: no config reads in forward)."""
+    shared = cfg.num_shared_experts * (cfg.shared_ffn_hidden_size or cfg.ffn_hidden_size)
+    cap = cfg.capacity_factor
     return MoE(cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts, cfg.top_k, cfg.dispatch,
-               cfg.routing, float(cfg.routing_skew),
-               shared_ffn=cfg.num_shared_experts * (cfg.shared_ffn_hidden_size
-                                                    or cfg.ffn_hidden_size),
-               score_func=cfg.score_func, route_norm=bool(cfg.route_norm),
-               route_scale=float(cfg.route_scale), n_groups=int(cfg.n_groups),
-               topk_groups=int(cfg.topk_groups))
+               cfg.routing, float(cfg.routing_skew), shared_ffn=shared,
+               capacity_factor=None if cap is None else float(cap), drop_policy=cfg.drop_policy,
+               pad_to_capacity=bool(cfg.pad_to_capacity), score_func=cfg.score_func,
+               route_norm=bool(cfg.route_norm), route_scale=float(cfg.route_scale),
+               n_groups=int(cfg.n_groups), topk_groups=int(cfg.topk_groups),
+               bias_rate=float(cfg.bias_update_rate))
 
 
 class Block(nn.Module):

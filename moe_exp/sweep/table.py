@@ -433,6 +433,9 @@ def compact(df):
     if "task" in df and len(df) and (df["task"] == "comm").all():
         return _compact_comm(df)
     reps = (df["repeats"].fillna(1) > 1).any()
+    # routing columns where a row has them: the load (a MoE), the drops (token capacity)
+    load = "expert_load_max_over_mean" in df and df["expert_load_max_over_mean"].notna().any()
+    drops = "drop_rate" in df and (df["drop_rate"].fillna(0) > 0).any()
     rows = []
     for _, r in df.iterrows():
         sp = _fmt(r["speedup"], ".2f", "×")
@@ -452,8 +455,12 @@ def compact(df):
             "mem saved": _fmt(r["mem_saved_pct"], ".0f", "%"),
             "MFU": _fmt(r["mfu"] * 100 if _num(r["mfu"]) is not None else None, ".1f", "%"),
             "loss": _fmt(r["loss_last"], ".3f"),
-            "error": str(r["error"])[:90] if isinstance(r["error"], str) else "",
         })
+        if load:
+            row["load max/mean"] = _fmt(r["expert_load_max_over_mean"], ".2f")
+        if drops:
+            row["dropped"] = _fmt(_num(r["drop_rate"]) and r["drop_rate"] * 100, ".1f", "%")
+        row["error"] = str(r["error"])[:90] if isinstance(r["error"], str) else ""
         rows.append(row)
     return pd.DataFrame(rows)
 
