@@ -3,7 +3,6 @@ each schema key of it changed to another value, and a few combinations. Run as a
 record tests/data/config_hashes.json (do so only where a hash is meant to change)."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import sys
@@ -69,10 +68,11 @@ def _fields(schema) -> dict:
     return {f.name: f.type for f in dataclasses.fields(schema)}
 
 
-def cases(keys=None, choices=None) -> dict[str, dict[str, str]]:
+def cases(keys=None, choices=None, only=None) -> dict[str, dict[str, str]]:
     """{base: {'key=value' (or '' for the base itself): config_hash}}. keys: the dotted keys
     to vary (those recorded: a key added since is left at its default, which must keep
-    every older hash); choices: {key: allowed values} as recorded (config.CHOICES)."""
+    every older hash); choices: {key: allowed values} as recorded (config.CHOICES); only:
+    the bases to compose (their names; None: all)."""
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
@@ -84,7 +84,7 @@ def cases(keys=None, choices=None) -> dict[str, dict[str, str]]:
     out = {}
     with initialize_config_module(config_module="moe_exp.conf", version_base="1.3"):
         composed = {b: OmegaConf.to_container(compose("run", ["logger=none", *b]), resolve=True)
-                    for b in bases()}
+                    for b in bases() if only is None or (" ".join(b) or "default") in only}
     for base, d in composed.items():
         name = " ".join(base) or "default"
         mine = out[name] = {"": config_hash(d)}
@@ -99,9 +99,8 @@ def cases(keys=None, choices=None) -> dict[str, dict[str, str]]:
                 allowed = choices.get(f"{group}.{key}")
                 alts = [v for v in allowed if v != value] if allowed else \
                     _alts(value, hints.get(key, type(value)))
-                for alt in alts:
-                    v = copy.deepcopy(d)
-                    v[group][key] = alt
+                for alt in alts:  # (config_hash copies what it changes: no deep copy)
+                    v = {**d, group: {**node, key: alt}}
                     if refused(v):
                         continue
                     mine[f"{group}.{key}={json.dumps(alt)}"] = config_hash(v)
@@ -122,11 +121,11 @@ def recorded() -> dict:
     return json.loads(DATA.read_text())
 
 
-def current(keys=None, choices=None) -> dict:
+def current(keys=None, choices=None, only=None) -> dict:
     from moe_exp.config import CHOICES
 
     choices = {k: sorted(v) for k, v in (CHOICES if choices is None else choices).items()}
-    got = cases(keys, choices)
+    got = cases(keys, choices, only)
     varied = sorted({k.split("=", 1)[0] for h in got.values() for k in h if k})
     return {"keys": varied, "choices": choices,
             "bases": {base: {"hash": h[""], "cases": len(h), "digest": digest(h)}

@@ -20,11 +20,11 @@ def launch(fn, *args, n=2):
     return elastic(rank_entry, n, fn, *args)
 
 
-@pytest.mark.parametrize("case", ["2", "4", "tiny_deepseek", "tiny_qwen3", "capacity"])
+@pytest.mark.parametrize("case", ["2", "4", "tiny_deepseek", "capacity"])
 def test_expert_parallel_loss_grads_and_counts_match_one_process(case, launched):
     """4 ranks, ep=2: two expert-parallel groups, experts replicated over dp=2. DeepSeek's
-    shared experts, dense first block and sigmoid group-limited routing, Qwen3's fine-grained
-    experts, token capacity: the same on 2 ranks as in one process."""
+    shared experts, dense first block and sigmoid group-limited routing (16 fine-grained
+    experts), token capacity: the same on 2 ranks as in one process."""
     res = launched[f"ep grads {case}"]
     assert (res["kept"] < res["choices"]) == (case == "capacity")  # (some dropped)
     assert res["loss"] == pytest.approx(res["ref_loss"], rel=1e-5)
@@ -44,7 +44,7 @@ CALLS = {
                                                 "model.aux_loss_coef=0"], 3]) for n in (2, 4)},
     **{f"ep grads {m}": (2, "ep_grads_match", [["parallel=expert", "hardware.devices=2",
                                                 f"model={m}", "model.aux_loss_coef=0"], 3])
-       for m in ("tiny_deepseek", "tiny_qwen3")},
+       for m in ("tiny_deepseek",)},
     # token capacity (each rank's micro-batch): the reference runs the micro-batches apart
     "ep grads capacity": (2, "ep_grads_match", [["parallel=expert", "hardware.devices=2",
                                                  "model=tiny_deepseek", "model.aux_loss_coef=0",

@@ -136,7 +136,7 @@ def test_report_keeps_the_row_of_a_record_that_broke(tmp_path, capsys, table):
     (["hydra.run.dir="], "hydra.run.dir: empty: the run would write into the current dir"),
     (["-m", "hydra.sweep.dir=''", "train.seed=1,2"], "hydra.sweep.dir: empty"),
     (["-m", "hydra.sweep.subdir=", "train.seed=1,2"], "hydra.sweep.subdir: empty: every job"),
-    (["model=5"], "model: '5' is not one of: dense_1b, "),
+    (["model=5"], "model: '5' is not one of: deepseek_v3, dense_1b, "),
     (["precision=1"], "precision: '1' is not one of: bf16, fp16, fp32, fp8, tf32"),
     (["hardware=true"], "hardware: 'true' is not one of: a100, auto, cpu, "),
     (["-m", "model=tiny_moe,1.5"], "model: '1.5' is not one of: "),

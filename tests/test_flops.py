@@ -18,7 +18,7 @@ from moe_exp.model import MoE, grouped_mm_supported
 def test_analytic_flops_match_counted_step(overrides):
     if "model.dispatch=grouped" in overrides and not grouped_mm_supported("cpu", torch.bfloat16):
         pytest.skip("grouped_mm does not run here")
-    r = check([*overrides, "train.micro_batch_size=2"])
+    r = check([*overrides, "train.micro_batch_size=2", "train.seq_len=64"])
     assert r["counted_per_token"] > 0
     assert abs(r["rel_diff"]) <= 0.02, r
     # attention is counted explicitly (CPU SDPA counts 0 without our formulas); MLA's
@@ -29,15 +29,17 @@ def test_analytic_flops_match_counted_step(overrides):
 
 
 def _presets():
+    """Every model preset but those a real step above counts."""
     from moe_exp.config import group_options
 
-    return group_options("model")
+    return [m for m in group_options("model")
+            if m not in ("tiny_dense", "tiny_moe", "small_moe", "tiny_qwen3", "tiny_deepseek")]
 
 
 @pytest.mark.parametrize("model", _presets())
 def test_every_presets_flops_on_meta_device(model):
-    """Every preset, its real shape layer for layer (at most 2 blocks past the dense first
-    ones: each block of a kind is the same), on the meta device."""
+    """Every other preset, its real shape layer for layer (at most 2 blocks past the dense
+    first ones: each block of a kind is the same), on the meta device."""
     from conftest import compose
 
     m = compose([f"model={model}"]).model
