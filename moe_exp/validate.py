@@ -195,6 +195,9 @@ def check_moe_options(m) -> None:
     if m.pad_to_capacity and m.dispatch != "padded":
         raise ConfigError("model.pad_to_capacity", f"runs the padded kernel; this run has "
                           f"model.dispatch={m.dispatch} (set model.dispatch=padded)")
+    if not 0 <= m.bias_update_rate < float("inf"):
+        raise ConfigError("model.bias_update_rate", f"must be >= 0 (0: off), got "
+                          f"{m.bias_update_rate}")
     if not 0 < m.route_scale < float("inf"):
         raise ConfigError("model.route_scale", f"must be > 0, got {m.route_scale}")
     g = m.n_groups
@@ -310,6 +313,18 @@ def attention_here(cfg) -> None:
         raise Unsupported("train.attention", why)
 
 
+def check_mla_kernel(cfg) -> None:
+    """SDPA's flash and cuDNN kernels take q/k and value heads of one size only."""
+    m, name = cfg.model, cfg.train.attention
+    if m.attention_type != "mla" or name not in ("flash", "cudnn"):
+        return
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    if qk != m.v_head_dim:
+        raise ConfigError("train.attention", f"{name} needs q/k and value heads of one size; "
+                          f"MLA's are {qk} (model.qk_nope_head_dim + qk_rope_head_dim) and "
+                          f"{m.v_head_dim} (model.v_head_dim): use auto, efficient or math")
+
+
 def check_dispatch(cfg) -> None:
     """model.dispatch=grouped needs grouped_mm's aligned strides."""
     if cfg.model.dispatch != "grouped" or cfg.model.num_experts == 0:
@@ -373,6 +388,9 @@ def check_parallel(cfg) -> None:
         if m.num_experts == 0:
             raise ConfigError("parallel", f"parallel={p.name} needs an MoE model "
                               f"(model={m.name} is dense: model.num_experts=0)")
+        if m.pad_to_capacity and m.capacity_factor is not None:
+            raise ConfigError("model.pad_to_capacity", f"not under parallel={p.name}: its "
+                              "all-to-all sends the kept rows (no static shapes); leave it out")
         if p.expert_parallel_size is not None and p.expert_parallel_size < 1:
             raise ConfigError("parallel.expert_parallel_size", "must be >= 1 or null (all "
                               f"ranks), got {p.expert_parallel_size}")
@@ -708,6 +726,7 @@ def validate(cfg, overrides=(), in_sweep: bool = False) -> None:
     check_train(cfg)
     check_precision(cfg)
     check_dispatch(cfg)
+    check_mla_kernel(cfg)
     check_parallel(cfg)
     check_unread(cfg, overrides, in_sweep)
     check_data(cfg, overrides)

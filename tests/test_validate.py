@@ -57,6 +57,11 @@ def test_a_memory_size_no_device_has_is_invalid_up_front(value):
     ("model=tiny_moe model.dense_ffn_hidden_size=64", "model.dense_ffn_hidden_size: "),
     ("model=tiny_dense precision=bf16 precision.router_dtype=fp32", "precision.router_dtype: "),
     ("model=tiny_moe model.score_func=relu", "model.score_func: "),
+    ("model=tiny_moe model.bias_update_rate=-0.001", "model.bias_update_rate: must be >= 0"),
+    ("model=tiny_deepseek train.attention=flash", "train.attention: flash needs q/k and "
+     "value heads of one size; MLA's are 48"),
+    ("model=tiny_moe model.capacity_factor=1 model.dispatch=padded model.pad_to_capacity=true "
+     "parallel=expert hardware.devices=2", "model.pad_to_capacity: not under parallel=expert"),
 ])
 def test_architecture_mistakes_are_one_line_invalid(overrides, says):
     """The architecture options' bad values and the keys their model does not read."""

@@ -263,8 +263,12 @@ def _record_moe(cfg, rec: dict, res, model, device: torch.device, world: int) ->
     from .experts import load_stats
 
     why = rec["null_reasons"]
-    if cfg.model.dispatch == "padded":
+    if cfg.model.dispatch == "padded" and cfg.model.capacity_factor is None:
         _padded_fallbacks(model, cfg, rec, device, world)
+    elif cfg.model.num_experts and cfg.model.capacity_factor is not None:
+        rec["moe_padded_fallback_share"] = None
+        why["moe_padded_fallback_share"] = "model.capacity_factor: not counted on the capacity " \
+            "path (pad_to_capacity never falls back)"
     else:  # (a sweep's table has the column for every row: say why it is empty)
         rec["moe_padded_fallback_share"] = None
         why["moe_padded_fallback_share"] = (

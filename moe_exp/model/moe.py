@@ -225,11 +225,11 @@ class Router(nn.Module):
             scores = scores + self.expert_bias
         if self.n_groups > 1:
             t, g = scores.shape[0], self.n_groups
-            grouped = scores.view(t, g, -1)
+            grouped = scores.view(t, g, self.num_experts // g)
             best = grouped.topk(2, dim=-1).values.sum(-1).topk(self.topk_groups, dim=-1).indices
             keep = torch.zeros(t, g, 1, dtype=torch.bool, device=scores.device)
             keep = keep.scatter(1, best[..., None], True)
-            scores = grouped.masked_fill(~keep, float("-inf")).view(t, -1)
+            scores = grouped.masked_fill(~keep, float("-inf")).view(t, self.num_experts)
         return scores.topk(self.top_k, dim=-1).indices
 
 
@@ -473,7 +473,7 @@ class MoE(nn.Module):
         inv = inverse_permutation(order)
         every = flat.new_zeros(e + 1).scatter_add_(0, flat, torch.ones_like(flat))
         counts = every[:e]
-        if self.pad_to_capacity and isinstance(self.experts, Experts):
+        if self.pad_to_capacity and isinstance(self.experts, Experts) and x.shape[0]:
             slot = torch.where(flat < e, pad_slots(flat.clamp(max=e - 1), inv, every, cap),
                                e * cap)
             return self.experts.padded(x, slot, cap, k, dropped=True), counts, chosen
