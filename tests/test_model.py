@@ -25,7 +25,7 @@ def naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     if moe.capacity_factor is not None:
         cap = capacity(flat.shape[0], moe.top_k, moe.num_experts, moe.capacity_factor)
         kept = drop_over_capacity(experts, weights, moe.num_experts, cap,
-                                  moe.drop_policy).view_as(experts) < moe.num_experts
+                                  moe.drop_policy)[0].view_as(experts) < moe.num_experts
     ex = moe.experts
     rows = []
     for t in range(flat.shape[0]):
@@ -127,7 +127,7 @@ def test_capacity_drops_exactly_the_policys_choices(policy):
     g = torch.Generator().manual_seed(3)
     experts = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(30)])  # (30, 2)
     weights = torch.rand(30, 2, generator=g)
-    got = drop_over_capacity(experts, weights, 5, 7, policy).view(30, 2)
+    got = drop_over_capacity(experts, weights, 5, 7, policy)[0].view(30, 2)
     for e in range(5):
         pairs = [(t, j) for t in range(30) for j in range(2) if experts[t, j] == e]
         if policy == "score":

@@ -117,13 +117,13 @@ def check(overrides=(), device: str = "cpu") -> dict:
         tokens = torch.randint(0, m.vocab_size, (t.micro_batch_size, t.seq_len))
     counted = count_step_flops(model, tokens, tokens,
                                autocast_factory(cfg.precision, torch.device("cpu")))
-    analytic = flops_per_token(m, t.seq_len)
+    dropped = 0.0
     if m.num_experts and m.capacity_factor is not None and device != "meta":
-        from .flops import moe_layers, routed_flops_per_token
+        from .flops import moe_layers
 
         # useful FLOPs: those of the choices kept (as the record counts them)
         dropped = 1 - counted["kept"] / (tokens.numel() * m.top_k * moe_layers(m))
-        analytic -= routed_flops_per_token(m) * dropped
+    analytic = flops_per_token(m, t.seq_len, dropped)
     return {"model": m.name, "dispatch": m.dispatch if m.num_experts else None, "precision": cfg.precision.name,
             "analytic_per_token": analytic, "counted_per_token": counted["per_token"],
             "rel_diff": counted["per_token"] / analytic - 1, "by_op": counted["by_op"]}

@@ -67,15 +67,18 @@ def param_counts(m) -> dict:
     }
 
 
-def flops_per_token(m, seq_len: int) -> float:
+def flops_per_token(m, seq_len: int, drop_rate: float = 0.0) -> float:
+    """drop_rate: the share of routed choices dropped over capacity (they compute nothing:
+    the useful FLOPs leave them out)."""
     qk, v = qk_v_dims(m)
     n = param_counts(m)["params_matmul_active"]
-    return 6.0 * n + 6.0 * m.num_layers * m.num_heads * (qk + v) * seq_len
+    return 6.0 * n + 6.0 * m.num_layers * m.num_heads * (qk + v) * seq_len \
+        - routed_flops_per_token(m) * drop_rate
 
 
 def routed_flops_per_token(m) -> float:
-    """The routed experts' share of flops_per_token: what a dropped choice does not compute
-    (with model.capacity_factor, flops_per_token less this times the drop rate)."""
+    """The routed experts' share of flops_per_token: what the dropped choices do not
+    compute."""
     return 6.0 * moe_layers(m) * m.top_k * 3 * m.hidden_size * m.ffn_hidden_size
 
 

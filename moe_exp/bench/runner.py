@@ -14,7 +14,7 @@ from ..config import total_steps
 from ..results import (fill_null_reasons, hold_sigint, release_sigint, stop_signal,
                        write_json_atomic)
 from .balance import bias_spread
-from .flops import analytic, routed_flops_per_token
+from .flops import analytic, flops_per_token
 from .load import other_share
 
 DENSE = "dense model (model.num_experts=0)"  # why its expert figures are null
@@ -282,7 +282,8 @@ def _record_moe(cfg, rec: dict, res, model, device: torch.device, world: int) ->
         rec.update(load_stats(res.counts, res.choices))
         if rec["drop_rate"]:  # useful FLOPs: the dropped choices computed nothing
             full = rec["flops_per_token"]
-            rec["flops_per_token"] = full - routed_flops_per_token(cfg.model) * rec["drop_rate"]
+            rec["flops_per_token"] = flops_per_token(cfg.model, cfg.train.seq_len,
+                                                     rec["drop_rate"])
             for k in ("tflops_per_device", "mfu"):
                 if rec.get(k) is not None:
                     rec[k] *= rec["flops_per_token"] / full

@@ -14,9 +14,10 @@ def capacity(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
 
 
 def drop_over_capacity(experts: torch.Tensor, weights: torch.Tensor, num_experts: int,
-                       cap: int, policy: str) -> torch.Tensor:
+                       cap: int, policy: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(T*k,) each pair's expert, in (token, choice) order, with the dropped pairs' set to
-    num_experts (a null expert that sorts last and computes nothing)."""
+    num_experts (a null expert that sorts last and computes nothing); and (E,) the pairs
+    each expert was chosen by (before any drop)."""
     flat = experts.reshape(-1)
     if policy == "score":  # by expert, the highest weight first (ties: token order)
         best = torch.argsort(weights.detach().reshape(-1), descending=True, stable=True)
@@ -29,4 +30,4 @@ def drop_over_capacity(experts: torch.Tensor, weights: torch.Tensor, num_experts
     rank = torch.arange(flat.numel(), device=flat.device) - \
         (counts.cumsum(0) - counts)[sorted_experts]  # place within its expert's pairs
     kept = torch.empty_like(rank, dtype=torch.bool).scatter_(0, order, rank < cap)
-    return torch.where(kept, flat, num_experts)
+    return torch.where(kept, flat, num_experts), counts

@@ -466,9 +466,7 @@ class MoE(nn.Module):
         chosen per expert."""
         n, k, e = experts.numel(), self.top_k, self.num_experts
         cap = capacity(x.shape[0], k, e, self.capacity_factor)
-        flat = drop_over_capacity(experts, weights, e, cap, self.drop_policy)
-        chosen = experts.new_zeros(e).scatter_add_(0, experts.reshape(-1),
-                                                   torch.ones_like(experts.reshape(-1)))
+        flat, chosen = drop_over_capacity(experts, weights, e, cap, self.drop_policy)
         order = torch.argsort(flat, stable=True)  # kept by expert, then the dropped
         inv = inverse_permutation(order)
         every = flat.new_zeros(e + 1).scatter_add_(0, flat, torch.ones_like(flat))
