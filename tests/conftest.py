@@ -46,7 +46,11 @@ def run_inproc(overrides, out_dir):
 
 def run_cli(args, cwd, timeout=300, env=None):
     """`python -m moe_exp.run ARGS` in a subprocess."""
+    from forkrun import forkable, run_module
+
     e = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    if forkable(e):  # (its imports done once: tests/forkrun.py)
+        return run_module("moe_exp.run", args, cwd, e, timeout)
     return subprocess.run([sys.executable, "-m", "moe_exp.run", *args], cwd=cwd, env=e,
                           capture_output=True, text=True, timeout=timeout)
 

@@ -1,0 +1,81 @@
+"""`python -m moe_exp.run ARGS` as a process of its own, forked from a server that imported
+torch, dynamo and the package once (multiprocessing's forkserver): the command's own pid,
+exit code, output, environment and cwd, without its ~4 CPU-s of imports each (most of a
+short run's cost on 2 cores). An environment that differs from the server's in a variable
+read at import time (OMP_NUM_THREADS, TORCHINDUCTOR_*) gets a fresh interpreter instead.
+Tests of a process's start itself (signals, the memory baseline) use subprocess directly."""
+import atexit
+import multiprocessing as mp
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+import traceback
+
+PRELOAD = ["torch", "torch._dynamo", "torch._inductor.config", "hydra", "omegaconf",
+           "moe_exp.cli", "moe_exp.pipeline", "moe_exp.bench.runner"]
+# read when used, not at import: may differ from the server's
+RUNTIME = {"PYTEST_CURRENT_TEST", "PYTHONPATH", "WANDB_MODE", "WANDB_SILENT", "HYDRA_FULL_ERROR"}
+_server = {}
+
+
+def _context():
+    if not _server:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        _server.update(ctx=ctx, env=dict(os.environ))
+    return _server["ctx"]
+
+
+def forkable(env: dict) -> bool:
+    _context()
+    seen = _server["env"]
+    return all(env.get(k) == seen.get(k) for k in {*env, *seen} - RUNTIME)
+
+
+def run_module(module, args, cwd, env, timeout):
+    """subprocess.run([python, -m, module, *args], cwd, env, capture_output, text, timeout)
+    in a forked process; a CompletedProcess (TimeoutExpired past timeout, the process
+    killed)."""
+    with tempfile.TemporaryDirectory() as tmp:  # (its output: files by name; a forkserver's
+        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")  # child gets no fds)
+        p = _context().Process(target=_child, args=(module, list(args), str(cwd), env, out, err))
+        p.start()
+        p.join(timeout)
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+            raise subprocess.TimeoutExpired([module, *args], timeout)
+        texts = [open(f, "rb").read().decode(errors="replace") if os.path.exists(f) else ""
+                 for f in (out, err)]
+    return subprocess.CompletedProcess([module, *args], p.exitcode, *texts)
+
+
+def _child(module, args, cwd, env, out, err):
+    for path, fd in ((out, 1), (err, 2)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(f, fd)
+        os.close(f)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.path.insert(0, cwd)  # as `python -m` puts the cwd first
+    sys.argv = [module, *args]
+    code = 0
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()  # (multiprocessing's children skip them; python runs them)
+    for s in (sys.stdout, sys.stderr):
+        try:
+            s.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
