@@ -289,7 +289,7 @@ def bench_shape(name, shape, device, dtype, reps, warmup, compile_=True, skew=1.
             sync(device)
             compile_s[n] = round(time.perf_counter() - t0, 1)
     with torch.no_grad(), autocast():  # the routing the timed steps see
-        counts = models["loop"](x)[3].float()
+        counts = models["loop"](x)[4].float()
     load = {"max_over_mean": (counts.max() / counts.mean()).item(),
             "cv": (counts.std() / counts.mean()).item()}
     # Same numbers from every contender (bf16: loose).

@@ -113,6 +113,9 @@ class ModelConfig:
     init_std: float = knob(0.02, "weights' initial standard deviation")
     aux_loss_coef: float = knob(0.01, "Switch load-balancing loss weight", read_by=MOE,
                                 unread="keep")
+    seq_aux_loss_coef: float = knob(0.0, "the balance loss per sequence's weight (DeepSeek-V3's "
+                                    "sequence-wise loss: 0.0001); beside aux_loss_coef's batch "
+                                    "one", read_by=MOE, unread="keep", since=0.0)
     z_loss_coef: float = knob(0.001, "router z-loss weight", read_by=MOE, unread="keep")
     dispatch: str = knob("auto", "expert matmuls: grouped (grouped_mm) | padded (bmm) | loop | "
                          "auto (the fastest that runs here: model.moe.resolve_dispatch)",

@@ -98,6 +98,8 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                                     + (f" (per step {per_step:.2f})" if per_step else "")
                                     + ", aux loss "
                                     f"{r['aux_loss']:.4f}"
+                                    + (f", per sequence {r['seq_aux_loss']:.4f}"
+                                       if r.get("seq_aux_loss") is not None else "")
                                     + _fallbacks(r.get("moe_padded_fallback_share"))))
         routed = [f"{r['drop_rate']:.1%} of choices dropped (over capacity)"
                   if r.get("drop_rate") else "",

@@ -154,7 +154,7 @@ def check_model(m) -> None:
                               f"{m.routing_skew}")
     if m.num_experts > 0:
         check_moe_options(m)
-    for key in ("aux_loss_coef", "z_loss_coef"):
+    for key in ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef"):
         if m[key] < 0:
             raise ConfigError(f"model.{key}", f"must be >= 0, got {m[key]}")
     for key in ("init_std", "norm_eps", "rope_theta"):

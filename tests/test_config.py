@@ -405,7 +405,8 @@ def test_an_override_hydra_cannot_parse_is_named_with_its_fix(override, line):
 
 
 MODELS = ("deepseek_v3, dense_1b, mixtral_8x7b, moe_1b, qwen3_30b_a3b, seed_dense, seed_moe16, "
-          "seed_moe8, small_dense, small_moe, tiny_deepseek, tiny_dense, tiny_moe, tiny_qwen3")
+          "seed_moe8, small_deepseek, small_dense, small_moe, small_qwen3, tiny_deepseek, tiny_dense, "
+          "tiny_moe, tiny_qwen3")
 
 
 GROUP_ERRORS = [

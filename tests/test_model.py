@@ -50,7 +50,7 @@ def test_dispatch_matches_naive_reference(dispatch):
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.2)
     x = torch.randn(3, 7, 32, requires_grad=True)
-    out, balance, z, counts = moe(x)
+    out, balance, _, z, counts = moe(x)
     assert counts.sum() == 3 * 7 * 2 and counts.shape == (6,)
     x_ref = x.detach().clone().requires_grad_()
     ref = naive_moe(moe, x_ref)
@@ -89,7 +89,7 @@ def test_router_options_match_the_reference_in_every_dispatch(router, dispatch):
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.2)
     x = torch.randn(3, 7, 32, requires_grad=True)
-    out, balance, z, counts = moe(x)
+    out, balance, _, z, counts = moe(x)
     if "capacity_factor" in kw:  # 42 choices, capacity ceil(f * 42 / 6) each: some dropped
         cap = -(-kw["capacity_factor"] * 42 // 6)
         assert counts.max() <= cap and counts.sum() < 42
@@ -163,7 +163,7 @@ def test_set_routing_gives_the_load_asked_for(dispatch):
         for p in moe.parameters():
             torch.nn.init.normal_(p, std=0.2)
         x = torch.randn(4, 18, 32, requires_grad=True)  # 72 tokens, 144 choices: 24 each
-        out, _, _, counts = moe(x)
+        out, _, _, _, counts = moe(x)
         load = (counts.max() / counts.float().mean()).item()
         if routing == "balanced":
             assert counts.tolist() == [24] * 6
@@ -203,7 +203,7 @@ def test_router_weights_renormalised_and_aux_losses():
     assert (experts[:, 0] != experts[:, 1]).all()
     # A perfectly uniform router gives a Switch balance loss of exactly 1.
     torch.nn.init.zeros_(moe.router.gate.weight)
-    _, balance, z, counts = moe(torch.randn(64, 16))
+    _, balance, _, z, counts = moe(torch.randn(64, 16))
     assert balance.item() == pytest.approx(1.0, abs=1e-6)
     assert z.item() == pytest.approx(torch.log(torch.tensor(4.0)).item() ** 2, rel=1e-5)
 
@@ -278,7 +278,7 @@ def test_padded_dispatch_with_one_hot_expert_matches_loop(monkeypatch):
     b = MoE(16, 24, num_experts=8, top_k=2, dispatch="loop")
     b.load_state_dict(a.state_dict())
     x = torch.randn(512, 16).abs()
-    ya, _, _, counts = a(x)
+    ya, _, _, _, counts = a(x)
     assert counts[2:].sum() == 0
     torch.testing.assert_close(ya, b(x)[0], rtol=1e-5, atol=1e-6)
     assert not bmm_calls
@@ -399,7 +399,7 @@ def test_moe_on_no_tokens(dispatch, options):
     """An empty batch gives an empty output and zero (not nan) aux losses (an expert-parallel
     rank may get none): with group-limited routing and token capacity too."""
     moe = MoE(8, 12, 4, 2, dispatch=dispatch, **options)
-    out, balance, z, counts = moe(torch.zeros(0, 3, 8, requires_grad=True))
+    out, balance, _, z, counts = moe(torch.zeros(0, 3, 8, requires_grad=True))
     (out.sum() + balance + z).backward()
     assert out.shape == (0, 3, 8) and counts.tolist() == [0, 0, 0, 0]
     assert balance.item() == 0 and z.item() == 0
@@ -505,7 +505,7 @@ def test_aux_free_bias_balances_a_skewed_router_and_is_state_not_a_parameter(tmp
     balancer = BiasBalancer(moe)
     cvs = []
     for _ in range(40):
-        counts = moe(torch.randn(128, 32) + 0.5)[3].float()
+        counts = moe(torch.randn(128, 32) + 0.5)[4].float()
         cvs.append((counts.std(unbiased=False) / counts.mean()).item())
         balancer.add(counts[None])
         balancer.step()
@@ -523,3 +523,41 @@ def test_aux_free_bias_balances_a_skewed_router_and_is_state_not_a_parameter(tmp
                       "train.steps=3", "train.warmup_steps=1", "train.micro_batch_size=2",
                       "train.seq_len=32"], tmp_path)
     assert rec["status"] == "ok" and rec["router_bias_spread"] > 0
+
+
+def test_sequence_balance_loss_is_the_switch_loss_per_sequence(tmp_path):
+    """model.seq_aux_loss_coef: the balance loss of each sequence's own choices and scores
+    (DeepSeek-V3's sequence-wise L_Bal, Megatron's seq_aux_loss), averaged over the
+    sequences: a loop over the sequences agrees; for one sequence it is the batch's loss;
+    the trained loss adds it times its coefficient, and a run records it."""
+    torch.manual_seed(0)
+    moe = MoE(16, 24, num_experts=8, top_k=2, score_func="sigmoid", seq_aux=True)
+    x = torch.randn(3, 10, 16)
+    _, balance, seq, _, _ = moe(x)
+    _, probs, _, experts = moe.router(x.reshape(-1, 16))
+    per_seq = []
+    for p, e in zip(probs.view(3, 10, 8), experts.view(3, 10 * 2)):
+        f = torch.bincount(e, minlength=8).float() * 8 / e.numel()
+        per_seq.append((f * p.mean(0)).sum())
+    assert seq.item() == pytest.approx(torch.stack(per_seq).mean().item(), rel=1e-6)
+    assert seq.item() != pytest.approx(balance.item(), rel=1e-3)  # (not the batch's)
+    one = moe(x[:1])
+    assert one[2].item() == pytest.approx(one[1].item(), rel=1e-6)
+    assert MoE(16, 24, num_experts=8, top_k=2)(x)[2].item() == 0  # (off: not computed)
+
+    cfg = compose(["model.seq_aux_loss_coef=0.5"]).model
+    model = build_model(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+    out = model(tokens, tokens)
+    assert out.seq_balance.item() > 0
+    assert out.loss.item() == pytest.approx((out.ce + cfg.aux_loss_coef * out.balance + 0.5 *
+                                             out.seq_balance + cfg.z_loss_coef * out.z).item())
+    from conftest import run_inproc
+
+    short = ["logger=none", "train.steps=2", "train.warmup_steps=1", "train.micro_batch_size=2",
+             "train.seq_len=16"]
+    rec = run_inproc([*short, "model.seq_aux_loss_coef=0.001"], tmp_path / "on")
+    assert rec["status"] == "ok" and rec["seq_aux_loss"] > 0
+    rec = run_inproc(short, tmp_path / "off")
+    assert rec["seq_aux_loss"] is None
+    assert rec["null_reasons"]["seq_aux_loss"] == "model.seq_aux_loss_coef=0: not computed"

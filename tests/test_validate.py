@@ -58,6 +58,7 @@ def test_a_memory_size_no_device_has_is_invalid_up_front(value):
     ("model=tiny_dense precision=bf16 precision.router_dtype=fp32", "precision.router_dtype: "),
     ("model=tiny_moe model.score_func=relu", "model.score_func: "),
     ("model=tiny_moe model.bias_update_rate=-0.001", "model.bias_update_rate: must be >= 0"),
+    ("model=tiny_moe model.seq_aux_loss_coef=-1", "model.seq_aux_loss_coef: must be >= 0"),
     ("model=tiny_deepseek train.attention=flash", "train.attention: flash needs q/k and "
      "value heads of one size; MLA's are 48"),
     ("model=tiny_moe model.capacity_factor=1 model.dispatch=padded model.pad_to_capacity=true "

@@ -42,6 +42,7 @@ class LoopResult:
     step_max_over_mean: float | None = None
     balance: float | None = None  # mean load-balancing loss over measured steps
     z: float | None = None
+    seq_balance: float | None = None  # the same per sequence (computed where weighted)
     steps_done: int = 0
     comm_ms: float | None = None  # per step, from the profiled last steps (distributed only)
     comm_share: float | None = None  # comm_ms / those profiled steps' own time
@@ -167,7 +168,8 @@ class _MoeStats:
     (read once at the end)."""
 
     def __init__(self, device, top_k: int):
-        self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # balance, z, busiest
+        # balance, z, busiest, sequence balance
+        self.sums = torch.zeros(4, dtype=torch.float64, device=device)
         self.n, self.counts, self.top_k, self.choices = 0, None, top_k, 0
 
     def add(self, out, tokens: int) -> None:
@@ -179,13 +181,14 @@ class _MoeStats:
         self.sums[0] += out.balance.detach()
         self.sums[1] += out.z.detach()
         self.sums[2] += out.counts.max(dim=1).values.sum()
+        self.sums[3] += out.seq_balance.detach()
         self.n += 1
 
     def into(self, res: LoopResult) -> None:
         res.counts, res.choices = self.counts, self.choices
         if self.n:  # (busiest: summed over micro-steps and layers, as the mean's rows)
-            balance, z, busiest = self.sums.tolist()
-            res.balance, res.z = balance / self.n, z / self.n
+            balance, z, busiest, seq = self.sums.tolist()
+            res.balance, res.z, res.seq_balance = balance / self.n, z / self.n, seq / self.n
             res.step_max_over_mean = busiest / (self.counts.sum().item() / self.counts.shape[1])
 
 

@@ -290,8 +290,11 @@ def _record_moe(cfg, rec: dict, res, model, device: torch.device, world: int) ->
         rec["expert_load_step_max_over_mean"] = res.step_max_over_mean
         rec["aux_loss"] = res.balance
         rec["z_loss"] = res.z
+        rec["seq_aux_loss"] = res.seq_balance if cfg.model.seq_aux_loss_coef else None
+        if rec["seq_aux_loss"] is None:
+            why["seq_aux_loss"] = "model.seq_aux_loss_coef=0: not computed"
     else:
-        for k in ("aux_loss", "expert_load_cv", "expert_load_max_over_mean",
+        for k in ("aux_loss", "seq_aux_loss", "expert_load_cv", "expert_load_max_over_mean",
                   "expert_load_step_max_over_mean", "moe_dispatch", "drop_rate", "dead_experts",
                   "expert_load_quantiles_per_layer"):
             rec[k] = None
@@ -420,5 +423,5 @@ def _across_ranks(res, tm: dict, mem: dict, device) -> None:
         dist.all_reduce(choices)
         res.choices = int(choices.item())
     if res.balance is not None:
-        res.balance, res.z = all_mean(torch.tensor([res.balance, res.z], dtype=torch.float64,
-                                                   device=dev)).tolist()
+        res.balance, res.z, res.seq_balance = all_mean(torch.tensor(
+            [res.balance, res.z, res.seq_balance], dtype=torch.float64, device=dev)).tolist()

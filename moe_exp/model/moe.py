@@ -233,6 +233,18 @@ class Router(nn.Module):
         return scores.topk(self.top_k, dim=-1).indices
 
 
+def seq_balance(probs: torch.Tensor, experts: torch.Tensor, batch: int) -> torch.Tensor:
+    """The sequence-wise balance loss (DeepSeek-V3's L_Bal; Megatron's seq_aux_loss): the
+    Switch loss of each sequence's own choices and scores, averaged over the sequences.
+    probs (B*S, E) rows in (sequence, position) order, experts (B*S, k) the choices."""
+    e = probs.shape[1]
+    choices = experts.reshape(batch, -1)  # (B, S*k)
+    counts = probs.new_zeros(batch, e).scatter_add_(1, choices,
+                                                    probs.new_ones(choices.shape))
+    frac = counts / choices.shape[1]
+    return e * (frac * probs.view(batch, -1, e).mean(dim=1)).sum(dim=1).mean()
+
+
 @torch.no_grad()
 def update_expert_bias(router: Router, counts: torch.Tensor) -> None:
     """After a step whose tokens went counts[e] to expert e: every expert's bias moves by
@@ -415,13 +427,15 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """Top-k MoE FFN, dropless unless capacity_factor (see capacity.py; pad_to_capacity: every
     expert padded to its capacity, one bmm per weight: static shapes), plus always-on shared
-    experts (one SwiGLU of shared_ffn, DeepSeek's; 0: none). Returns (output, aux losses,
-    tokens per expert: those computed). router: Router's options."""
+    experts (one SwiGLU of shared_ffn, DeepSeek's; 0: none). Returns (output, balance loss,
+    sequence balance loss (seq_aux; else 0), z-loss, tokens per expert: those computed).
+    router: Router's options."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
                  dispatch: str = "loop", routing: str = "learned", skew: float = 2.0,
                  shared_ffn: int = 0, capacity_factor: float | None = None,
-                 drop_policy: str = "score", pad_to_capacity: bool = False, **router):
+                 drop_policy: str = "score", pad_to_capacity: bool = False,
+                 seq_aux: bool = False, **router):
         super().__init__()
         if dispatch == "auto":  # unresolved (see resolve_dispatch): the portable choice
             dispatch = "loop"
@@ -437,7 +451,7 @@ class MoE(nn.Module):
         self.experts = Experts(num_experts, hidden_size, ffn_hidden_size)
         self.shared_experts = SwiGLU(hidden_size, shared_ffn) if shared_ffn else None
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
-        self.pad_to_capacity = pad_to_capacity
+        self.pad_to_capacity, self.seq_aux = pad_to_capacity, seq_aux
 
     def forward(self, x: torch.Tensor):
         shape = x.shape
@@ -454,12 +468,14 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x)
         if x.shape[0] == 0:  # no tokens, no aux losses (their means over none would be nan)
             zero = logits.sum()
-            return out.reshape(shape), zero, zero, counts
+            return out.reshape(shape), zero, zero, zero, counts
         # Switch load-balancing loss: E * sum_e (fraction of choices of e) * (mean prob of e)
         frac = chosen.to(probs.dtype) / experts.numel()
         balance = self.num_experts * (frac * probs.mean(dim=0)).sum()
+        seq = (seq_balance(probs, experts, shape[0] if len(shape) == 3 else 1)
+               if self.seq_aux else logits.new_zeros(()))
         z = torch.logsumexp(logits, dim=-1).square().mean()
-        return out.reshape(shape), balance, z, counts
+        return out.reshape(shape), balance, seq, z, counts
 
     def _with_capacity(self, x, weights, experts):
         """(T*k, H) outputs in (token, choice) order, zero where dropped; counts kept and

@@ -17,11 +17,12 @@ from .moe import MoE, SwiGLU
 
 
 class Output(NamedTuple):
-    loss: torch.Tensor  # ce + aux_loss_coef * balance + z_loss_coef * z (what is trained)
+    loss: torch.Tensor  # ce + the coefficients times the next three (what is trained)
     ce: torch.Tensor  # language-model cross-entropy
     balance: torch.Tensor  # Switch load-balancing loss, mean over MoE layers (0 if dense)
     z: torch.Tensor  # router z-loss, mean over MoE layers (0 if dense)
     counts: torch.Tensor  # (layers, experts) tokens routed to each expert; (0, 0) if dense
+    seq_balance: torch.Tensor  # the balance loss per sequence (0 where its coef is 0)
 
 
 class RMSNorm(nn.Module):
@@ -157,7 +158,8 @@ def make_moe(cfg) -> MoE:
                pad_to_capacity=bool(cfg.pad_to_capacity), score_func=cfg.score_func,
                route_norm=bool(cfg.route_norm), route_scale=float(cfg.route_scale),
                n_groups=int(cfg.n_groups), topk_groups=int(cfg.topk_groups),
-               bias_rate=float(cfg.bias_update_rate))
+               bias_rate=float(cfg.bias_update_rate),
+               seq_aux=float(cfg.seq_aux_loss_coef) > 0)
 
 
 class Block(nn.Module):
@@ -174,16 +176,16 @@ class Block(nn.Module):
             self.ffn = SwiGLU(cfg.hidden_size, size or cfg.ffn_hidden_size)
 
     def forward(self, x, cos, sin):
-        """Returns (x, balance, z, counts); the last three are zeros for a dense block."""
+        """Returns (x, balance, seq_balance, z, counts); zeros after x for a dense block."""
         x = x + self.attn(self.attn_norm(x), cos, sin)
         h = self.ffn_norm(x)
         if self.is_moe:
-            y, balance, z, counts = self.ffn(h)
+            y, balance, seq, z, counts = self.ffn(h)
         else:
             y = self.ffn(h)
-            balance = z = torch.zeros((), device=x.device)
+            balance = seq = z = torch.zeros((), device=x.device)
             counts = torch.zeros(0, dtype=torch.long, device=x.device)
-        return x + y, balance, z, counts
+        return x + y, balance, seq, z, counts
 
 
 class Transformer(nn.Module):
@@ -193,6 +195,7 @@ class Transformer(nn.Module):
         # config (it gave up on the rest of forward there)
         self.init_std, self.num_layers = float(cfg.init_std), int(cfg.num_layers)
         self.aux_loss_coef, self.z_loss_coef = float(cfg.aux_loss_coef), float(cfg.z_loss_coef)
+        self.seq_aux_loss_coef = float(cfg.seq_aux_loss_coef)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
@@ -216,11 +219,12 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> Output:
         x = self.embed(tokens)
-        balances, zs, counts = [], [], []
+        balances, seqs, zs, counts = [], [], [], []
         for layer in self.layers:
-            x, balance, z, c = layer(x, self.rope_cos, self.rope_sin)
+            x, balance, seq, z, c = layer(x, self.rope_cos, self.rope_sin)
             if layer.is_moe:
                 balances.append(balance)
+                seqs.append(seq)
                 zs.append(z)
                 counts.append(c)
         logits = self.head(self.norm(x))
@@ -228,11 +232,11 @@ class Transformer(nn.Module):
         if not counts:  # dense
             zero = torch.zeros((), device=x.device)
             return Output(ce, ce, zero, zero, torch.zeros(0, 0, dtype=torch.long,
-                                                          device=x.device))
-        balance = torch.stack(balances).mean()
-        z = torch.stack(zs).mean()
-        loss = ce + self.aux_loss_coef * balance + self.z_loss_coef * z
-        return Output(loss, ce, balance, z, torch.stack(counts))
+                                                          device=x.device), zero)
+        balance, seq, z = (torch.stack(v).mean() for v in (balances, seqs, zs))
+        loss = ce + self.aux_loss_coef * balance + self.seq_aux_loss_coef * seq + \
+            self.z_loss_coef * z
+        return Output(loss, ce, balance, z, torch.stack(counts), seq)
 
 
 def build_model(cfg) -> Transformer:
