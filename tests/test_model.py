@@ -50,7 +50,7 @@ def test_dispatch_matches_naive_reference(dispatch):
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.2)
     x = torch.randn(3, 7, 32, requires_grad=True)
-    out, balance, _, z, counts = moe(x)
+    out, balance, _, z, counts, _ = moe(x)
     assert counts.sum() == 3 * 7 * 2 and counts.shape == (6,)
     x_ref = x.detach().clone().requires_grad_()
     ref = naive_moe(moe, x_ref)
@@ -89,7 +89,7 @@ def test_router_options_match_the_reference_in_every_dispatch(router, dispatch):
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.2)
     x = torch.randn(3, 7, 32, requires_grad=True)
-    out, balance, _, z, counts = moe(x)
+    out, balance, _, z, counts, _ = moe(x)
     if "capacity_factor" in kw:  # 42 choices, capacity ceil(f * 42 / 6) each: some dropped
         cap = -(-kw["capacity_factor"] * 42 // 6)
         assert counts.max() <= cap and counts.sum() < 42
@@ -163,7 +163,7 @@ def test_set_routing_gives_the_load_asked_for(dispatch):
         for p in moe.parameters():
             torch.nn.init.normal_(p, std=0.2)
         x = torch.randn(4, 18, 32, requires_grad=True)  # 72 tokens, 144 choices: 24 each
-        out, _, _, _, counts = moe(x)
+        out, _, _, _, counts, _ = moe(x)
         load = (counts.max() / counts.float().mean()).item()
         if routing == "balanced":
             assert counts.tolist() == [24] * 6
@@ -203,7 +203,7 @@ def test_router_weights_renormalised_and_aux_losses():
     assert (experts[:, 0] != experts[:, 1]).all()
     # A perfectly uniform router gives a Switch balance loss of exactly 1.
     torch.nn.init.zeros_(moe.router.gate.weight)
-    _, balance, _, z, counts = moe(torch.randn(64, 16))
+    _, balance, _, z, counts, _ = moe(torch.randn(64, 16))
     assert balance.item() == pytest.approx(1.0, abs=1e-6)
     assert z.item() == pytest.approx(torch.log(torch.tensor(4.0)).item() ** 2, rel=1e-5)
 
@@ -278,7 +278,7 @@ def test_padded_dispatch_with_one_hot_expert_matches_loop(monkeypatch):
     b = MoE(16, 24, num_experts=8, top_k=2, dispatch="loop")
     b.load_state_dict(a.state_dict())
     x = torch.randn(512, 16).abs()
-    ya, _, _, _, counts = a(x)
+    ya, _, _, _, counts, _ = a(x)
     assert counts[2:].sum() == 0
     torch.testing.assert_close(ya, b(x)[0], rtol=1e-5, atol=1e-6)
     assert not bmm_calls
@@ -399,7 +399,7 @@ def test_moe_on_no_tokens(dispatch, options):
     """An empty batch gives an empty output and zero (not nan) aux losses (an expert-parallel
     rank may get none): with group-limited routing and token capacity too."""
     moe = MoE(8, 12, 4, 2, dispatch=dispatch, **options)
-    out, balance, _, z, counts = moe(torch.zeros(0, 3, 8, requires_grad=True))
+    out, balance, _, z, counts, _ = moe(torch.zeros(0, 3, 8, requires_grad=True))
     (out.sum() + balance + z).backward()
     assert out.shape == (0, 3, 8) and counts.tolist() == [0, 0, 0, 0]
     assert balance.item() == 0 and z.item() == 0
@@ -489,28 +489,33 @@ def test_pad_capacity_rounds_up_and_judges_balance_on_the_real_rows():
 
 def test_aux_free_bias_balances_a_skewed_router_and_is_state_not_a_parameter(tmp_path):
     """model.bias_update_rate: with the router's weights fixed toward a few experts, the
-    bias alone brings the load's CV down within a few dozen steps; the bias is in the
-    model's state dict, never among its parameters (nor so the optimizer's), centred at 0,
-    and only the choice sees it (weights stay the router's scores). A run records its
-    spread."""
+    bias alone brings the load's CV down within a few dozen steps, with a capacity too (it
+    follows the load routed, not the load kept: at capacity 1.0 every overloaded expert
+    keeps the mean); the bias is in the model's state dict, never among its parameters
+    (nor so the optimizer's), centred at 0, and only the choice sees it (weights stay the
+    router's scores). A run records its spread."""
     from moe_exp.bench.balance import BiasBalancer, bias_spread
 
-    torch.manual_seed(0)
-    moe = MoE(32, 16, num_experts=8, top_k=2, score_func="sigmoid", bias_rate=0.02)
-    with torch.no_grad():
-        moe.router.gate.weight.normal_(std=0.3)
-        moe.router.gate.weight[:2] += 0.5  # experts 0 and 1 favoured
-    assert "router.expert_bias" in moe.state_dict()
-    assert all("bias" not in n for n, _ in moe.named_parameters())
-    balancer = BiasBalancer(moe)
-    cvs = []
-    for _ in range(40):
-        counts = moe(torch.randn(128, 32) + 0.5)[4].float()
-        cvs.append((counts.std(unbiased=False) / counts.mean()).item())
-        balancer.add(counts[None])
-        balancer.step()
-    assert cvs[0] > 0.5 and sum(cvs[-5:]) / 5 < 0.4 * cvs[0], cvs
-    assert abs(moe.router.expert_bias.sum().item()) < 1e-5
+    for cap in (None, 1.0):
+        torch.manual_seed(0)
+        moe = MoE(32, 16, num_experts=8, top_k=2, score_func="sigmoid", bias_rate=0.02,
+                  capacity_factor=cap)
+        with torch.no_grad():
+            moe.router.gate.weight.normal_(std=0.3)
+            moe.router.gate.weight[:2] += 0.5  # experts 0 and 1 favoured
+        assert "router.expert_bias" in moe.state_dict()
+        assert all("bias" not in n for n, _ in moe.named_parameters())
+        balancer = BiasBalancer(moe)
+        cvs = []
+        for _ in range(40):
+            *_, kept, routed = moe(torch.randn(128, 32) + 0.5)
+            if not cvs:  # (the favoured experts' choices over capacity are dropped)
+                assert routed.sum() == 128 * 2 and (kept.sum() < 256) == (cap is not None)
+            cvs.append((routed.float().std(unbiased=False) / routed.float().mean()).item())
+            balancer.add(routed[None])
+            balancer.step()
+        assert cvs[0] > 0.5 and sum(cvs[-5:]) / 5 < 0.4 * cvs[0], (cap, cvs)
+        assert abs(moe.router.expert_bias.sum().item()) < 1e-5
     assert bias_spread(moe) == pytest.approx(
         (moe.router.expert_bias.max() - moe.router.expert_bias.min()).item())
     x = torch.randn(10, 32)
@@ -533,7 +538,7 @@ def test_sequence_balance_loss_is_the_switch_loss_per_sequence(tmp_path):
     torch.manual_seed(0)
     moe = MoE(16, 24, num_experts=8, top_k=2, score_func="sigmoid", seq_aux=True)
     x = torch.randn(3, 10, 16)
-    _, balance, seq, _, _ = moe(x)
+    _, balance, seq, _, _, _ = moe(x)
     _, probs, _, experts = moe.router(x.reshape(-1, 16))
     per_seq = []
     for p, e in zip(probs.view(3, 10, 8), experts.view(3, 10 * 2)):

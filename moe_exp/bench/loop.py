@@ -282,7 +282,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                 step_loss += out.ce.detach() / accum
                 if win.measured(step):
                     moe.add(out, tokens.numel())
-                balancer.add(out.counts)
+                balancer.add(out.routed)
             res.lrs.append(optimizer.param_groups[0]["lr"])
             optimizer_step(cfg, applied, optimizer, scheduler, scaler, params, timer)
             balancer.step()

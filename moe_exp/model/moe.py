@@ -428,8 +428,8 @@ class MoE(nn.Module):
     """Top-k MoE FFN, dropless unless capacity_factor (see capacity.py; pad_to_capacity: every
     expert padded to its capacity, one bmm per weight: static shapes), plus always-on shared
     experts (one SwiGLU of shared_ffn, DeepSeek's; 0: none). Returns (output, balance loss,
-    sequence balance loss (seq_aux; else 0), z-loss, tokens per expert: those computed).
-    router: Router's options."""
+    sequence balance loss (seq_aux; else 0), z-loss, tokens per expert: those computed,
+    and those the router chose, before any drop). router: Router's options."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
                  dispatch: str = "loop", routing: str = "learned", skew: float = 2.0,
@@ -468,14 +468,14 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x)
         if x.shape[0] == 0:  # no tokens, no aux losses (their means over none would be nan)
             zero = logits.sum()
-            return out.reshape(shape), zero, zero, zero, counts
+            return out.reshape(shape), zero, zero, zero, counts, chosen
         # Switch load-balancing loss: E * sum_e (fraction of choices of e) * (mean prob of e)
         frac = chosen.to(probs.dtype) / experts.numel()
         balance = self.num_experts * (frac * probs.mean(dim=0)).sum()
         seq = (seq_balance(probs, experts, shape[0] if len(shape) == 3 else 1)
                if self.seq_aux else logits.new_zeros(()))
         z = torch.logsumexp(logits, dim=-1).square().mean()
-        return out.reshape(shape), balance, seq, z, counts
+        return out.reshape(shape), balance, seq, z, counts, chosen
 
     def _with_capacity(self, x, weights, experts):
         """(T*k, H) outputs in (token, choice) order, zero where dropped; counts kept and

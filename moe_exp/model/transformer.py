@@ -23,6 +23,7 @@ class Output(NamedTuple):
     z: torch.Tensor  # router z-loss, mean over MoE layers (0 if dense)
     counts: torch.Tensor  # (layers, experts) tokens routed to each expert; (0, 0) if dense
     seq_balance: torch.Tensor  # the balance loss per sequence (0 where its coef is 0)
+    routed: torch.Tensor  # counts' shape: the router's choices, before any capacity drop
 
 
 class RMSNorm(nn.Module):
@@ -176,16 +177,17 @@ class Block(nn.Module):
             self.ffn = SwiGLU(cfg.hidden_size, size or cfg.ffn_hidden_size)
 
     def forward(self, x, cos, sin):
-        """Returns (x, balance, seq_balance, z, counts); zeros after x for a dense block."""
+        """Returns (x, balance, seq_balance, z, counts, routed counts); zeros after x for a
+        dense block."""
         x = x + self.attn(self.attn_norm(x), cos, sin)
         h = self.ffn_norm(x)
         if self.is_moe:
-            y, balance, seq, z, counts = self.ffn(h)
+            y, balance, seq, z, counts, routed = self.ffn(h)
         else:
             y = self.ffn(h)
             balance = seq = z = torch.zeros((), device=x.device)
-            counts = torch.zeros(0, dtype=torch.long, device=x.device)
-        return x + y, balance, seq, z, counts
+            counts = routed = torch.zeros(0, dtype=torch.long, device=x.device)
+        return x + y, balance, seq, z, counts, routed
 
 
 class Transformer(nn.Module):
@@ -219,24 +221,25 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> Output:
         x = self.embed(tokens)
-        balances, seqs, zs, counts = [], [], [], []
+        balances, seqs, zs, counts, routed = [], [], [], [], []
         for layer in self.layers:
-            x, balance, seq, z, c = layer(x, self.rope_cos, self.rope_sin)
+            x, balance, seq, z, c, r = layer(x, self.rope_cos, self.rope_sin)
             if layer.is_moe:
                 balances.append(balance)
                 seqs.append(seq)
                 zs.append(z)
                 counts.append(c)
+                routed.append(r)
         logits = self.head(self.norm(x))
         ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         if not counts:  # dense
             zero = torch.zeros((), device=x.device)
-            return Output(ce, ce, zero, zero, torch.zeros(0, 0, dtype=torch.long,
-                                                          device=x.device), zero)
+            none = torch.zeros(0, 0, dtype=torch.long, device=x.device)
+            return Output(ce, ce, zero, zero, none, zero, none)
         balance, seq, z = (torch.stack(v).mean() for v in (balances, seqs, zs))
         loss = ce + self.aux_loss_coef * balance + self.seq_aux_loss_coef * seq + \
             self.z_loss_coef * z
-        return Output(loss, ce, balance, z, torch.stack(counts), seq)
+        return Output(loss, ce, balance, z, torch.stack(counts), seq, torch.stack(routed))
 
 
 def build_model(cfg) -> Transformer:
