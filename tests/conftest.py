@@ -45,13 +45,20 @@ def run_inproc(overrides, out_dir):
 
 
 def run_cli(args, cwd, timeout=300, env=None):
-    """`python -m moe_exp.run ARGS` in a subprocess."""
-    from forkrun import forkable, run_module
+    """`python -m moe_exp.run ARGS` in a process of its own."""
+    return python(["-m", "moe_exp.run", *args], cwd, timeout, env)
+
+
+def python(argv, cwd, timeout=300, env=None):
+    """`python ARGV` (`-m MODULE ...` or `SCRIPT ...`) in a process of its own, its output
+    captured: forked from a server that imported torch once where the environment allows
+    (tests/forkrun.py), else a fresh interpreter."""
+    from forkrun import forkable, run
 
     e = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    if forkable(e):  # (its imports done once: tests/forkrun.py)
-        return run_module("moe_exp.run", args, cwd, e, timeout)
-    return subprocess.run([sys.executable, "-m", "moe_exp.run", *args], cwd=cwd, env=e,
+    if forkable(e):
+        return run(argv, cwd, e, timeout)
+    return subprocess.run([sys.executable, *map(str, argv)], cwd=cwd, env=e,
                           capture_output=True, text=True, timeout=timeout)
 
 

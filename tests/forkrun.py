@@ -1,4 +1,4 @@
-"""`python -m moe_exp.run ARGS` as a process of its own, forked from a server that imported
+"""`python -m MODULE ARGS` or `python SCRIPT ARGS` as a process of its own, forked from a server that imported
 torch, dynamo and the package once (multiprocessing's forkserver): the command's own pid,
 exit code, output, environment and cwd, without its ~4 CPU-s of imports each (most of a
 short run's cost on 2 cores). An environment that differs from the server's in a variable
@@ -34,25 +34,26 @@ def forkable(env: dict) -> bool:
     return all(env.get(k) == seen.get(k) for k in {*env, *seen} - RUNTIME)
 
 
-def run_module(module, args, cwd, env, timeout):
-    """subprocess.run([python, -m, module, *args], cwd, env, capture_output, text, timeout)
-    in a forked process; a CompletedProcess (TimeoutExpired past timeout, the process
-    killed)."""
+def run(argv, cwd, env, timeout):
+    """subprocess.run([python, *argv], cwd, env, capture_output, text, timeout), argv
+    `-m MODULE ARGS` or `SCRIPT ARGS`, in a forked process; a CompletedProcess
+    (TimeoutExpired past timeout, the process killed)."""
+    argv = [str(a) for a in argv]
     with tempfile.TemporaryDirectory() as tmp:  # (its output: files by name; a forkserver's
         out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")  # child gets no fds)
-        p = _context().Process(target=_child, args=(module, list(args), str(cwd), env, out, err))
+        p = _context().Process(target=_child, args=(argv, str(cwd), env, out, err))
         p.start()
         p.join(timeout)
         if p.exitcode is None:
             p.kill()
             p.join()
-            raise subprocess.TimeoutExpired([module, *args], timeout)
+            raise subprocess.TimeoutExpired(argv, timeout)
         texts = [open(f, "rb").read().decode(errors="replace") if os.path.exists(f) else ""
                  for f in (out, err)]
-    return subprocess.CompletedProcess([module, *args], p.exitcode, *texts)
+    return subprocess.CompletedProcess(argv, p.exitcode, *texts)
 
 
-def _child(module, args, cwd, env, out, err):
+def _child(argv, cwd, env, out, err):
     for path, fd in ((out, 1), (err, 2)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(f, fd)
@@ -60,11 +61,16 @@ def _child(module, args, cwd, env, out, err):
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    sys.path.insert(0, cwd)  # as `python -m` puts the cwd first
-    sys.argv = [module, *args]
+    module = argv[1] if argv[0] == "-m" else None
+    sys.argv = argv[1:] if module else argv
+    # as python puts the cwd (-m) or the script's folder first
+    sys.path.insert(0, cwd if module else os.path.dirname(os.path.abspath(argv[0])))
     code = 0
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if module:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
         if not isinstance(e.code, int) and e.code is not None:

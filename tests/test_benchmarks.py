@@ -1,6 +1,5 @@
 """The scripts under benchmarks/ run end to end (tiny settings) and write what they promise."""
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,8 +9,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def bench(script, *args, timeout=600):
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT,
-                       capture_output=True, text=True, timeout=timeout)
+    from conftest import python
+
+    p = python([ROOT / "benchmarks" / script, *args], ROOT, timeout)
     assert p.returncode == 0, p.stderr[-3000:]
     return p.stdout
 

@@ -1,14 +1,12 @@
 """Data sources: the learnable markov default and memory-mapped token files."""
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from moe_exp.data import MarkovTokens, TokenFile, prepare, read_meta
 
-from conftest import ROOT, compose, run_inproc
+from conftest import ROOT, compose, python, run_inproc
 
 
 def rows(ds) -> torch.Tensor:
@@ -50,8 +48,7 @@ def test_prepare_cli_and_token_source_run(tmp_path, monkeypatch):
     text = tmp_path / "a.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
     out = tmp_path / "corpus.bin"
-    p = subprocess.run([sys.executable, "-m", "moe_exp.data", "prepare", str(text), str(out)],
-                       capture_output=True, text=True, cwd=ROOT)
+    p = python(["-m", "moe_exp.data", "prepare", text, out], ROOT)
     assert p.returncode == 0, p.stderr
     meta = read_meta(out)
     assert meta["vocab_size"] == 256 and meta["num_tokens"] == len(text.read_bytes()) + 1

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import ROOT, cli_inproc, in_pairs, off_contract, run_cli
+from conftest import ROOT, cli_inproc, off_contract, python, run_cli
 
 CASES = f"hydra.searchpath=[file://{ROOT / 'tests' / 'sweep_cases'}]"
 pytestmark = pytest.mark.slow
@@ -302,35 +302,25 @@ def test_compare_flags_planted_regression_and_passes_unchanged(swept, tmp_path):
 
 
 def run_compare(*args):
-    return subprocess.run([sys.executable, "-m", "moe_exp.compare", *map(str, args)],
-                          capture_output=True, text=True, env={**os.environ,
-                                                               "PYTHONPATH": str(ROOT)})
+    return python(["-m", "moe_exp.compare", *args], ROOT)
 
 
 def test_report_cli_rebuilds_with_chosen_baseline(swept, tmp_path):
     d0, _ = swept
     d = tmp_path / "s"
     shutil.copytree(d0, d, ignore=shutil.ignore_patterns("wandb", "results.*", "plots"))
-    r = subprocess.run([sys.executable, "-m", "moe_exp.report", str(d), "--baseline",
-                        "precision=bf16"], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = python(["-m", "moe_exp.report", str(d), "--baseline", "precision=bf16"], ROOT)
     assert r.returncode == 0, r.stderr
     df = pd.read_parquet(d / "results.parquet")
     assert list(df["baseline"]) == [False, True, False, False]
     assert df.loc[1, "speedup"] == 1.0
     assert (d / "plots" / "pareto.png").is_file() and (d / "report.md").is_file()
-    bad = subprocess.run([sys.executable, "-m", "moe_exp.report", str(d), "--baseline",
-                          "colour=red"], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    bad = python(["-m", "moe_exp.report", str(d), "--baseline", "colour=red"], ROOT)
     assert bad.returncode == 2 and "--baseline: 'colour'" in bad.stderr
-    bad_by = subprocess.run([sys.executable, "-m", "moe_exp.report", str(d), "--by",
-                             "modle"], capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    bad_by = python(["-m", "moe_exp.report", str(d), "--by", "modle"], ROOT)
     assert bad_by.returncode == 2 and "--by: 'modle'" in bad_by.stderr
     before = (d / "results.csv").read_text()
-    none = subprocess.run([sys.executable, "-m", "moe_exp.report", str(d), "--baseline",
-                           "precision=fp16"], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    none = python(["-m", "moe_exp.report", str(d), "--baseline", "precision=fp16"], ROOT)
     assert none.returncode == 2 and "no finished" in none.stderr
     assert (d / "results.csv").read_text() == before  # tables left as they were
 
@@ -351,14 +341,11 @@ def test_report_keeps_the_sweeps_own_baseline(bf16_baseline, tmp_path):
     d = tmp_path / "s"
     shutil.copytree(bf16_baseline, d)  # (the fixture's tables stay as the sweep wrote them)
     assert list(pd.read_parquet(d / "results.parquet")["baseline"]) == [False, True]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    again = subprocess.run([sys.executable, "-m", "moe_exp.report", str(d), "--no-plots"],
-                           capture_output=True, text=True, env=env)
+    again = python(["-m", "moe_exp.report", str(d), "--no-plots"], ROOT)
     assert again.returncode == 0, again.stderr
     assert "the sweep's own, precision=bf16" in again.stderr
     assert list(pd.read_parquet(d / "results.parquet")["baseline"]) == [False, True]
-    default = subprocess.run([sys.executable, "-m", "moe_exp.report", str(d), "--no-plots",
-                              "--baseline"], capture_output=True, text=True, env=env)
+    default = python(["-m", "moe_exp.report", str(d), "--no-plots", "--baseline"], ROOT)
     assert default.returncode == 0, default.stderr
     assert list(pd.read_parquet(d / "results.parquet")["baseline"]) == [True, False]
 
