@@ -1,9 +1,10 @@
-"""`python -m MODULE ARGS` or `python SCRIPT ARGS` as a process of its own, forked from a server that imported
-torch, dynamo and the package once (multiprocessing's forkserver): the command's own pid,
-exit code, output, environment and cwd, without its ~4 CPU-s of imports each (most of a
-short run's cost on 2 cores). An environment that differs from the server's in a variable
-read at import time (OMP_NUM_THREADS, TORCHINDUCTOR_*) gets a fresh interpreter instead.
-Tests of a process's start itself (signals, the memory baseline) use subprocess directly."""
+"""`python -m MODULE ARGS` or `python SCRIPT ARGS` as a process of its own, forked from a
+server that imported torch, dynamo and the package once (multiprocessing's forkserver): the
+command's own pid, exit code, output, environment and cwd, without its ~4 CPU-s of imports
+each (most of a short run's cost on 2 cores). An environment that differs from the
+server's in a variable read at import time (OMP_NUM_THREADS, TORCHINDUCTOR_*) gets a fresh
+interpreter instead. Tests of a process's start itself (signals, the memory baseline) use
+subprocess directly."""
 import atexit
 import multiprocessing as mp
 import os
@@ -48,9 +49,16 @@ def run(argv, cwd, env, timeout):
             p.kill()
             p.join()
             raise subprocess.TimeoutExpired(argv, timeout)
-        texts = [open(f, "rb").read().decode(errors="replace") if os.path.exists(f) else ""
-                 for f in (out, err)]
+        texts = [_text(f) for f in (out, err)]
     return subprocess.CompletedProcess(argv, p.exitcode, *texts)
+
+
+def _text(path: str) -> str:
+    """As subprocess's text=True reads it: universal newlines (a progress bar's \\r too)."""
+    if not os.path.exists(path):
+        return ""
+    with open(path, "rb") as f:
+        return f.read().decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")
 
 
 def _child(argv, cwd, env, out, err):
