@@ -112,7 +112,9 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
             rows.append(("NOTE", note))
     else:
         rows.append(("expert load", f"null: {why.get('expert_load_cv', '')}"))
-    rows.append(("loss", f"{r['loss_first']:.4f} → {r['loss_last']:.4f}"))
+    floor = r.get("loss_floor")
+    rows.append(("loss", f"{r['loss_first']:.4f} → {r['loss_last']:.4f}" +
+                 (f" (the data's floor {floor:.4f})" if floor is not None else "")))
     if ops := r.get("nondeterministic_ops"):
         rows.append(("WARNING", f"hardware.deterministic: {', '.join(ops)} ran without a "
                                 "deterministic kernel: the losses may not repeat"))

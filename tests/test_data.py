@@ -59,6 +59,7 @@ def test_prepare_cli_and_token_source_run(tmp_path, monkeypatch):
                       "train.micro_batch_size=2"], tmp_path / "run")
     assert rec["status"] == "ok" and rec["data"] == "tokens"
     assert rec["loss_last"] < rec["loss_first"]
+    assert rec["loss_floor"] is None and "not known" in rec["null_reasons"]["loss_floor"]
     # ~ is the home directory, as in a shell (quoted: Hydra's grammar has no bare ~)
     from moe_exp.run import prepare
 
@@ -212,3 +213,22 @@ def test_prepare_cli_output_errors_inputs_and_hints(tmp_path, capsys):
     for path in ["data/c.bin", "c:\\x\\y", 'a"b', "1e3", "null", "tail\\", "x'y", "a=b"]:
         word = shlex.split(path_override(path))[0]
         assert OverridesParser.create().parse_override(word).value() == path, path
+
+
+def test_markov_loss_floor_is_the_true_chains_loss(tmp_path):
+    """loss_floor: the true chain's own next-token loss on the samples (what no model can
+    beat), exact in expectation: 131k sampled tokens agree to 1e-3; one successor per
+    token, 0; a run records it (a corpus: null, with why)."""
+    from moe_exp.data.markov import MarkovTokens
+
+    ds = MarkovTokens(64, 32, 4096, 4, 0)
+    trans = torch.zeros(64, 64, dtype=torch.float64).scatter_add_(
+        1, ds.succ, torch.full(ds.succ.shape, 0.25, dtype=torch.float64))
+    nll = torch.cat([-trans[x, y].log() for x, y in (ds[i] for i in range(len(ds)))])
+    assert ds.loss_floor() == pytest.approx(nll.mean().item(), abs=1e-3)
+    assert ds.loss_floor() < math.log(4)  # (a successor listed twice: less than ln 4)
+    assert MarkovTokens(64, 32, 1, 1, 0).loss_floor() == 0
+    rec = run_inproc(["logger=none", "train.steps=2", "train.warmup_steps=1",
+                      "train.micro_batch_size=2", "train.seq_len=16"], tmp_path)
+    assert rec["loss_floor"] == MarkovTokens(256, 16, 1, 4, 0).loss_floor()
+    assert 0 < rec["loss_floor"] < rec["loss_last"]

@@ -230,6 +230,11 @@ def _record(cfg, rec: dict, res, device: torch.device, world: int) -> None:
         startup_s=res.startup_s if own_process() else None),
         loss_first=res.losses[0], loss_last=res.losses[-1], losses=res.losses,
         lrs=res.lrs, gc_ms=res.gc_ms, gc_collections=res.gc_collections)
+    from ..data import markov_floor
+
+    rec["loss_floor"] = markov_floor(cfg)
+    if rec["loss_floor"] is None:
+        why["loss_floor"] = "data=tokens: a corpus's lowest achievable loss is not known"
     if rec["step_time_iqr_ms"] is None:
         why["step_time_iqr_ms"] = "one timed step: an IQR needs two" + (
             f" (of train.steps={t.steps}, the last {t.steps - 1} ran under the profiler for "

@@ -7,7 +7,16 @@ from torch.utils.data import DataLoader, Subset
 from .markov import MarkovTokens
 from .tokens import TokenFile, prepare, read_meta
 
-__all__ = ["MarkovTokens", "TokenFile", "build_loader", "prepare", "read_meta"]
+__all__ = ["MarkovTokens", "TokenFile", "build_loader", "markov_floor", "prepare", "read_meta"]
+
+
+def markov_floor(cfg) -> float | None:
+    """The run's loss_floor (data=markov: MarkovTokens.loss_floor); None for a corpus."""
+    if cfg.data.source != "markov":
+        return None
+    t = cfg.train
+    return MarkovTokens(cfg.model.vocab_size, t.seq_len, 0, cfg.data.branching,
+                        t.seed).loss_floor()
 
 
 def build_loader(cfg, device: torch.device, num_samples: int, rank: int = 0,

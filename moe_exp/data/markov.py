@@ -1,8 +1,8 @@
 """Synthetic tokens with learnable structure: a fixed random Markov chain.
 
 Each token has `branching` successors chosen at random (from the seed); a sequence
-walks the chain. The best achievable loss is ln(branching) nats, far below the
-ln(vocab) of a fresh model, so a short run shows the loss falling.
+walks the chain. The best achievable loss (loss_floor) is about ln(branching) nats, far
+below the ln(vocab) of a fresh model, so a short run shows the loss falling.
 """
 from __future__ import annotations
 
@@ -37,6 +37,10 @@ class MarkovTokens(Dataset):
             self._cached = (c, data)
         return self._cached[1]
 
+    def loss_floor(self) -> float:
+        """The lowest expected loss any model can reach on these samples (loss_floor)."""
+        return loss_floor(self.succ, self.seq_len)
+
     def __len__(self) -> int:
         return self.num_samples
 
@@ -45,3 +49,25 @@ class MarkovTokens(Dataset):
             raise IndexError(i)
         row = self.chunk(i // CHUNK)[i % CHUNK]
         return row[:-1], row[1:]
+
+
+def loss_floor(succ: torch.Tensor, seq_len: int) -> float:
+    """The lowest expected cross-entropy (nats per token) of any model on sequences of the
+    chain `succ` (vocab, branching): at each of the seq_len positions, the entropy of the
+    next token given the current one (a successor listed twice is twice as likely), weighted
+    by where the chain stands there (the first token uniform), averaged over the positions.
+    Where the chain settles (its distribution stops moving), the rest of the positions are
+    the settled one's."""
+    v, b = succ.shape
+    same = (succ[:, :, None] == succ[:, None, :]).sum(-1).double()  # each listing's count
+    entropy = -(same / b).log().sum(1) / b  # (vocab,): H(next | current)
+    p = torch.full((v,), 1.0 / v, dtype=torch.float64)
+    total = 0.0
+    for t in range(seq_len):
+        here = float(p @ entropy)
+        nxt = torch.zeros(v, dtype=torch.float64).index_add_(
+            0, succ.reshape(-1), (p / b).repeat_interleave(b))
+        if float((nxt - p).abs().sum()) < 1e-13:  # settled
+            return (total + here * (seq_len - t)) / seq_len
+        total, p = total + here, nxt
+    return total / seq_len
