@@ -8,10 +8,15 @@ import torch.distributed as dist
 from ..model.moe import Router, update_expert_bias
 
 
+def bias_routers(model: torch.nn.Module) -> list[Router]:
+    """The routers with an aux-loss-free bias, in model order (the order of the MoE layers'
+    rows in the model's counts)."""
+    return [m for m in model.modules() if isinstance(m, Router) and m.bias_rate > 0]
+
+
 class BiasBalancer:
     def __init__(self, model: torch.nn.Module):
-        # (in model order: the order of the MoE layers' rows in the model's counts)
-        self.routers = [m for m in model.modules() if isinstance(m, Router) and m.bias_rate > 0]
+        self.routers = bias_routers(model)
         self.counts = None
 
     def add(self, counts: torch.Tensor) -> None:
@@ -33,6 +38,5 @@ class BiasBalancer:
 
 def bias_spread(model: torch.nn.Module) -> float | None:
     """The largest spread (max - min) of a layer's routing biases; None without them."""
-    spreads = [(r.expert_bias.max() - r.expert_bias.min()).item() for r in model.modules()
-               if isinstance(r, Router) and r.bias_rate > 0]
+    spreads = [(r.expert_bias.max() - r.expert_bias.min()).item() for r in bias_routers(model)]
     return max(spreads) if spreads else None

@@ -12,11 +12,12 @@ __all__ = ["MarkovTokens", "TokenFile", "build_loader", "markov_floor", "prepare
 
 def markov_floor(cfg) -> float | None:
     """The run's loss_floor (data=markov: MarkovTokens.loss_floor); None for a corpus."""
-    if cfg.data.source != "markov":
-        return None
-    t = cfg.train
-    return MarkovTokens(cfg.model.vocab_size, t.seq_len, 0, cfg.data.branching,
-                        t.seed).loss_floor()
+    return _markov(cfg, 0).loss_floor() if cfg.data.source == "markov" else None
+
+
+def _markov(cfg, num_samples: int) -> MarkovTokens:
+    return MarkovTokens(cfg.model.vocab_size, cfg.train.seq_len, num_samples,
+                        cfg.data.branching, cfg.train.seed)
 
 
 def build_loader(cfg, device: torch.device, num_samples: int, rank: int = 0,
@@ -28,7 +29,7 @@ def build_loader(cfg, device: torch.device, num_samples: int, rank: int = 0,
     d, t = cfg.data, cfg.train
     n = num_samples * world
     if d.source == "markov":
-        ds = MarkovTokens(cfg.model.vocab_size, t.seq_len, n, d.branching, t.seed)
+        ds = _markov(cfg, n)
     else:
         ds = TokenFile(d.path, t.seq_len, n, t.seed)
     if world > 1:
