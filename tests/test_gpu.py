@@ -124,3 +124,17 @@ def test_grouped_mm_uneven_and_empty_groups():
     for name, u, v in (("y", y, ref_y), ("x.grad", gx, ref_gx), ("w.grad", gw, ref_gw)):
         torch.testing.assert_close(u.float(), v, rtol=2e-2, atol=2e-1, msg=name)
     assert gw[1].abs().max() == 0 and gw[5].abs().max() == 0  # the empty experts
+
+
+@pytest.mark.parametrize("model,compile_", [("small_deepseek", "off"),
+                                           ("small_deepseek", "default"),
+                                           ("small_qwen3", "off")])
+def test_cuda_fine_grained_shared_and_sigmoid_routing_train(model, compile_, tmp_path):
+    # many small experts, a shared expert, sigmoid scores with the balancing bias and the
+    # per-sequence balance loss, all on the grouped CUDA path
+    rec = run_inproc(["precision=bf16", "logger=none", f"model={model}",
+                      f"train.compile={compile_}"], tmp_path)
+    assert rec["status"] == "ok", rec["error"]
+    assert rec["loss_last"] < rec["loss_first"]
+    if model == "small_deepseek":
+        assert rec["seq_aux_loss"] > 0
