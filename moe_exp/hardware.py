@@ -208,43 +208,29 @@ def setup_backends(cfg) -> None:
     set_deterministic(det)  # (and DETERMINISTIC_ENV: see env_for)
 
 
-# how torch words the warning of an op without a deterministic kernel (warn_only=True)
+# how torch words its refusal of an op without a deterministic kernel (set_deterministic)
 NONDETERMINISTIC = " does not have a deterministic implementation"
 
 
-@contextlib.contextmanager
-def nondeterministic_ops(on: bool):
-    """With hardware.deterministic: yields the set that collects the names of the ops that
-    ran without a deterministic kernel (torch warns of each: set_deterministic's
-    warn_only); every other warning is shown as before."""
-    ops: set[str] = set()
-    if not on:
-        yield ops
-        return
-    import warnings
-
-    with warnings.catch_warnings():
-        shown = warnings.showwarning
-        warnings.filterwarnings("always", message=".*" + NONDETERMINISTIC)
-
-        def show(message, *args, **kwargs):
-            text = str(message)
-            if NONDETERMINISTIC in text:
-                ops.add(text.split(NONDETERMINISTIC)[0].strip())
-            else:
-                shown(message, *args, **kwargs)
-
-        warnings.showwarning = show
-        yield ops
+def nondeterministic_error(e: BaseException) -> str | None:
+    """The one-line error of a run stopped by an op without a deterministic kernel, or None."""
+    text = str(e)
+    if NONDETERMINISTIC not in text:
+        return None
+    op = text.split(NONDETERMINISTIC)[0].strip().splitlines()[-1]
+    return (f"hardware.deterministic: {op} has no deterministic kernel, so torch refuses to "
+            "run it; set hardware.deterministic=false for this configuration")
 
 
 def set_deterministic(on: bool) -> None:
-    """hardware.deterministic: torch's deterministic algorithms (ops that have none warn;
-    inductor reads them when it lowers: eager's index_put instead of its atomic adds, e.g.
+    """hardware.deterministic: torch's deterministic algorithms, strict (an op that has no
+    deterministic kernel raises; warn_only would also leave the fused attention kernels'
+    backward on its atomic adds: on an H100 cuDNN attention's did, and losses differed),
+    which inductor reads when it lowers (eager's index_put instead of its atomic adds, e.g.
     in the embedding's backward), and inductor's own deterministic mode (kernels picked
     without timing them). Set both ways: a job in a shared process must not inherit the
     last one's."""
-    torch.use_deterministic_algorithms(on, warn_only=True)
+    torch.use_deterministic_algorithms(on)
     inductor = sys.modules.get("torch._inductor.config")
     if on and inductor is None:
         import torch._inductor.config as inductor

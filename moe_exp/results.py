@@ -36,7 +36,6 @@ EXTRAS = (
     "expert_load_max_over_mean_per_layer", "expert_load_step_max_over_mean", "moe_dispatch", "moe_padded_fallback_share",
     "router_bias_spread", "drop_rate", "dead_experts", "expert_load_quantiles_per_layer",
     "optim_impl", "peak_flops", "compile_cache_hit_share", "cudagraph_skips", "cpu_other_load",
-    "nondeterministic_ops",
     "job",
     "repeat", "repeats",
     "repeats_ok", "combined", "resumed_from",

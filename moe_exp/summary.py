@@ -115,9 +115,6 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
     floor = r.get("loss_floor")
     rows.append(("loss", f"{r['loss_first']:.4f} → {r['loss_last']:.4f}" +
                  (f" (the data's floor {floor:.4f})" if floor is not None else "")))
-    if ops := r.get("nondeterministic_ops"):
-        rows.append(("WARNING", f"hardware.deterministic: {', '.join(ops)} ran without a "
-                                "deterministic kernel: the losses may not repeat"))
     load = r.get("cpu_other_load")
     if busy(load):
         rows.append(("WARNING", f"other processes used {load:.0%} of this machine's CPU during "

@@ -282,15 +282,12 @@ def test_deterministic_makes_the_compiled_embedding_backward_repeat_eagers():
     assert not torch.are_deterministic_algorithms_enabled() and not inductor.deterministic
 
 
-def test_deterministic_runs_name_the_ops_without_a_deterministic_kernel(monkeypatch, tmp_path):
-    """hardware.deterministic warns of an op that has no deterministic kernel (warn_only):
-    the record names it and the summary warns (on an H200 such runs still differed, and the
-    op went unnamed); other warnings are shown as before; with the option off, null."""
-    import warnings
-
-    from moe_exp.hardware import nondeterministic_ops, set_deterministic
+def test_deterministic_runs_refuse_an_op_without_a_deterministic_kernel(monkeypatch, tmp_path):
+    """hardware.deterministic is torch's strict mode: an op with no deterministic kernel
+    stops the run with one line naming it (warn_only let such runs go on and, on GPUs, kept
+    the fused attention kernels' backward non-deterministic: on an H100 cuDNN's was)."""
+    from moe_exp.hardware import set_deterministic
     from moe_exp.model import transformer
-    from moe_exp.summary import summary_rows
 
     norm = transformer.RMSNorm.forward
 
@@ -302,18 +299,15 @@ def test_deterministic_runs_name_the_ops_without_a_deterministic_kernel(monkeypa
     tiny = ["logger=none", "train.steps=2", "train.warmup_steps=0", "train.micro_batch_size=1"]
     try:
         rec = run_inproc([*tiny, "hardware.deterministic=true"], tmp_path / "det")
-        with pytest.warns(UserWarning, match="other"), nondeterministic_ops(True) as ops:
-            torch.zeros(2).put_(torch.tensor([0]), torch.ones(1))
-            warnings.warn("other")
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
     finally:
         set_deterministic(False)
-    assert rec["status"] == "ok" and rec["nondeterministic_ops"] == ["put_"]
-    assert ops == {"put_"}
-    assert any(k == "WARNING" and "put_ ran without a deterministic kernel" in v
-               for k, v in summary_rows(rec))
+    assert rec["status"] == "error"
+    assert rec["error"].startswith("hardware.deterministic: put_ has no deterministic kernel")
+    assert "\n" not in rec["error"]
     off = run_inproc(tiny, tmp_path / "off")
-    assert off["nondeterministic_ops"] is None
-    assert off["null_reasons"]["nondeterministic_ops"] == "hardware.deterministic=false"
+    assert off["status"] == "ok" and not torch.are_deterministic_algorithms_enabled()
 
 
 def test_deterministic_cuda_runs_get_a_fixed_cublas_workspace(monkeypatch):

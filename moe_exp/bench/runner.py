@@ -66,7 +66,7 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
     global loss); other errors propagate so the launcher stops all ranks and names this one.
     Rank 0 alone logs to W&B, writes the record and prints the summary.
     shared: a later run of an in-process sweep (see shared_process)."""
-    from ..hardware import device_name, torch_device
+    from ..hardware import device_name, nondeterministic_error, torch_device
     from ..tracking import Tracker
 
     device = torch_device(cfg)
@@ -110,9 +110,11 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
         first = (str(e).strip().splitlines() or [""])[0][:300]
         if oom:
             first = oom_line(first, cap)
+        elif det := nondeterministic_error(e):
+            first = det
         rec.update(status="oom" if oom else "error",
-                   error=rank + (first if oom else f"{type(e).__name__}: {first} (see "
-                                                   f"{out_dir}/error.log)"))
+                   error=rank + (first if oom or det else f"{type(e).__name__}: {first} "
+                                                          f"(see {out_dir}/error.log)"))
         if d is not None:  # the launcher stops every rank (run.launch then records which
             # failed; under torchrun this record, rank 0's, says what rank 0 saw)
             raise
@@ -148,16 +150,9 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
     """Build, train the measured steps, record: the run as a plain training loop."""
     memory = MemoryMeter(device)
     applied, optimizer, scheduler, loader, world = _build(cfg, rec, device, memory, d)
-    from ..hardware import nondeterministic_ops
-
     cached = _graph_counts()
-    det = bool(cfg.hardware.deterministic)
-    with nondeterministic_ops(det) as ops:
-        res = train_loop(cfg, applied, optimizer, scheduler, loader, device, memory,
-                         _tracker_log(cfg, tracker), progress)
-    rec["nondeterministic_ops"] = sorted(ops) if det else None
-    if not det:
-        rec["null_reasons"]["nondeterministic_ops"] = "hardware.deterministic=false"
+    res = train_loop(cfg, applied, optimizer, scheduler, loader, device, memory,
+                     _tracker_log(cfg, tracker), progress)
     graphs = [a - b for a, b in zip(_graph_counts(), cached)]  # this run's
     _compile_cache(rec, cfg, *graphs[:4])
     _cudagraph_skips(rec, cfg, device, graphs[4])
