@@ -92,8 +92,10 @@ EXPERT = Reads("parallel.name", ("expert", "expert_fsdp"))
 MUON, WANDB = Reads("optim.name", ("muon",)), Reads("logger.name", ("wandb",))
 ATTENTION = ("auto", "flash", "efficient", "math", "cudnn", "flex")
 SCHEDULES = ("cosine", "linear", "constant", "wsd", "onecycle")
-BOTH = ("bench", "comm")  # keys task=comm reads too
+BOTH = ("bench", "comm")  # keys task=comm reads too (task=tune_batch reads bench's: Knob)
 COMM_TASK = ("comm",)
+TUNE_TASK = ("tune_batch",)
+TASKS = BOTH + TUNE_TASK
 
 
 @dataclass
@@ -356,6 +358,14 @@ class TrainConfig:
 
 
 @dataclass
+class TuneConfig:
+    """task=tune_batch: the micro-batch search (probes from train.micro_batch_size)."""
+    multiple: int = knob(1, "micro-batch sizes probed are multiples of this (the search's "
+                         "resolution)", tasks=TUNE_TASK)
+    max_micro_batch: int = knob(4096, "the doubling stops here", tasks=TUNE_TASK)
+
+
+@dataclass
 class CommConfig:
     """task=comm: collective latency and bus bandwidth over message sizes."""
     ops: List[str] = knob(doc="collectives measured", tasks=COMM_TASK, factory=lambda: [
@@ -397,8 +407,10 @@ class RunConfig:
     train: TrainConfig = group(TrainConfig, "the measured loop")
     sweep: SweepConfig = group(SweepConfig, "how a multirun runs", hashed=False)
     comm: CommConfig = group(CommConfig, "task=comm's collectives")
-    task: str = knob("bench", "what a run does: bench (train and measure) | comm (collectives)",
-                     choices=BOTH, tasks=BOTH)
+    tune: TuneConfig = group(TuneConfig, "task=tune_batch's micro-batch search")
+    task: str = knob("bench", "what a run does: bench (train and measure) | comm (collectives)"
+                     " | tune_batch (the largest and the fastest micro-batch that fit)",
+                     choices=TASKS, tasks=TASKS)
     extra: Dict[str, Any] = field(default_factory=dict, metadata={  # free-form notes
         "knob": Knob("free-form labels, kept in the record"), "hashed": False})
 

@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+LIKE_BENCH = ("tune_batch",)  # tasks that read every key bench reads
 NEW = object()  # a key that existed from the start: always part of the config hash
 
 
@@ -56,6 +57,11 @@ class Knob:
     unread: str = "default"
     unread_ok: bool = False
     off: Any = None  # the value that means "this optimization off" (the table's baseline)
+
+    def read_in(self, task: str) -> bool:
+        """Whether `task` reads this key (task=tune_batch's probes are bench runs: it reads
+        what bench reads, and its own keys)."""
+        return task in self.tasks or task in LIKE_BENCH and "bench" in self.tasks
 
 
 def knob(default: Any = dataclasses.MISSING, doc: str = "", *, factory=None,

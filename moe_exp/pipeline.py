@@ -117,6 +117,10 @@ def distributed_run(cfg) -> bool:
 def _run(cfg: DictConfig, out_dir: Path, overrides, choices, progress,
          shared_process: bool = False) -> dict | None:
     cfg_dict = container(cfg)
+    if cfg.task == "tune_batch":  # (its probes are runs of their own, with their ranks)
+        from .bench.tune import tune_batch
+
+        return tune_batch(cfg, cfg_dict, out_dir, overrides, progress)
     if distributed_run(cfg):
         from .distributed import is_rank
 

@@ -36,6 +36,7 @@ EXTRAS = (
     "expert_load_max_over_mean_per_layer", "expert_load_step_max_over_mean", "moe_dispatch", "moe_padded_fallback_share",
     "router_bias_spread", "drop_rate", "dead_experts", "expert_load_quantiles_per_layer",
     "optim_impl", "peak_flops", "compile_cache_hit_share", "cudagraph_skips", "cpu_other_load",
+    "tune_max_micro_batch", "tune_best_micro_batch", "tune_limit", "tune_probes",
     "job",
     "repeat", "repeats",
     "repeats_ok", "combined", "resumed_from",
@@ -86,10 +87,10 @@ def hashed_view(cfg_dict: dict) -> dict:
     if task != "bench":  # only what this task reads: of a group, its keys that it reads
         out = {}
         for k, v in keep.items():
-            if k == "world_size" or k in KNOBS and task in KNOBS[k].tasks:
+            if k == "world_size" or k in KNOBS and KNOBS[k].read_in(task):
                 out[k] = v
             elif isinstance(v, dict):
-                mine = [n for n in KNOBS if n.startswith(f"{k}.") and task in KNOBS[n].tasks]
+                mine = [n for n in KNOBS if n.startswith(f"{k}.") and KNOBS[n].read_in(task)]
                 if mine:
                     out[k] = {n.split(".", 1)[1]: v.get(n.split(".", 1)[1]) for n in mine}
         keep = out
@@ -98,7 +99,7 @@ def hashed_view(cfg_dict: dict) -> dict:
         node = keep.get(head)
         if not leaf or not isinstance(node, dict) or leaf not in node:
             continue
-        read = task in knob.tasks and (not knob.read_by or any(r.holds(get)
+        read = knob.read_in(task) and (not knob.read_by or any(r.holds(get)
                                                                 for r in knob.read_by))
         if not read and knob.unread == "drop":
             del node[leaf]

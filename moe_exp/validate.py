@@ -368,11 +368,11 @@ def _world_size(devices: int) -> int:
 def check_parallel(cfg) -> None:
     p, hw, m = cfg.parallel, cfg.hardware, cfg.model
     n = hw.devices
-    if p.name == "none" and n != 1 and cfg.task == "bench":
+    if p.name == "none" and n != 1 and cfg.task != "comm":
         raise ConfigError("hardware.devices", f"parallel=none runs one rank; got hardware."
                           f"devices={n} (use parallel=ddp, fsdp, hsdp, expert or expert_fsdp)")
     launched = _world_size(n)
-    if p.name == "none" and launched > 1 and cfg.task == "bench":
+    if p.name == "none" and launched > 1 and cfg.task != "comm":
         raise ConfigError("parallel", f"launched as {launched} ranks (torchrun), but "
                           "parallel=none runs one: set parallel=ddp, fsdp, hsdp, expert or "
                           "expert_fsdp")
@@ -517,7 +517,7 @@ def unread_keys(cfg, overrides=()) -> dict[str, tuple[tuple[str, ...], str, Conf
     out = {}
     get = lambda k: OmegaConf.select(cfg, k, throw_on_missing=False)  # noqa: E731
     for key, knob in KNOBS.items():
-        if not knob.read_by or knob.unread_ok or cfg.task not in knob.tasks or \
+        if not knob.read_by or knob.unread_ok or not knob.read_in(cfg.task) or \
                 any(r.holds(get) for r in knob.read_by):
             continue
         value = get(key)
@@ -634,6 +634,14 @@ def check_comm(cfg) -> None:
         raise ConfigError("comm.max_bytes", f"must be >= comm.min_bytes={c.min_bytes}")
 
 
+def check_tune(cfg) -> None:
+    _at_least(cfg, "tune.multiple", 1)
+    t = cfg.tune
+    if t.max_micro_batch < t.multiple:
+        raise ConfigError("tune.max_micro_batch", f"must be >= tune.multiple={t.multiple}, "
+                          f"got {t.max_micro_batch}")
+
+
 def check_sweep(cfg) -> None:
     _at_least(cfg, "sweep.repeats", 1)
     t = cfg.sweep.job_timeout_s
@@ -681,7 +689,7 @@ def check_memory(cfg) -> None:
                           f"hardware={cfg.hardware.name} has {_gib(mem)} GiB (shard it: "
                           "parallel=fsdp or expert_fsdp over more devices, or a smaller model)")
     act = activation_lower_bound(cfg) * local / 2**30
-    if need + act > mem:
+    if need + act > mem and cfg.task == "bench":  # (tune_batch's probes check their own)
         t = cfg.train
         raise Unsupported("train.micro_batch_size", f"{t.micro_batch_size} x seq_len "
                           f"{t.seq_len} needs >= {_gib(act)} GiB of activations per step "
@@ -733,6 +741,7 @@ def validate(cfg, overrides=(), in_sweep: bool = False) -> None:
     check_optim(cfg)
     check_sweep(cfg)
     check_comm(cfg)
+    check_tune(cfg)
     check_logger(cfg)
     # what this machine cannot do, or is not ready for (a sweep's row says which)
     device_here(cfg)

@@ -436,6 +436,7 @@ def compact(df):
     # routing columns where a row has them: the load (a MoE), the drops (token capacity)
     load = "expert_load_max_over_mean" in df and df["expert_load_max_over_mean"].notna().any()
     drops = "drop_rate" in df and (df["drop_rate"].fillna(0) > 0).any()
+    tune = "tune_max_micro_batch" in df and df["tune_max_micro_batch"].notna().any()
     rows = []
     for _, r in df.iterrows():
         sp = _fmt(r["speedup"], ".2f", "×")
@@ -443,6 +444,9 @@ def compact(df):
             sp += " (n.s.)"
         row = {"job": r["job"], "combination": r["label"], "status": r["status"],
                "tokens/s": _fmt(r["tokens_per_s"], ",.0f")}
+        if tune:  # task=tune_batch: the largest micro-batch that fit, and the fastest
+            row.update({"largest mbs": _fmt(r["tune_max_micro_batch"], ".0f"),
+                        "fastest mbs": _fmt(r["tune_best_micro_batch"], ".0f")})
         if reps:
             lo, hi, med = _num(r["tokens_per_s_min"]), _num(r["tokens_per_s_max"]), \
                 _num(r["tokens_per_s"])
