@@ -13,9 +13,10 @@
 #   det      ab_runs.py: hardware.deterministic's cost at moe_1b             46 s
 #   attention  attention.py at moe_1b bf16 (flash, efficient, cudnn, math, flex, auto),
 #            then ab_runs.py: hardware.cudnn_benchmark off vs on (seed 002)   79 s
+#   tune     task=tune_batch at moe_1b bf16, checkpointing none and full (H100: 121 s)
 #
-# (times measured on an H200, 2026-11-26; the machine's start adds a minute or two.) Each
-# stage's JSON is written after every row and its printout goes to <stage>.txt beside it
+# (times measured on an H200, 2026-11-26, tune on an H100; the machine's start adds a
+# minute or two.) Each stage's JSON is written after every row and its printout goes to <stage>.txt beside it
 # (mfu: mfu-<MFU_RUNS>.txt), all under benchmarks/results/<gpu>-<date>/. A failing stage
 # does not stop the next; the exit code says whether any failed. Where $OUT is set (the
 # lent machine), the results dir is packed into $OUT/results-<stages>.tgz after every stage
@@ -23,7 +24,7 @@
 # Pass GIT_SHA=<commit> (the device's copy has no .git): it goes into provenance-<pack>.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGES=(check layer mfu compile optim det attention)
+STAGES=(check layer mfu compile optim det attention tune)
 for s in "$@"; do  # all checked before any work
   [[ " ${STAGES[*]} " == *" $s "* ]] || {
     echo "error: stage '$s' is not one of: ${STAGES[*]}" >&2; exit 2; }
@@ -57,6 +58,9 @@ stage() {  # NAME: the stage's commands
            --variant "on:hardware.cudnn_benchmark=true" --json "$res/cudnn_benchmark.json" -- \
            logger=none model=moe_1b precision=bf16 train.micro_batch_size=4 \
            train.steps=20 train.warmup_steps=3 ;;
+    tune) "$PY" -m moe_exp.run -m task=tune_batch logger=none model=moe_1b precision=bf16 \
+           train.steps=3 train.warmup_steps=2 tune.multiple=8 tune.max_micro_batch=256 \
+           train.activation_checkpointing=none,full hydra.sweep.dir="$res/tune_batch_moe_1b" ;;
   esac
 }
 
