@@ -361,8 +361,8 @@ class TrainConfig:
 class TuneConfig:
     """task=tune_batch: the micro-batch search (probes from train.micro_batch_size)."""
     multiple: int = knob(1, "micro-batch sizes probed are multiples of this (the search's "
-                         "resolution)", tasks=TUNE_TASK)
-    max_micro_batch: int = knob(4096, "the doubling stops here", tasks=TUNE_TASK)
+                         "resolution)", tasks=TUNE_TASK, since=1)
+    max_micro_batch: int = knob(4096, "the doubling stops here", tasks=TUNE_TASK, since=4096)
 
 
 @dataclass

@@ -111,7 +111,7 @@ def hashed_view(cfg_dict: dict) -> dict:
     layers, par = get("model.num_layers"), keep.get("parallel")
     if isinstance(layers, int) and isinstance(par, dict) and par.get("prefetch", 0) > layers:
         par["prefetch"] = layers  # more acts as all of them
-    return keep
+    return {k: v for k, v in keep.items() if v != {}}  # (a group of new keys at their since)
 
 
 def new_record(cfg_dict: dict, overrides: list[str]) -> dict:
