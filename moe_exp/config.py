@@ -355,6 +355,12 @@ class TrainConfig:
                          "0-1 collected every N steps", since=0)
     seed: int = knob(0, "seed of the weights and the data")
     log_every: int = knob(5, "steps between loss reads (each read waits for the device)")
+    eval_sequences: int = knob(16, "held-out sequences eval_loss is measured on (0: none)",
+                               since=16)
+    eval_every: int = knob(0, "steps between eval_loss measurements (0: at the end only)",
+                           since=0)
+    target_loss: Optional[float] = knob(None, "eval loss to reach: the record's steps and "
+                                        "seconds to it (needs train.eval_every)", since=None)
 
 
 @dataclass

@@ -29,7 +29,8 @@ FIELDS = (
 # The extra keys runs write (docs/record.md); with FIELDS, the columns a
 # sweep.baseline may name before any job has run.
 EXTRAS = (
-    "task", "extra", "null_reasons", "losses", "loss_floor", "lrs", "lr_schedule", "attention", "gc_every",
+    "task", "extra", "null_reasons", "losses", "loss_floor", "eval_loss", "eval_losses",
+    "eval_gap", "steps_to_target", "seconds_to_target", "lrs", "lr_schedule", "attention", "gc_every",
     "gc_ms", "gc_collections", "measured_steps", "tokens_per_step",
     "tokens_per_s_wall", "data_share", "startup_s", "comm_ms", "comm_share", "comm",
     "comm_backend", "comm_hook", "grad_reduce_bytes", "z_loss", "seq_aux_loss", "tokens_per_expert", "expert_load_cv_per_layer",

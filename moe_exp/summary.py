@@ -112,9 +112,14 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
             rows.append(("NOTE", note))
     else:
         rows.append(("expert load", f"null: {why.get('expert_load_cv', '')}"))
-    floor = r.get("loss_floor")
+    floor, held = r.get("loss_floor"), r.get("eval_loss")
+    notes = ([f"held-out {held:.4f}"] if held is not None else []) + \
+        ([f"the data's floor {floor:.4f}"] if floor is not None else [])
+    if r.get("steps_to_target"):
+        notes.append(f"target reached at step {r['steps_to_target']}, "
+                     f"{r['seconds_to_target']:.1f} s")
     rows.append(("loss", f"{r['loss_first']:.4f} → {r['loss_last']:.4f}" +
-                 (f" (the data's floor {floor:.4f})" if floor is not None else "")))
+                 (f" ({'; '.join(notes)})" if notes else "")))
     load = r.get("cpu_other_load")
     if busy(load):
         rows.append(("WARNING", f"other processes used {load:.0%} of this machine's CPU during "

@@ -228,6 +228,7 @@ def check_train(cfg) -> None:
                           "train.steps + train.warmup_steps) = "
                           f"{micro:,} micro-batches: at most {MAX_STEPS:,}")
     _at_least(cfg, "train.gc_every", 0)
+    _check_eval(cfg.train, cfg.data)
     if not 0 <= cfg.train.seed < SEEDS:
         raise ConfigError("train.seed", f"must be in 0..{SEEDS - 1}, got {cfg.train.seed}")
     if cfg.train.compile != "off" and cfg.train.warmup_steps < 1:
@@ -243,6 +244,21 @@ def check_train(cfg) -> None:
     if cfg.train.seq_len > cfg.model.max_seq_len:
         raise ConfigError("train.seq_len", f"{cfg.train.seq_len} exceeds model.max_seq_len="
                           f"{cfg.model.max_seq_len}")
+
+
+def _check_eval(t, data) -> None:
+    for key in ("eval_sequences", "eval_every"):
+        if not 0 <= t[key] <= MAX_STEPS:
+            raise ConfigError(f"train.{key}", f"must be in 0..{MAX_STEPS:,}, got {t[key]}")
+    if t.target_loss is None:
+        return
+    if t.target_loss <= 0:
+        raise ConfigError("train.target_loss", f"must be > 0 (a loss), got {t.target_loss}")
+    if not (t.eval_every and t.eval_sequences and data.source == "markov"):
+        raise ConfigError("train.target_loss", "is checked on the eval steps: it needs "
+                          "train.eval_every > 0, train.eval_sequences > 0 and a held-out set "
+                          f"(data=markov); got {t.eval_every}, {t.eval_sequences}, "
+                          f"data={data.source}")
 
 
 def check_precision(cfg) -> None:

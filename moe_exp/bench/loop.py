@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from ..config import total_steps
 from ..optimizations.collect import Collector
 from .balance import BiasBalancer
+from .evaluate import Evaluator
 from .memory import MemoryMeter
 from .load import snapshot, window
 from .timer import StepTimer, device_sync, process_age_s
@@ -49,6 +50,8 @@ class LoopResult:
     startup_s: float | None = None  # process start -> first measured step (compile included)
     cpu_window: tuple | None = None  # CPU ticks in the window: load.window's tuple
     memory: tuple = ({}, {})  # MemoryMeter.read() at the window's end (before any profiler)
+    eval_losses: list = field(default_factory=list)  # [steps done, held-out loss]
+    steps_to_target: int | None = None  # the first eval step at or below train.target_loss
 
 
 def micro_step(model, tokens, targets, autocast, scaler, accum: int, timer=None):
@@ -114,6 +117,14 @@ class _Window:
         n_prof = cfg.parallel.profile_steps if dist.is_initialized() else 0
         self.prof_from = self.total - n_prof if 0 < n_prof < t.steps else self.total
         self.prof = None
+        self.wall0 = None
+
+    def pause(self, seconds: float) -> None:
+        """Time spent outside training (an eval) leaves the open window's figures."""
+        if self.wall0 is not None and self.res.wall_s is None:
+            self.wall0 += seconds
+        if self.prof is not None:
+            self.prof_t0 += seconds
 
     def measured(self, step: int) -> bool:
         return self.warmup <= step < self.prof_from
@@ -260,6 +271,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
     win, moe, log = _Window(cfg, device, memory, res), _MoeStats(device, cfg.model.top_k), \
         _LossLog(losses, res, bar, on_log)
     balancer = BiasBalancer(model)
+    evaluate = Evaluator(cfg, applied, device)
     batches = iter(loader)
     model.train()
     collector = Collector(t.gc_every)  # (entered in the try: its exit restores GC)
@@ -297,6 +309,10 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
             res.steps_done = step + 1
             if (step + 1) % t.log_every == 0 or step + 1 == total:
                 log.read(step)
+            if evaluate.due(step + 1, step + 1 == total):
+                spent = evaluate.seconds
+                evaluate(step + 1)
+                win.pause(evaluate.seconds - spent)
             bar.update(1)
         win.finish()
     except KeyboardInterrupt as e:  # the record keeps the loss of every step done
@@ -308,6 +324,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
         collector.__exit__(None, None, None)
         win.close()
         bar.close()
+    res.eval_losses, res.steps_to_target = evaluate.curve, evaluate.reached
     res.timings = timer.results()
     res.gc_ms, res.gc_collections = collector.per_step(len(res.timings["step_ms"]))
     moe.into(res)

@@ -230,6 +230,7 @@ def _record(cfg, rec: dict, res, device: torch.device, world: int) -> None:
     rec["loss_floor"] = markov_floor(cfg)
     if rec["loss_floor"] is None:
         why["loss_floor"] = "data=tokens: a corpus's lowest achievable loss is not known"
+    _record_eval(cfg, rec, res)
     if rec["step_time_iqr_ms"] is None:
         why["step_time_iqr_ms"] = "one timed step: an IQR needs two" + (
             f" (of train.steps={t.steps}, the last {t.steps - 1} ran under the profiler for "
@@ -256,6 +257,32 @@ def _record(cfg, rec: dict, res, device: torch.device, world: int) -> None:
         why["comm_ms"] = why["comm_share"] = (
             "one rank: no communication" if world == 1 else
             "parallel.profile_steps=0 or train.steps <= profile_steps")
+
+
+def _record_eval(cfg, rec: dict, res) -> None:
+    """The held-out loss, its curve, its gap to the floor, and the time to train.target_loss
+    (steps x the median measured step: compile and evals left out)."""
+    t, why = cfg.train, rec["null_reasons"]
+    curve = res.eval_losses
+    rec.update(eval_losses=curve or None, eval_loss=curve[-1][1] if curve else None)
+    if not curve:
+        why["eval_loss"] = why["eval_losses"] = (
+            "train.eval_sequences=0" if not t.eval_sequences else
+            "data=tokens: no held-out split of a token file (data=markov has one)")
+    floor = rec["loss_floor"]
+    rec["eval_gap"] = rec["eval_loss"] - floor if None not in (rec["eval_loss"], floor) else None
+    if rec["eval_gap"] is None:
+        why["eval_gap"] = why.get("eval_loss") or why["loss_floor"]
+    n = res.steps_to_target
+    rec["steps_to_target"] = n
+    rec["seconds_to_target"] = n * rec["step_time_ms"] / 1e3 if n and rec["step_time_ms"] \
+        else None
+    if n is None:
+        best = min((v for _, v in curve), default=None)
+        why["steps_to_target"] = why["seconds_to_target"] = (
+            "train.target_loss not set" if t.target_loss is None else
+            f"eval loss {best:.4f} at best in {len(res.losses)} steps: train.target_loss="
+            f"{t.target_loss} not reached")
 
 
 def _record_moe(cfg, rec: dict, res, model, device: torch.device, world: int) -> None:

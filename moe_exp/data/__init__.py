@@ -4,10 +4,11 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from .markov import MarkovTokens
+from .markov import CHUNK, MarkovTokens
 from .tokens import TokenFile, prepare, read_meta
 
-__all__ = ["MarkovTokens", "TokenFile", "build_loader", "markov_floor", "prepare", "read_meta"]
+__all__ = ["MarkovTokens", "TokenFile", "build_loader", "heldout", "markov_floor", "prepare",
+           "read_meta"]
 
 
 def markov_floor(cfg) -> float | None:
@@ -15,9 +16,22 @@ def markov_floor(cfg) -> float | None:
     return _markov(cfg, 0).loss_floor() if cfg.data.source == "markov" else None
 
 
-def _markov(cfg, num_samples: int) -> MarkovTokens:
+def _markov(cfg, num_samples: int, heldout: bool = False) -> MarkovTokens:
     return MarkovTokens(cfg.model.vocab_size, cfg.train.seq_len, num_samples,
-                        cfg.data.branching, cfg.train.seed)
+                        cfg.data.branching, cfg.train.seed, heldout)
+
+
+def heldout(cfg) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The eval set: train.eval_sequences sequences no run trains on, the same for every
+    configuration of a model and data source (data=markov: walks of the same chain, from
+    generators no training chunk uses: MarkovTokens.chunk); None where there is none (a
+    corpus; 0 sequences)."""
+    n = cfg.train.eval_sequences
+    if not n or cfg.data.source != "markov":
+        return None
+    ds = _markov(cfg, n, heldout=True)
+    rows = torch.cat([ds.chunk(c) for c in range(-(-n // CHUNK))])[:n]
+    return rows[:, :-1], rows[:, 1:]
 
 
 def build_loader(cfg, device: torch.device, num_samples: int, rank: int = 0,

@@ -18,17 +18,20 @@ class MarkovTokens(Dataset):
     loader reads in order): memory does not grow with the run's length."""
 
     def __init__(self, vocab_size: int, seq_len: int, num_samples: int, branching: int = 4,
-                 seed: int = 0):
+                 seed: int = 0, heldout: bool = False):
         self.succ = torch.randint(0, vocab_size, (vocab_size, branching),
                                   generator=torch.Generator().manual_seed(seed))
         self.vocab_size, self.seq_len, self.branching = vocab_size, seq_len, branching
-        self.num_samples, self.seed = num_samples, seed
+        self.num_samples, self.seed, self.heldout = num_samples, seed, heldout
         self._cached: tuple[int, torch.Tensor] | None = None
 
     def chunk(self, c: int) -> torch.Tensor:
         """Samples [c * CHUNK, (c + 1) * CHUNK), from their own generator."""
         if self._cached is None or self._cached[0] != c:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + c + 1)
+            # held-out chunks count down from the seed's base, training's up (the generator
+            # keeps a seed's low 32 bits: they would meet past 2**32 chunks together)
+            step = -(c + 1) if self.heldout else c + 1
+            g = torch.Generator().manual_seed((self.seed * 1_000_003 + step) % 2**64)
             data = torch.empty(CHUNK, self.seq_len + 1, dtype=torch.long)
             data[:, 0] = torch.randint(0, self.vocab_size, (CHUNK,), generator=g)
             choice = torch.randint(0, self.branching, (CHUNK, self.seq_len), generator=g)

@@ -1,0 +1,53 @@
+"""The held-out loss: the same batches for every configuration, never trained on; its
+curve, its gap to the floor, and the steps and seconds to a target."""
+import torch
+
+from moe_exp.data import build_loader, heldout
+
+from conftest import cli_inproc, compose, run_inproc
+
+TINY = ["logger=none", "train.steps=4", "train.warmup_steps=1", "train.micro_batch_size=2",
+        "model.max_seq_len=32"]
+
+
+def test_heldout_set_is_the_same_for_every_configuration_and_never_trained_on():
+    base = compose(["train.eval_sequences=70"])
+    tokens, targets = heldout(base)
+    assert tokens.shape == (70, base.train.seq_len) and torch.equal(tokens[:, 1:], targets[:, :-1])
+    for other in (["precision=bf16", "train.micro_batch_size=3", "train.eval_sequences=70"],
+                  ["parallel=ddp", "hardware.devices=2", "train.eval_sequences=70"]):
+        assert torch.equal(heldout(compose(other))[0], tokens)
+    assert torch.equal(heldout(compose(["train.eval_sequences=5"]))[0], tokens[:5])
+    train = torch.cat([x for x, _ in build_loader(base, torch.device("cpu"), 512)])
+    assert not (train[:, None, :] == tokens[None]).all(-1).any()  # no held-out row trained on
+    assert heldout(compose(["train.eval_sequences=0"])) is None
+    assert heldout(compose(["data=tokens", "data.path=x.bin"])) is None
+
+
+def test_eval_loss_curve_target_and_no_effect_on_training(tmp_path):
+    on = run_inproc([*TINY, "train.eval_every=2", "train.target_loss=5.45"], tmp_path / "on")
+    off = run_inproc([*TINY, "train.eval_every=0"], tmp_path / "off")
+    assert on["status"] == off["status"] == "ok"
+    assert on["losses"] == off["losses"]  # evaluating trains nothing, draws no random number
+    assert [s for s, _ in on["eval_losses"]] == [2, 4, 5]
+    assert on["eval_loss"] == on["eval_losses"][-1][1] == off["eval_loss"]
+    assert [s for s, _ in off["eval_losses"]] == [5]
+    assert on["eval_gap"] == on["eval_loss"] - on["loss_floor"] > 0
+    first = next(s for s, v in on["eval_losses"] if v <= 5.45)
+    assert on["steps_to_target"] == first
+    assert on["seconds_to_target"] == first * on["step_time_ms"] / 1e3
+    assert off["steps_to_target"] is None
+    assert off["null_reasons"]["steps_to_target"] == "train.target_loss not set"
+    far = run_inproc([*TINY, "train.eval_every=2", "train.target_loss=0.01"], tmp_path / "far")
+    assert far["seconds_to_target"] is None
+    assert "not reached" in far["null_reasons"]["seconds_to_target"]
+
+
+def test_target_loss_needs_eval_steps_and_a_heldout_set(tmp_path):
+    for bad in (["train.target_loss=3"], ["train.target_loss=3", "train.eval_every=2",
+                                          "train.eval_sequences=0"]):
+        r = cli_inproc(["logger=none", *bad], tmp_path)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert r.stderr.startswith("error: train.target_loss: is checked on the eval steps")
+    r = cli_inproc(["logger=none", "train.eval_every=-1"], tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("error: train.eval_every: must be in 0..")
