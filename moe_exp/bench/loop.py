@@ -309,12 +309,14 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
             res.steps_done = step + 1
             if (step + 1) % t.log_every == 0 or step + 1 == total:
                 log.read(step)
-            if evaluate.due(step + 1, step + 1 == total):
-                spent = evaluate.seconds
-                evaluate(step + 1)
+            if step + 1 < total and step < win.prof_from and evaluate.due(step + 1, False):
+                spent = evaluate.seconds  # (not under the profiler: its collectives would
+                evaluate(step + 1)  # count in comm_ms)
                 win.pause(evaluate.seconds - spent)
             bar.update(1)
         win.finish()
+        if evaluate.due(total, True):  # after the window: in no figure
+            evaluate(total)
     except KeyboardInterrupt as e:  # the record keeps the loss of every step done
         if not dist.is_initialized():  # (ranks: only the logged, global, losses)
             res.losses.extend(log.unread())
