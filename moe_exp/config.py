@@ -94,6 +94,7 @@ ATTENTION = ("auto", "flash", "efficient", "math", "cudnn", "flex")
 SCHEDULES = ("cosine", "linear", "constant", "wsd", "onecycle")
 BOTH = ("bench", "comm")  # keys task=comm reads too (task=tune_batch reads bench's: Knob)
 COMM_TASK = ("comm",)
+PROFILE = Reads("train.profile", (True,), what="train.profile=true")
 TUNE_TASK = ("tune_batch",)
 TASKS = BOTH + TUNE_TASK
 
@@ -361,6 +362,10 @@ class TrainConfig:
                            since=0)
     target_loss: Optional[float] = knob(None, "eval loss to reach: the record's steps and "
                                         "seconds to it (needs train.eval_every)", since=None)
+    profile: bool = knob(False, "torch.profiler trace of the last train.profile_steps steps "
+                         "(untimed): trace.json, profile.txt, profile_shares", since=False)
+    profile_steps: int = knob(2, "steps train.profile traces (the run's last; untimed)",
+                              read_by=PROFILE, since=2)
 
 
 @dataclass

@@ -38,6 +38,8 @@ EXTRAS = (
     "router_bias_spread", "drop_rate", "dead_experts", "expert_load_quantiles_per_layer",
     "optim_impl", "peak_flops", "compile_cache_hit_share", "cudagraph_skips", "cpu_other_load",
     "tune_max_micro_batch", "tune_best_micro_batch", "tune_limit", "tune_probes",
+    "profile_trace", "profile_shares", "memory_snapshot", "gpu_util_pct", "gpu_mem_used_gib",
+    "gpu_power_w",
     "job",
     "repeat", "repeats",
     "repeats_ok", "combined", "resumed_from",

@@ -229,6 +229,12 @@ def check_train(cfg) -> None:
                           f"{micro:,} micro-batches: at most {MAX_STEPS:,}")
     _at_least(cfg, "train.gc_every", 0)
     _check_eval(cfg.train, cfg.data)
+    if cfg.train.profile:
+        _at_least(cfg, "train.profile_steps", 1)
+        if cfg.train.steps <= cfg.train.profile_steps:
+            raise ConfigError("train.steps", f"must exceed train.profile_steps="
+                              f"{cfg.train.profile_steps} (the profiled steps are untimed), "
+                              f"got {cfg.train.steps}")
     if not 0 <= cfg.train.seed < SEEDS:
         raise ConfigError("train.seed", f"must be in 0..{SEEDS - 1}, got {cfg.train.seed}")
     if cfg.train.compile != "off" and cfg.train.warmup_steps < 1:

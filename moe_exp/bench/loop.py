@@ -18,6 +18,7 @@ from ..optimizations.collect import Collector
 from .balance import BiasBalancer
 from .evaluate import Evaluator
 from .memory import MemoryMeter
+from .nvml import GpuSampler
 from .load import snapshot, window
 from .timer import StepTimer, device_sync, process_age_s
 
@@ -52,6 +53,9 @@ class LoopResult:
     memory: tuple = ({}, {})  # MemoryMeter.read() at the window's end (before any profiler)
     eval_losses: list = field(default_factory=list)  # [steps done, held-out loss]
     steps_to_target: int | None = None  # the first eval step at or below train.target_loss
+    gpu: dict = field(default_factory=dict)  # nvml.GpuSampler's fields over the window
+    profiler: object = None  # train.profile: the closed torch.profiler of the last steps
+    memory_snapshot: dict | None = None  # train.profile on CUDA: one step's allocations
 
 
 def micro_step(model, tokens, targets, autocast, scaler, accum: int, timer=None):
@@ -114,10 +118,14 @@ class _Window:
         t = cfg.train
         self.device, self.memory, self.res = device, memory, res
         self.total, self.warmup = total_steps(t), t.warmup_steps
-        n_prof = cfg.parallel.profile_steps if dist.is_initialized() else 0
+        n_prof = max(cfg.parallel.profile_steps if dist.is_initialized() else 0,
+                     t.profile_steps if t.profile else 0)
         self.prof_from = self.total - n_prof if 0 < n_prof < t.steps else self.total
         self.prof = None
         self.wall0 = None
+        self.trace = t.profile  # keep the profile (train.profile): its trace is written
+        self.snapshot = t.profile and device.type == "cuda"  # a memory snapshot of a step
+        self.gpu = GpuSampler(device)
 
     def pause(self, seconds: float) -> None:
         """Time spent outside training (an eval) leaves the open window's figures."""
@@ -132,8 +140,12 @@ class _Window:
     def begin(self, step: int, bar) -> None:
         """At a step's start: the window opens after warmup and closes where the profiled
         steps begin."""
+        if step == self.prof_from + 1 and self.snapshot:
+            self._take_snapshot()
         if step == self.prof_from:
             self._end()
+            if self.snapshot:
+                torch.cuda.memory._record_memory_history(max_entries=100_000)
             self.prof = _profiler(self.device)
             with _kineto_quiet():
                 self.prof.__enter__()
@@ -143,13 +155,21 @@ class _Window:
             self.memory.reset()
             bar.set_description("bench")
             self.load0 = snapshot()  # (its /proc scan before the clock starts)
+            self.gpu.start()
             self.wall0 = time.perf_counter()
 
     def _end(self) -> None:
         device_sync(self.device)
         self.res.wall_s = time.perf_counter() - self.wall0
         self.res.cpu_window = window(self.load0, snapshot())
+        self.res.gpu = self.gpu.stop()
         self.res.memory = self.memory.read()  # (the profiler's own memory is not the run's)
+
+    def _take_snapshot(self) -> None:
+        device_sync(self.device)
+        self.res.memory_snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self.snapshot = False
 
     def finish(self) -> None:
         """After the last step: the window's figures, and the profiled steps' comm time."""
@@ -163,6 +183,12 @@ class _Window:
         n = self.total - self.prof_from
         prof_ms = (time.perf_counter() - self.prof_t0) * 1e3 / n
         self.close()
+        if self.snapshot:  # (one profiled step: it ended just now)
+            self._take_snapshot()
+        if self.trace:
+            self.res.profiler = self._closed
+        if not dist.is_initialized():
+            return
         self.res.comm_ms = comm_ms_per_step(self._closed, n)
         if self.res.comm_ms is not None:  # (the same steps: the median step is not)
             self.res.comm_share = self.res.comm_ms / prof_ms

@@ -82,7 +82,7 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
         if main:
             tracker = Tracker(cfg, cfg_dict, out_dir, _tags(choices, cfg), name, defer=True)
         with _memory_cap(cfg, device, d) as cap:
-            _measure(cfg, rec, device, tracker, progress and main, d)
+            _measure(cfg, rec, device, tracker, progress and main, d, out_dir)
         if shared:  # before the record is printed, logged or written
             shared_process(rec, device.type)
         rec["status"] = "ok"
@@ -146,7 +146,8 @@ def _memory_cap(cfg, device: torch.device, d):
     return cpu_memory_cap(cfg.hardware.memory_gib, cfg.hardware.devices if d else 1)
 
 
-def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=None) -> None:
+def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=None,
+             out_dir: Path | None = None) -> None:
     """Build, train the measured steps, record: the run as a plain training loop."""
     memory = MemoryMeter(device)
     applied, optimizer, scheduler, loader, world = _build(cfg, rec, device, memory, d)
@@ -157,6 +158,7 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
     _compile_cache(rec, cfg, *graphs[:4])
     _cudagraph_skips(rec, cfg, device, graphs[4])
     _record(cfg, rec, res, device, world)
+    _record_profile(cfg, rec, res, device, out_dir if d is None or d.main else None)
     from ..optimizations.parallel.hooks import record_reduce_bytes
 
     record_reduce_bytes(cfg, rec, applied.reduce_bytes)
@@ -257,6 +259,24 @@ def _record(cfg, rec: dict, res, device: torch.device, world: int) -> None:
         why["comm_ms"] = why["comm_share"] = (
             "one rank: no communication" if world == 1 else
             "parallel.profile_steps=0 or train.steps <= profile_steps")
+
+
+def _record_profile(cfg, rec: dict, res, device: torch.device, out_dir: Path | None) -> None:
+    """NVML's figures; train.profile's trace, table, shares and memory snapshot (written by
+    rank 0 into the run's dir)."""
+    from .profile import FIELDS, write
+
+    gpu = dict(res.gpu)
+    rec["null_reasons"].update(gpu.pop("null_reasons", {}))
+    rec.update(gpu)
+    rec.update(dict.fromkeys(FIELDS))
+    if res.profiler is not None and out_dir is not None:
+        rec.update(write(res.profiler, res.memory_snapshot, out_dir, device.type == "cuda"))
+    for k in FIELDS:
+        if rec[k] is None:
+            rec["null_reasons"][k] = (
+                "train.profile=false" if not cfg.train.profile else
+                "on CUDA only" if k == "memory_snapshot" else "written by rank 0 only")
 
 
 def _record_eval(cfg, rec: dict, res) -> None:

@@ -1,0 +1,57 @@
+"""train.profile: a torch.profiler trace of the run's last train.profile_steps steps (kept
+out of the timing figures, as the communication window is): trace.json (Chrome/Perfetto
+format), profile.txt (the top operators by self time), the record's profile_shares; on
+CUDA a memory snapshot of the first of those steps (memory_snapshot.pickle, for
+https://pytorch.org/memory_viz)."""
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+# (category, name fragments, lower case): the first that matches an op or kernel's name
+CATEGORIES = (
+    ("all_to_all", ("all_to_all", "alltoall", "sendrecv")),
+    ("all_reduce", ("all_reduce", "allreduce", "reduce_scatter", "reducescatter",
+                    "all_gather", "allgather")),
+    ("attention", ("attention", "flash", "fmha", "sdpa", "softmax")),
+    ("optimizer", ("optimizer", "adam", "foreach", "multi_tensor", "muon")),
+    ("matmul", ("mm", "gemm", "matmul", "linear", "nvjet", "cutlass", "xmma", "wgmma")),
+)
+SHARES = tuple(c for c, _ in CATEGORIES) + ("other",)
+FIELDS = ("profile_trace", "profile_shares", "memory_snapshot")  # the record's
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, parts in CATEGORIES:
+        if any(p in low for p in parts):
+            return cat
+    return "other"
+
+
+def shares(prof, on_device: bool) -> dict[str, float]:
+    """Each category's share of the profiled steps' self time (device time on a GPU: its
+    kernels; CPU time on a CPU: its ops); they sum to 1 (0 where nothing ran)."""
+    attr = "self_device_time_total" if on_device else "self_cpu_time_total"
+    out = dict.fromkeys(SHARES, 0.0)
+    for e in prof.key_averages():
+        t = getattr(e, attr, None)
+        if t is None and on_device:  # (torch < 2.4 names it after CUDA)
+            t = getattr(e, "self_cuda_time_total", 0)
+        out[category(e.key)] += max(t or 0, 0)
+    total = sum(out.values())
+    return {k: (v / total if total else 0.0) for k, v in out.items()}
+
+
+def write(prof, snapshot, out_dir: Path, on_device: bool) -> dict:
+    """The trace, the table and the snapshot into out_dir; the record's fields."""
+    trace = out_dir / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    sort = "self_device_time_total" if on_device else "self_cpu_time_total"
+    (out_dir / "profile.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=30))
+    fields = {"profile_trace": trace.name, "profile_shares": shares(prof, on_device)}
+    if snapshot is not None:
+        with open(out_dir / "memory_snapshot.pickle", "wb") as f:
+            pickle.dump(snapshot, f)
+        fields["memory_snapshot"] = "memory_snapshot.pickle"
+    return fields
