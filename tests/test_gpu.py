@@ -138,3 +138,18 @@ def test_cuda_fine_grained_shared_and_sigmoid_routing_train(model, compile_, tmp
     assert rec["loss_last"] < rec["loss_first"]
     if model == "small_deepseek":
         assert rec["seq_aux_loss"] > 0
+
+
+def test_cuda_profile_writes_a_memory_snapshot_and_nvml_figures(tmp_path):
+    import importlib.util
+    import pickle
+
+    rec = run_inproc(["precision=bf16", "logger=none", "model=small_moe", "train.profile=true"],
+                     tmp_path)
+    assert rec["status"] == "ok", rec["error"]
+    snap = pickle.loads((tmp_path / rec["memory_snapshot"]).read_bytes())
+    assert snap["segments"] and abs(sum(rec["profile_shares"].values()) - 1) < 1e-9
+    if importlib.util.find_spec("pynvml"):
+        assert 0 <= rec["gpu_util_pct"] <= 100 and rec["gpu_power_w"] > 0
+    else:
+        assert rec["null_reasons"]["gpu_util_pct"].startswith("nvidia-ml-py is not installed")

@@ -8,14 +8,14 @@ from __future__ import annotations
 import pickle
 from pathlib import Path
 
-# (category, name fragments, lower case): the first that matches an op or kernel's name
+# (category, name fragments, lower case): the first that matches the op's name
 CATEGORIES = (
-    ("all_to_all", ("all_to_all", "alltoall", "sendrecv")),
+    ("all_to_all", ("all_to_all", "alltoall")),
     ("all_reduce", ("all_reduce", "allreduce", "reduce_scatter", "reducescatter",
                     "all_gather", "allgather")),
-    ("attention", ("attention", "flash", "fmha", "sdpa", "softmax")),
-    ("optimizer", ("optimizer", "adam", "foreach", "multi_tensor", "muon")),
-    ("matmul", ("mm", "gemm", "matmul", "linear", "nvjet", "cutlass", "xmma", "wgmma")),
+    ("attention", ("attention", "flash", "sdpa", "flex")),
+    ("optimizer", ("optimizer", "adam", "foreach", "muon")),
+    ("matmul", ("aten::mm", "aten::bmm", "aten::addmm", "_grouped_mm", "matmul", "linear")),
 )
 SHARES = tuple(c for c, _ in CATEGORIES) + ("other",)
 FIELDS = ("profile_trace", "profile_shares", "memory_snapshot")  # the record's
@@ -30,15 +30,16 @@ def category(name: str) -> str:
 
 
 def shares(prof, on_device: bool) -> dict[str, float]:
-    """Each category's share of the profiled steps' self time (device time on a GPU: its
-    kernels; CPU time on a CPU: its ops); they sum to 1 (0 where nothing ran)."""
+    """Each category's share of the profiled steps' time, by the op that spent it: on a GPU
+    the kernels each op launched (its self device time: every kernel counted once, to the
+    op that launched it), on a CPU each op's self time. They sum to 1 (0 where none ran)."""
+    from torch.autograd import DeviceType
+
     attr = "self_device_time_total" if on_device else "self_cpu_time_total"
     out = dict.fromkeys(SHARES, 0.0)
     for e in prof.key_averages():
-        t = getattr(e, attr, None)
-        if t is None and on_device:  # (torch < 2.4 names it after CUDA)
-            t = getattr(e, "self_cuda_time_total", 0)
-        out[category(e.key)] += max(t or 0, 0)
+        if e.device_type == DeviceType.CPU:  # (kernels and GPU-side ranges: their ops')
+            out[category(e.key)] += max(getattr(e, attr, 0) or 0, 0)
     total = sum(out.values())
     return {k: (v / total if total else 0.0) for k, v in out.items()}
 

@@ -1,0 +1,38 @@
+"""train.profile: a trace of the last steps, its top ops' shares; NVML's figures."""
+import json
+
+from moe_exp.bench.profile import SHARES, category
+
+from conftest import cli_inproc, run_inproc
+
+TINY = ["logger=none", "train.steps=4", "train.warmup_steps=1", "train.micro_batch_size=2",
+        "model.max_seq_len=32"]
+
+
+def test_profile_writes_a_trace_of_the_models_ops_and_their_shares(tmp_path):
+    rec = run_inproc([*TINY, "train.profile=true"], tmp_path / "on")
+    assert rec["status"] == "ok" and rec["measured_steps"] == 4 - 2  # (the traced: untimed)
+    trace = json.loads((tmp_path / "on" / rec["profile_trace"]).read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"aten::_grouped_mm", "aten::mm", "aten::_fused_adamw_"} <= names
+    assert "aten::mm" in (tmp_path / "on" / "profile.txt").read_text()
+    shares = rec["profile_shares"]
+    assert set(shares) == set(SHARES) and abs(sum(shares.values()) - 1) < 1e-9
+    assert shares["matmul"] > 0.1 and shares["attention"] > 0 and shares["all_to_all"] == 0
+    why = rec["null_reasons"]
+    assert rec["memory_snapshot"] is None and why["memory_snapshot"] == "on CUDA only"
+    assert rec["gpu_util_pct"] is None and why["gpu_util_pct"].startswith("no NVIDIA GPU")
+    off = run_inproc(TINY, tmp_path / "off")
+    assert off["measured_steps"] == 4 and off["profile_shares"] is None
+    assert off["null_reasons"]["profile_trace"] == "train.profile=false"
+    assert not (tmp_path / "off" / "trace.json").exists()
+
+
+def test_profile_categories_and_bad_input(tmp_path):
+    assert [category(n) for n in ("aten::_grouped_mm", "aten::_cudnn_attention_backward",
+                                  "aten::_fused_adamw_", "c10d::alltoall_base_",
+                                  "nccl:all_reduce", "aten::copy_", "aten::_log_softmax")] \
+        == ["matmul", "attention", "optimizer", "all_to_all", "all_reduce", "other", "other"]
+    r = cli_inproc(["logger=none", "train.profile=true", "train.steps=2"], tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("error: train.steps: must exceed "
+                                                     "train.profile_steps=2")
