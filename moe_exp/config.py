@@ -94,7 +94,7 @@ ATTENTION = ("auto", "flash", "efficient", "math", "cudnn", "flex")
 SCHEDULES = ("cosine", "linear", "constant", "wsd", "onecycle")
 BOTH = ("bench", "comm")  # keys task=comm reads too (task=tune_batch reads bench's: Knob)
 COMM_TASK = ("comm",)
-PROFILE = Reads("train.profile", (True,), what="train.profile=true")
+PROFILE = Reads("train.profile", positive=True, what="train.profile=true")
 TUNE_TASK = ("tune_batch",)
 TASKS = BOTH + TUNE_TASK
 

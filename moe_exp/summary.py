@@ -126,6 +126,9 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                      f"{r['seconds_to_target']:.1f} s")
     rows.append(("loss", f"{r['loss_first']:.4f} → {r['loss_last']:.4f}" +
                  (f" ({'; '.join(notes)})" if notes else "")))
+    if spike := r.get("grad_norm_spike"):
+        rows.append(("WARNING", f"gradient norm spiked at step {spike[0]}: {spike[1]:.0f}× the "
+                                "median of the 20 steps before it"))
     load = r.get("cpu_other_load")
     if busy(load):
         rows.append(("WARNING", f"other processes used {load:.0%} of this machine's CPU during "

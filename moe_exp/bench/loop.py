@@ -33,6 +33,7 @@ class Diverged(Exception):
 class LoopResult:
     losses: list = field(default_factory=list)  # per optimizer step (mean over micro-batches)
     lrs: list = field(default_factory=list)  # each step's learning rate (the first group's)
+    grad_norms: list = field(default_factory=list)  # each step's, before clipping (nan: none)
     gc_ms: float | None = None  # Python's collections in the measured window, per step
     gc_collections: int | None = None  # their count
     timings: dict = field(default_factory=dict)
@@ -234,8 +235,8 @@ class _LossLog:
     sync per train.log_every steps): into the result, the progress bar and the tracker; a
     non-finite one stops the run (Diverged)."""
 
-    def __init__(self, losses: torch.Tensor, res: LoopResult, bar, on_log):
-        self.losses, self.res, self.bar, self.on_log = losses, res, bar, on_log
+    def __init__(self, losses: torch.Tensor, norms: torch.Tensor, res: LoopResult, bar, on_log):
+        self.losses, self.norms, self.res, self.bar, self.on_log = losses, norms, res, bar, on_log
         self.logged = 0  # steps whose loss has been read
 
     def read(self, step: int) -> None:
@@ -245,12 +246,14 @@ class _LossLog:
 
             new = all_mean(new)
         values = new.tolist()
+        norms = self.norms[self.logged: step + 1].tolist()  # (the same on every rank)
         self.logged = step + 1
         self.res.losses.extend(values)
+        self.res.grad_norms.extend(norms)
         self.bar.set_postfix(loss=f"{values[-1]:.3f}", refresh=sys.stderr.isatty())  # (off a
         # terminal: the bar every 10 s, not every log)
         if self.on_log:
-            self.on_log(step, values, self.res.lrs[step + 1 - len(values): step + 1])
+            self.on_log(step, values, self.res.lrs[step + 1 - len(values): step + 1], norms)
         first = len(self.res.losses) - len(values)  # step of values[0]
         bad = next((first + i for i, v in enumerate(values) if not math.isfinite(v)), None)
         if bad is not None:  # the first non-finite step, whatever log_every is
@@ -262,16 +265,20 @@ class _LossLog:
         return self.losses[self.logged: self.res.steps_done].tolist()
 
 
-def optimizer_step(cfg, applied, optimizer, scheduler, scaler, params, timer) -> None:
+def optimizer_step(cfg, applied, optimizer, scheduler, scaler, params, timer):
     """Gradient sync outside DDP/FSDP's hooks (expert parallelism: timed as backward, as
-    under DDP/FSDP), unscale, clip, step, zero the gradients, advance the schedule."""
+    under DDP/FSDP), unscale, clip, step, zero the gradients, advance the schedule. Returns
+    the gradient norm before clipping (global across ranks; on the device), or None
+    without clipping."""
     if applied.before_step:
         applied.before_step()
         timer.lap("backward")
     if scaler:
         scaler.unscale_(optimizer)
+    norm = None
     if cfg.optim.grad_clip > 0:
-        (applied.clip or torch.nn.utils.clip_grad_norm_)(params, cfg.optim.grad_clip)
+        norm = (applied.clip or torch.nn.utils.clip_grad_norm_)(params, cfg.optim.grad_clip)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # (FSDP2: DTensor)
     if scaler:
         scaler.step(optimizer)
         scaler.update()
@@ -279,6 +286,7 @@ def optimizer_step(cfg, applied, optimizer, scheduler, scaler, params, timer) ->
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
+    return norm
 
 
 def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
@@ -292,10 +300,11 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
     # Per-step figures go into buffers made once: small tensors kept from every step would
     # pin freed heap between them (on CPU the run's peak RSS grew with train.steps).
     losses = torch.zeros(total, device=device)  # each step's loss, read at each log
+    norms = torch.full((total,), math.nan, device=device)  # each step's gradient norm
     bar = tqdm(total=total, desc="warmup", unit="step", disable=not progress,
                mininterval=0.5 if sys.stderr.isatty() else 10.0, dynamic_ncols=True)
     win, moe, log = _Window(cfg, device, memory, res), _MoeStats(device, cfg.model.top_k), \
-        _LossLog(losses, res, bar, on_log)
+        _LossLog(losses, norms, res, bar, on_log)
     balancer = BiasBalancer(model)
     evaluate = Evaluator(cfg, applied, device)
     batches = iter(loader)
@@ -322,7 +331,9 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                     moe.add(out, tokens.numel())
                 balancer.add(out.routed)
             res.lrs.append(optimizer.param_groups[0]["lr"])
-            optimizer_step(cfg, applied, optimizer, scheduler, scaler, params, timer)
+            norm = optimizer_step(cfg, applied, optimizer, scheduler, scaler, params, timer)
+            if norm is not None:
+                norms[step] = norm.detach()
             balancer.step()
             timer.lap("optimizer")
             if collector.step(step):

@@ -204,10 +204,11 @@ def _tracker_log(cfg, tracker):
     if tracker is None:
         return None
 
-    def on_log(step, values, lrs):
+    def on_log(step, values, lrs, norms):
         first = step + 1 - len(values)
-        for i, (v, lr) in enumerate(zip(values, lrs)):
-            tracker.log({"loss": v, "lr": lr}, step=first + i)
+        for i, (v, lr, g) in enumerate(zip(values, lrs, norms)):
+            tracker.log({"loss": v, "lr": lr} | ({"grad_norm": g} if math.isfinite(g) else {}),
+                        step=first + i)
 
     return on_log
 
@@ -233,6 +234,7 @@ def _record(cfg, rec: dict, res, device: torch.device, world: int) -> None:
     if rec["loss_floor"] is None:
         why["loss_floor"] = "data=tokens: a corpus's lowest achievable loss is not known"
     _record_eval(cfg, rec, res)
+    _record_grad_norm(cfg, rec, res)
     if rec["step_time_iqr_ms"] is None:
         why["step_time_iqr_ms"] = "one timed step: an IQR needs two" + (
             f" (of train.steps={t.steps}, the last {t.steps - 1} ran under the profiler for "
@@ -277,6 +279,31 @@ def _record_profile(cfg, rec: dict, res, device: torch.device, out_dir: Path | N
             rec["null_reasons"][k] = (
                 "train.profile=false" if not cfg.train.profile else
                 "on CUDA only" if k == "memory_snapshot" else "written by rank 0 only")
+
+
+SPIKE = 10  # a step's gradient norm this many times the run's median: the summary warns
+
+
+def _record_grad_norm(cfg, rec: dict, res) -> None:
+    """Every step's gradient norm before clipping, their median, and the largest spike."""
+    import statistics
+
+    norms = [g if math.isfinite(g) else None for g in res.grad_norms]
+    seen = [g for g in norms if g is not None]
+    rec.update(grad_norms=norms if seen else None,
+               grad_norm=statistics.median(seen) if seen else None, grad_norm_spike=None)
+    if not seen:
+        rec["null_reasons"]["grad_norm"] = rec["null_reasons"]["grad_norms"] = (
+            "optim.grad_clip=0: the norm is computed only to clip" if cfg.optim.grad_clip <= 0
+            else "no finite gradient norm (fp16 overflow steps)")
+    for i in range(3, len(norms)):  # the first step at SPIKE x the median of the 20 before
+        before = [g for g in norms[max(i - 20, 0):i] if g is not None]
+        if norms[i] is not None and before and norms[i] > SPIKE * statistics.median(before):
+            rec["grad_norm_spike"] = [i, norms[i] / statistics.median(before)]
+            break
+    if rec["grad_norm_spike"] is None:
+        rec["null_reasons"]["grad_norm_spike"] = f"no step's norm reached {SPIKE}x the median " \
+                                                 "of the 20 steps before it"
 
 
 def _record_eval(cfg, rec: dict, res) -> None:
