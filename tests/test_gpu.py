@@ -41,6 +41,7 @@ def test_cuda_run_records_allocator_peaks_and_mfu(precision, compile_, tmp_path)
                       f"train.compile={compile_}"], tmp_path)
     assert rec["status"] == "ok", rec["error"]
     assert rec["peak_mem_gib"] > 0 and rec["peak_reserved_gib"] >= rec["peak_mem_gib"]
+    assert rec["alloc_ooms"] == 0 and rec["alloc_retries"] >= 0
     if rec["mfu"] is not None:
         assert 0 < rec["mfu"] < 1
     assert rec["loss_last"] < rec["loss_first"]

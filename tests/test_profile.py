@@ -22,6 +22,7 @@ def test_profile_writes_a_trace_of_the_models_ops_and_their_shares(tmp_path):
     why = rec["null_reasons"]
     assert rec["memory_snapshot"] is None and why["memory_snapshot"] == "on CUDA only"
     assert rec["gpu_util_pct"] is None and why["gpu_util_pct"].startswith("no NVIDIA GPU")
+    assert rec["alloc_retries"] is None and why["alloc_ooms"].startswith("CPU: no caching")
     off = run_inproc(TINY, tmp_path / "off")
     assert off["measured_steps"] == 4 and off["profile_shares"] is None
     assert off["null_reasons"]["profile_trace"] == "train.profile=false"

@@ -168,6 +168,9 @@ def malloc_retain() -> bool:
     return libc.mallopt(_M_MMAP_THRESHOLD, _RETAIN) == 1 or libc.mallopt(_M_MMAP_MAX, 0) == 1
 
 
+HEALTH = ("alloc_retries", "alloc_ooms")  # the allocator's counts over the window
+
+
 class MemoryMeter:
     """baseline() before the model is built; reset() before the window; read() after it."""
 
@@ -175,6 +178,7 @@ class MemoryMeter:
         self.device = device
         self.base_rss = self.base_alloc = self.base_reserved = 0
         self.reset_ok = True
+        self.health0 = {}  # the allocator's retry and OOM counts at the window's opening
 
     def baseline(self) -> None:
         api = self._api()
@@ -202,6 +206,7 @@ class MemoryMeter:
         if api is not None:
             api.synchronize()
             api.reset_peak_memory_stats()
+            self.health0 = self._health(api)
         elif self.device.type == "cpu":
             try:  # resets VmHWM to the current RSS
                 with open("/proc/self/clear_refs", "w") as f:
@@ -215,11 +220,14 @@ class MemoryMeter:
         if api is not None:
             api.synchronize()
             reserved = getattr(api, "max_memory_reserved", None)
+            health = {k: v - self.health0.get(k, 0) for k, v in self._health(api).items()}
+            why = {k: f"torch.{self.device.type} has no memory_stats" for k in HEALTH
+                   if k not in health}
+            if not reserved:
+                why["peak_reserved_gib"] = f"torch.{self.device.type} has no max_memory_reserved"
             return {"peak_mem_gib": (api.max_memory_allocated() - self.base_alloc) / GIB,
                     "peak_reserved_gib": (reserved() - self.base_reserved) / GIB
-                    if reserved else None}, \
-                {} if reserved else {"peak_reserved_gib": f"torch.{self.device.type} has no "
-                                     "max_memory_reserved"}
+                    if reserved else None, **dict.fromkeys(HEALTH), **health}, why
         if self.device.type == "cpu":
             peak = (_status_kib("VmHWM") * 1024 - self.base_rss) / GIB
             why = {"peak_reserved_gib": "CPU has no caching allocator: peak_mem_gib is peak RSS "
@@ -231,7 +239,17 @@ class MemoryMeter:
                                        "built (memory freed earlier in this process was "
                                        "reused): run it in its own process, as sweeps do")
                 peak = None
-            return {"peak_mem_gib": peak, "peak_reserved_gib": None}, why
+            why.update(dict.fromkeys(HEALTH, "CPU: no caching allocator to retry or run out"))
+            return {"peak_mem_gib": peak, "peak_reserved_gib": None,
+                    **dict.fromkeys(HEALTH)}, why
         reason = f"no memory API used for device type {self.device.type}"
-        return {"peak_mem_gib": None, "peak_reserved_gib": None}, \
-            {"peak_mem_gib": reason, "peak_reserved_gib": reason}
+        keys = ("peak_mem_gib", "peak_reserved_gib", *HEALTH)
+        return dict.fromkeys(keys), dict.fromkeys(keys, reason)
+
+    @staticmethod
+    def _health(api) -> dict:
+        """The caching allocator's cumulative retries (cudaMalloc failed, cache freed, tried
+        again: torchtitan's health figure) and OOMs, where the device reports them."""
+        stats = getattr(api, "memory_stats", None)
+        s = stats() if stats else {}
+        return {k: s[n] for k, n in zip(HEALTH, ("num_alloc_retries", "num_ooms")) if n in s}
