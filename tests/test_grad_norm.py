@@ -33,12 +33,12 @@ def test_grad_norm_is_every_steps_norm_before_clipping(monkeypatch, tmp_path):
 def test_a_sudden_spike_is_named_and_the_summary_warns(tmp_path):
     from types import SimpleNamespace
 
-    from moe_exp.bench.runner import _record_grad_norm
+    from moe_exp.bench.observe import record_grad_norm
     from moe_exp.summary import summary_rows
 
     rec = {"null_reasons": {}}
     cfg = SimpleNamespace(optim=SimpleNamespace(grad_clip=1.0))
-    _record_grad_norm(cfg, rec, SimpleNamespace(grad_norms=[1.0, 1.2, 0.8, 1.0, 25.0, 1.0]))
+    record_grad_norm(cfg, rec, SimpleNamespace(grad_norms=[1.0, 1.2, 0.8, 1.0, 25.0, 1.0]))
     assert rec["grad_norm"] == 1.0 and rec["grad_norm_spike"] == [4, 25.0]
     run = run_inproc(TINY, tmp_path)
     assert run["grad_norm_spike"] is None

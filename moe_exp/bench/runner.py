@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ..config import total_steps
+from .observe import record_eval, record_grad_norm, record_profile
 from ..results import (fill_null_reasons, hold_sigint, release_sigint, stop_signal,
                        write_json_atomic)
 from .balance import bias_spread
@@ -158,7 +159,7 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
     _compile_cache(rec, cfg, *graphs[:4])
     _cudagraph_skips(rec, cfg, device, graphs[4])
     _record(cfg, rec, res, device, world)
-    _record_profile(cfg, rec, res, device, out_dir if d is None or d.main else None)
+    record_profile(cfg, rec, res, device, out_dir if d is None or d.main else None)
     from ..optimizations.parallel.hooks import record_reduce_bytes
 
     record_reduce_bytes(cfg, rec, applied.reduce_bytes)
@@ -233,8 +234,8 @@ def _record(cfg, rec: dict, res, device: torch.device, world: int) -> None:
     rec["loss_floor"] = markov_floor(cfg)
     if rec["loss_floor"] is None:
         why["loss_floor"] = "data=tokens: a corpus's lowest achievable loss is not known"
-    _record_eval(cfg, rec, res)
-    _record_grad_norm(cfg, rec, res)
+    record_eval(cfg, rec, res)
+    record_grad_norm(cfg, rec, res)
     if rec["step_time_iqr_ms"] is None:
         why["step_time_iqr_ms"] = "one timed step: an IQR needs two" + (
             f" (of train.steps={t.steps}, the last {t.steps - 1} ran under the profiler for "
@@ -261,75 +262,6 @@ def _record(cfg, rec: dict, res, device: torch.device, world: int) -> None:
         why["comm_ms"] = why["comm_share"] = (
             "one rank: no communication" if world == 1 else
             "parallel.profile_steps=0 or train.steps <= profile_steps")
-
-
-def _record_profile(cfg, rec: dict, res, device: torch.device, out_dir: Path | None) -> None:
-    """NVML's figures; train.profile's trace, table, shares and memory snapshot (written by
-    rank 0 into the run's dir)."""
-    from .profile import FIELDS, write
-
-    gpu = dict(res.gpu)
-    rec["null_reasons"].update(gpu.pop("null_reasons", {}))
-    rec.update(gpu)
-    rec.update(dict.fromkeys(FIELDS))
-    if res.profiler is not None and out_dir is not None:
-        rec.update(write(res.profiler, res.memory_snapshot, out_dir, device.type == "cuda"))
-    for k in FIELDS:
-        if rec[k] is None:
-            rec["null_reasons"][k] = (
-                "train.profile=false" if not cfg.train.profile else
-                "on CUDA only" if k == "memory_snapshot" else "written by rank 0 only")
-
-
-SPIKE = 10  # a step's gradient norm this many times the run's median: the summary warns
-
-
-def _record_grad_norm(cfg, rec: dict, res) -> None:
-    """Every step's gradient norm before clipping, their median, and the largest spike."""
-    import statistics
-
-    norms = [g if math.isfinite(g) else None for g in res.grad_norms]
-    seen = [g for g in norms if g is not None]
-    rec.update(grad_norms=norms if seen else None,
-               grad_norm=statistics.median(seen) if seen else None, grad_norm_spike=None)
-    if not seen:
-        rec["null_reasons"]["grad_norm"] = rec["null_reasons"]["grad_norms"] = (
-            "optim.grad_clip=0: the norm is computed only to clip" if cfg.optim.grad_clip <= 0
-            else "no finite gradient norm (fp16 overflow steps)")
-    for i in range(3, len(norms)):  # the first step at SPIKE x the median of the 20 before
-        before = [g for g in norms[max(i - 20, 0):i] if g is not None]
-        if norms[i] is not None and before and norms[i] > SPIKE * statistics.median(before):
-            rec["grad_norm_spike"] = [i, norms[i] / statistics.median(before)]
-            break
-    if rec["grad_norm_spike"] is None:
-        rec["null_reasons"]["grad_norm_spike"] = f"no step's norm reached {SPIKE}x the median " \
-                                                 "of the 20 steps before it"
-
-
-def _record_eval(cfg, rec: dict, res) -> None:
-    """The held-out loss, its curve, its gap to the floor, and the time to train.target_loss
-    (steps x the median measured step: compile and evals left out)."""
-    t, why = cfg.train, rec["null_reasons"]
-    curve = res.eval_losses
-    rec.update(eval_losses=curve or None, eval_loss=curve[-1][1] if curve else None)
-    if not curve:
-        why["eval_loss"] = why["eval_losses"] = (
-            "train.eval_sequences=0" if not t.eval_sequences else
-            "data=tokens: no held-out split of a token file (data=markov has one)")
-    floor = rec["loss_floor"]
-    rec["eval_gap"] = rec["eval_loss"] - floor if None not in (rec["eval_loss"], floor) else None
-    if rec["eval_gap"] is None:
-        why["eval_gap"] = why.get("eval_loss") or why["loss_floor"]
-    n = res.steps_to_target
-    rec["steps_to_target"] = n
-    rec["seconds_to_target"] = n * rec["step_time_ms"] / 1e3 if n and rec["step_time_ms"] \
-        else None
-    if n is None:
-        best = min((v for _, v in curve), default=None)
-        why["steps_to_target"] = why["seconds_to_target"] = (
-            "train.target_loss not set" if t.target_loss is None else
-            f"eval loss {best:.4f} at best in {len(res.losses)} steps: train.target_loss="
-            f"{t.target_loss} not reached")
 
 
 def _record_moe(cfg, rec: dict, res, model, device: torch.device, world: int) -> None:

@@ -21,7 +21,7 @@ from ..results import fill_null_reasons, new_record, write_json_atomic
 
 FITS, NO_FIT = ("ok", "diverged"), ("oom", "crashed", "skipped")
 # the probes' own keys (set by the search), and what only the search's record carries
-OWN = ("task=", "train.micro_batch_size=", "logger=", "+logger=", "hydra.")
+OWN = ("task=", "train.micro_batch_size=", "logger=", "logger.", "sweep.", "hydra.")
 KEEP = ("task", "overrides", "config_hash", "timestamp", "extra", "status", "error")
 
 
