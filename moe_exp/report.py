@@ -39,6 +39,8 @@ def report(sweep_dir: Path, baseline: dict | None = None, by=("model",), wandb_c
             print(seed)
     for name, p in pngs.items():
         parts.append(f"## {name.capitalize()}\n\n![{name}]({p.relative_to(sweep_dir)})\n")
+    if profiles := profile_links(df, sweep_dir):
+        parts.append(profiles)
     paths["report"] = sweep_dir / "report.md"
     write_text_atomic(paths["report"], "\n".join(parts))
     paths.update(pngs)
@@ -61,6 +63,30 @@ def report(sweep_dir: Path, baseline: dict | None = None, by=("model",), wandb_c
               "logged")
     print(f"[report] {', '.join(str(p) for p in paths.values())}")
     return paths
+
+
+def profile_links(df, sweep_dir: Path) -> str | None:
+    """A section linking each traced job's files (train.profile), with its shares."""
+    lines = []
+    for r in df.itertuples():
+        shares = getattr(r, "profile_shares", None)
+        if not isinstance(shares, dict) or r.job is None:
+            continue
+        found = sorted((sweep_dir / str(r.job)).glob("**/trace.json"))  # (repeats: rep<i>/)
+        if not found:
+            continue
+        d = found[0].parent.relative_to(sweep_dir)
+        files = [f"[trace]({d}/trace.json)", f"[top ops]({d}/profile.txt)"]
+        if (sweep_dir / d / "memory_snapshot.pickle").exists():
+            files.append(f"[memory snapshot]({d}/memory_snapshot.pickle)")
+        top = ", ".join(f"{k} {v:.0%}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1])
+                        if v >= 0.005)
+        lines.append(f"- job {r.job} ({r.label}): {' · '.join(files)} — {top}")
+    if not lines:
+        return None
+    return ("## Profiles\n\nTraces open in <https://ui.perfetto.dev> or TensorBoard's "
+            "profiler; memory snapshots in <https://pytorch.org/memory_viz>.\n\n"
+            + "\n".join(lines) + "\n")
 
 
 def sweep_df(sweep_dir: Path, baseline: dict | None, by, strict: bool,

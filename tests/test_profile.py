@@ -37,3 +37,19 @@ def test_profile_categories_and_bad_input(tmp_path):
     r = cli_inproc(["logger=none", "train.profile=true", "train.steps=2"], tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("error: train.steps: must exceed "
                                                      "train.profile_steps=2")
+
+
+def test_report_links_each_traced_jobs_files(tmp_path):
+    import pandas as pd
+
+    from moe_exp.report import profile_links
+
+    (tmp_path / "1" / "rep0").mkdir(parents=True)
+    (tmp_path / "1" / "rep0" / "trace.json").write_text("{}")
+    df = pd.DataFrame([{"job": "0", "label": "train.profile=False", "profile_shares": None},
+                       {"job": "1", "label": "train.profile=True",
+                        "profile_shares": {"matmul": 0.6, "other": 0.4, "attention": 0.0}}])
+    text = profile_links(df, tmp_path)
+    assert "- job 1 (train.profile=True): [trace](1/rep0/trace.json) · [top ops](1/rep0/" \
+           "profile.txt) — matmul 60%, other 40%" in text and "job 0" not in text
+    assert profile_links(df.iloc[:1], tmp_path) is None
