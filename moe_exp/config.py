@@ -283,6 +283,9 @@ class DataConfig:
                                read_by=Reads("data.source", ("tokens",)))
     branching: int = knob(4, "markov: successors per token (entropy = log(branching) nats)",
                           read_by=Reads("data.source", ("markov",)))
+    heldout: bool = knob(False, "tokens: hold the file's last train.eval_sequences sequences "
+                         "out of training, for eval_loss", read_by=Reads("data.source",
+                                                                         ("tokens",)), since=False)
     num_workers: int = knob(0, "loader worker processes per rank")
     pin_memory: bool = knob(True, "pinned host memory (CUDA only)")
     prefetch_factor: Optional[int] = knob(None, "batches each worker loads ahead "

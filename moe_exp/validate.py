@@ -260,11 +260,11 @@ def _check_eval(t, data) -> None:
         return
     if t.target_loss <= 0:
         raise ConfigError("train.target_loss", f"must be > 0 (a loss), got {t.target_loss}")
-    if not (t.eval_every and t.eval_sequences and data.source == "markov"):
+    if not (t.eval_every and t.eval_sequences and (data.source == "markov" or data.heldout)):
         raise ConfigError("train.target_loss", "is checked on the eval steps: it needs "
                           "train.eval_every > 0, train.eval_sequences > 0 and a held-out set "
-                          f"(data=markov); got {t.eval_every}, {t.eval_sequences}, "
-                          f"data={data.source}")
+                          f"(data=markov, or data.heldout=true); got {t.eval_every}, "
+                          f"{t.eval_sequences}, data={data.source}")
 
 
 def check_precision(cfg) -> None:

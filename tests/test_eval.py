@@ -1,5 +1,6 @@
 """The held-out loss: the same batches for every configuration, never trained on; its
 curve, its gap to the floor, and the steps and seconds to a target."""
+import numpy as np
 import torch
 
 from moe_exp.data import build_loader, heldout
@@ -51,3 +52,29 @@ def test_target_loss_needs_eval_steps_and_a_heldout_set(tmp_path):
         assert r.stderr.startswith("error: train.target_loss: is checked on the eval steps")
     r = cli_inproc(["logger=none", "train.eval_every=-1"], tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("error: train.eval_every: must be in 0..")
+
+
+def test_a_token_file_holds_out_its_last_sequences_with_data_heldout(tmp_path):
+    import random
+
+    from moe_exp.data import prepare
+
+    random.seed(0)
+    text = tmp_path / "a.txt"
+    text.write_text("".join(random.choice("abcdefgh \n") for _ in range(4000)))
+    path = tmp_path / "c.bin"
+    n = prepare([text], path)["num_tokens"]
+    tok = ["data=tokens", f"data.path={path}", "data.heldout=true", "train.eval_sequences=4"]
+    cfg = compose([*TINY, *tok])
+    tokens, targets = heldout(cfg)
+    w = cfg.train.seq_len + 1
+    raw = torch.from_numpy(np.fromfile(path, dtype="uint8").astype("int64"))
+    assert torch.equal(tokens, raw[n - 4 * w:].view(4, w)[:, :-1])
+    starts = build_loader(cfg, torch.device("cpu"), 64).dataset.starts
+    assert max(starts) + w <= n - 4 * w  # no training window reaches the held-out tail
+    rec = run_inproc([*TINY, *tok], tmp_path / "run")
+    assert rec["status"] == "ok" and rec["eval_loss"] > 0 and rec["eval_gap"] is None
+    off = run_inproc([*TINY, *tok[:2]], tmp_path / "off")
+    assert off["eval_loss"] is None and "data.heldout=true" in off["null_reasons"]["eval_loss"]
+    r = cli_inproc(["logger=none", *tok[:3], "train.eval_sequences=200"], tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("error: data.heldout: ")

@@ -61,7 +61,8 @@ def record_eval(cfg, rec: dict, res) -> None:
     if not curve:
         why["eval_loss"] = why["eval_losses"] = (
             "train.eval_sequences=0" if not t.eval_sequences else
-            "data=tokens: no held-out split of a token file (data=markov has one)")
+            "data=tokens: no held-out split (data.heldout=true holds the file's last "
+            "train.eval_sequences sequences out of training)")
     floor = rec["loss_floor"]
     rec["eval_gap"] = rec["eval_loss"] - floor if None not in (rec["eval_loss"], floor) else None
     if rec["eval_gap"] is None:

@@ -24,14 +24,23 @@ def _markov(cfg, num_samples: int, heldout: bool = False) -> MarkovTokens:
 def heldout(cfg) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The eval set: train.eval_sequences sequences no run trains on, the same for every
     configuration of a model and data source (data=markov: walks of the same chain, from
-    generators no training chunk uses: MarkovTokens.chunk); None where there is none (a
-    corpus; 0 sequences)."""
+    generators no training chunk uses: MarkovTokens.chunk; a token file with data.heldout:
+    its last windows, which no training window reaches); None where there is none."""
     n = cfg.train.eval_sequences
-    if not n or cfg.data.source != "markov":
+    if not n or cfg.data.source != "markov" and not cfg.data.heldout:
         return None
-    ds = _markov(cfg, n, heldout=True)
-    rows = torch.cat([ds.chunk(c) for c in range(-(-n // CHUNK))])[:n]
+    if cfg.data.source == "markov":
+        ds = _markov(cfg, n, heldout=True)
+        rows = torch.cat([ds.chunk(c) for c in range(-(-n // CHUNK))])[:n]
+    else:
+        rows = TokenFile(cfg.data.path, cfg.train.seq_len, 0).tail(n)
     return rows[:, :-1], rows[:, 1:]
+
+
+def held_tokens(cfg) -> int:
+    """data=tokens with data.heldout: how many of the file's last tokens training leaves out."""
+    d, t = cfg.data, cfg.train
+    return t.eval_sequences * (t.seq_len + 1) if d.source == "tokens" and d.heldout else 0
 
 
 def build_loader(cfg, device: torch.device, num_samples: int, rank: int = 0,
@@ -45,7 +54,7 @@ def build_loader(cfg, device: torch.device, num_samples: int, rank: int = 0,
     if d.source == "markov":
         ds = _markov(cfg, n)
     else:
-        ds = TokenFile(d.path, t.seq_len, n, t.seed)
+        ds = TokenFile(d.path, t.seq_len, n, t.seed, held_tokens(cfg))
     if world > 1:
         b = t.micro_batch_size
         ds = Subset(ds, [m * b * world + rank * b + i for m in range(num_samples // b)

@@ -96,16 +96,24 @@ def prepare(inputs: Iterable[str | Path], out: str | Path) -> dict:
 class TokenFile(Dataset):
     """Windows of seq_len+1 tokens at seeded random offsets into a memory-mapped file."""
 
-    def __init__(self, path: str | Path, seq_len: int, num_samples: int, seed: int = 0):
+    def __init__(self, path: str | Path, seq_len: int, num_samples: int, seed: int = 0,
+                 hold: int = 0):
         meta = read_meta(path)
         self.tokens = np.memmap(path, dtype=meta["dtype"], mode="r")
         self.seq_len = seq_len
-        high = len(self.tokens) - seq_len  # window starts 0..high-1
+        high = len(self.tokens) - hold - seq_len  # window starts 0..high-1 (hold: the
+        # file's last tokens, the held-out set's, in no window)
         if high <= 0:
             raise ValueError(f"data.path: {path} holds {len(self.tokens)} tokens, "
                              f"fewer than train.seq_len+1={seq_len + 1}")
         g = torch.Generator().manual_seed(seed)
         self.starts = torch.randint(0, high, (num_samples,), generator=g).tolist()
+
+    def tail(self, n: int) -> torch.Tensor:
+        """The file's last n whole windows of seq_len+1 tokens, in order (the held-out set)."""
+        w = self.seq_len + 1
+        rows = self.tokens[len(self.tokens) - n * w:].astype(np.int64)
+        return torch.from_numpy(rows).view(n, w)
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -144,3 +152,10 @@ def check_token_file(cfg) -> None:
     if meta.get("num_tokens", cfg.train.seq_len + 1) < cfg.train.seq_len + 1:
         raise ConfigError("data.path", f"'{d.path}' holds {meta['num_tokens']} tokens, fewer "
                           f"than train.seq_len+1={cfg.train.seq_len + 1}")
+    from . import held_tokens
+
+    if (hold := held_tokens(cfg)) and meta["num_tokens"] < hold + cfg.train.seq_len + 1:
+        raise ConfigError("data.heldout", f"'{d.path}' holds {meta['num_tokens']} tokens: "
+                          f"holding out train.eval_sequences={cfg.train.eval_sequences} x "
+                          f"{cfg.train.seq_len + 1} leaves less than one training window "
+                          "(fewer train.eval_sequences, or a larger file)")
