@@ -407,6 +407,10 @@ class SweepConfig:
     isolate: bool = knob(True, "each job in its own process (a crash becomes a crashed row)")
     job_timeout_s: Optional[float] = knob(None, "kill a job after this long (a crashed row)")
     fresh_compile_cache: bool = knob(True, "each job compiles cold: compile_s is no cache hit")
+    vary_init: bool = knob(False, "repeat i initializes the model from train.seed + i (the "
+                           "data stays): the repeats' eval-loss spread is the noise loss_ok uses")
+    init_offset: int = knob(0, "set by the sweep (vary_init): this run's init seed is "
+                            "train.seed + this")
 
 
 @dataclass

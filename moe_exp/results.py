@@ -39,7 +39,7 @@ EXTRAS = (
     "optim_impl", "peak_flops", "compile_cache_hit_share", "cudagraph_skips", "cpu_other_load",
     "tune_max_micro_batch", "tune_best_micro_batch", "tune_limit", "tune_probes",
     "profile_trace", "profile_shares", "memory_snapshot", "gpu_util_pct", "gpu_mem_used_gib",
-    "gpu_power_w", "grad_norm", "grad_norms", "grad_norm_spike", "alloc_retries",
+    "gpu_power_w", "grad_norm", "grad_norms", "grad_norm_spike", "alloc_retries", "init_seed",
     "alloc_ooms",
     "job",
     "repeat", "repeats",

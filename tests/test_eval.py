@@ -5,7 +5,7 @@ import torch
 
 from moe_exp.data import build_loader, heldout
 
-from conftest import cli_inproc, compose, run_inproc
+from conftest import cli_inproc, compose, run_cli, run_inproc
 
 TINY = ["logger=none", "train.steps=4", "train.warmup_steps=1", "train.micro_batch_size=2",
         "model.max_seq_len=32"]
@@ -78,3 +78,28 @@ def test_a_token_file_holds_out_its_last_sequences_with_data_heldout(tmp_path):
     assert off["eval_loss"] is None and "data.heldout=true" in off["null_reasons"]["eval_loss"]
     r = cli_inproc(["logger=none", *tok[:3], "train.eval_sequences=200"], tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("error: data.heldout: ")
+
+
+def test_loss_ok_flags_a_harmful_row_and_passes_a_harmless_one(tmp_path):
+    """Repeats from different initializations (sweep.vary_init) measure the eval loss's
+    noise: an lr too small to learn (it does not diverge) is not ok, checkpointing (the same
+    math) is."""
+    import pandas as pd
+
+    from moe_exp.sweep.table import loss_ok
+
+    p = run_cli(["-m", "logger=none", "train.steps=8", "train.warmup_steps=1",
+                 "sweep.repeats=2", "sweep.vary_init=true", "sweep.isolate=false",
+                 "optim.lr=1e-3,1e-7", "train.activation_checkpointing=none,full",
+                 f"hydra.sweep.dir={tmp_path}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    df = pd.read_csv(tmp_path / "results.csv").set_index("label")
+    ok = df["loss_ok"].to_dict()
+    assert ok["optim.lr=0.001 train.activation_checkpointing=full"] is True
+    assert ok["optim.lr=1e-07 train.activation_checkpointing=none"] is False
+    assert ok["optim.lr=1e-07 train.activation_checkpointing=full"] is False
+    seeds = [pd.read_json(tmp_path / "0" / f"rep{i}" / "metrics.json", typ="series")["init_seed"]
+             for i in (0, 1)]
+    assert seeds == [0, 1] and "loss ok" in (tmp_path / "results.md").read_text()
+    same = {"eval_loss": 5.0, "eval_loss_min": 5.0, "eval_loss_max": 5.0}
+    assert loss_ok(same, same) is None  # no noise measured: no verdict

@@ -177,7 +177,8 @@ def _build(cfg, rec: dict, device: torch.device, memory: MemoryMeter, d):
 
     t = cfg.train
     setup_backends(cfg)
-    torch.manual_seed(t.seed)
+    rec["init_seed"] = t.seed + cfg.sweep.init_offset  # (sweep.vary_init: repeat i's)
+    torch.manual_seed(rec["init_seed"])
     _resolve_dispatch(cfg, device)
     # modules the run imports anyway (torch.optim imports dynamo lazily), loaded before the
     # memory baseline: on CPU their RSS (~45 MiB) would count as the run's memory

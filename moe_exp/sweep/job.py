@@ -106,6 +106,8 @@ def _repeats(cfg, cfg_dict: dict, job_dir: Path, sweep_dir: Path, overrides, cho
     reps = []
     for i in range(s.repeats):
         rdir = job_dir / f"rep{i}" if s.repeats > 1 else job_dir
+        if s.vary_init:  # this repeat's init seed (unhashed: the same row)
+            cfg, cfg_dict = _init_offset(cfg, cfg_dict, i)
         if pool:
             path, prev = pool.pop(0)
             if path != rdir / "metrics.json":
@@ -135,6 +137,15 @@ def _repeats(cfg, cfg_dict: dict, job_dir: Path, sweep_dir: Path, overrides, cho
             print(f"[sweep] job #{num}: crashed: {rec['error']}", file=sys.stderr)
         reps.append(rec)
     return reps[0] if s.repeats == 1 else combine(reps)
+
+
+def _init_offset(cfg, cfg_dict: dict, i: int):
+    """sweep.vary_init: the run's config with sweep.init_offset = i."""
+    from omegaconf import OmegaConf
+
+    cfg = cfg.copy()
+    OmegaConf.update(cfg, "sweep.init_offset", i)
+    return cfg, {**cfg_dict, "sweep": {**cfg_dict["sweep"], "init_offset": i}}
 
 
 _RUNS_HERE = 0  # runs of an in-process sweep (sweep.isolate=false) made by this process

@@ -17,12 +17,12 @@ from ..results import FIELDS
 # Finished outcomes that a re-run would repeat: resume keeps them (error/crashed re-run).
 DONE = ("ok", "oom", "diverged", "invalid", "skipped")
 ADDED = ("job", "label", "repeats", "tokens_per_s_min", "tokens_per_s_max", "baseline",
-         "baseline_job", "speedup", "speedup_significant", "mem_saved_pct")
+         "baseline_job", "speedup", "speedup_significant", "mem_saved_pct", "loss_ok")
 # What counts as "an optimization on" when choosing the default baseline (fewest on):
 # config.OFF, from each knob's declared "off" value.
 # the columns build_table computes from the rows (not a record's)
 COMPUTED = ("label", "baseline", "baseline_job", "speedup", "speedup_significant",
-            "mem_saved_pct")
+            "mem_saved_pct", "loss_ok")
 _HIDDEN_OVERRIDES = ("sweep.", "+sweep", "hydra.", "logger", "+logger")
 
 
@@ -190,7 +190,7 @@ def combine(records: list[dict]) -> dict:
     loads = [r["cpu_other_load"] for r in ok if _num(r.get("cpu_other_load")) is not None]
     if loads:  # the most contended repeat's: its figures are in the spread
         rec["cpu_other_load"] = max(loads)
-    for k in ("tokens_per_s", "peak_mem_gib", "step_time_ms"):
+    for k in ("tokens_per_s", "peak_mem_gib", "step_time_ms", "eval_loss", "eval_gap"):
         vals = [r[k] for r in ok if isinstance(r.get(k), (int, float))]
         rec[f"{k}_min"], rec[f"{k}_max"] = (min(vals), max(vals)) if vals else (None, None)
     return rec
@@ -359,10 +359,26 @@ def build_table(records: list[dict], baseline: dict | None = None, by=("model",)
     return df[["job", "label", *FIELDS, *ADDED[2:], *rest]]
 
 
+def loss_ok(r: dict, base: dict) -> bool | None:
+    """Whether the row's held-out loss is no worse than the baseline's beyond the noise the
+    sweep measured: its median exceeds the baseline's by at most the wider of the two rows'
+    spreads (max - min over repeats of different initializations: sweep.vary_init). The
+    gap to the floor where known (seeds of the same data share it), else eval_loss. None:
+    no spread measured (one repeat, or repeats that repeat one another bit for bit)."""
+    key = "eval_gap" if _num(r.get("eval_gap")) is not None else "eval_loss"
+    vals = [_num(x.get(k)) for x in (r, base) for k in (key, f"{key}_min", f"{key}_max")]
+    if None in vals:
+        return None
+    med, lo, hi, bmed, blo, bhi = vals
+    noise = max(hi - lo, bhi - blo)
+    return None if noise == 0 else bool(med - bmed <= noise)
+
+
 def _relative(r: dict, base: dict | None) -> None:
-    r["speedup"] = r["mem_saved_pct"] = r["speedup_significant"] = None
+    r["speedup"] = r["mem_saved_pct"] = r["speedup_significant"] = r["loss_ok"] = None
     if base is None or r["status"] != "ok":
         return
+    r["loss_ok"] = loss_ok(r, base)
     tps, btps = _num(r.get("tokens_per_s")), _num(base.get("tokens_per_s"))
     if tps and btps:
         r["speedup"] = tps / btps
@@ -437,6 +453,7 @@ def compact(df):
     load = "expert_load_max_over_mean" in df and df["expert_load_max_over_mean"].notna().any()
     drops = "drop_rate" in df and (df["drop_rate"].fillna(0) > 0).any()
     tune = "tune_max_micro_batch" in df and df["tune_max_micro_batch"].notna().any()
+    judged = "loss_ok" in df and df["loss_ok"].notna().any()
     rows = []
     for _, r in df.iterrows():
         sp = _fmt(r["speedup"], ".2f", "×")
@@ -460,6 +477,8 @@ def compact(df):
             "MFU": _fmt(r["mfu"] * 100 if _num(r["mfu"]) is not None else None, ".1f", "%"),
             "loss": _fmt(r["loss_last"], ".3f"),
         })
+        if judged:  # (rows judged against the baseline's held-out loss and its noise)
+            row["loss ok"] = {True: "yes", False: "NO"}.get(r["loss_ok"], "—")
         if load:
             row["load max/mean"] = _fmt(r["expert_load_max_over_mean"], ".2f")
         if drops:
@@ -514,6 +533,10 @@ def markdown(df, title: str = "Sweep results") -> str:
     if len(base):
         lines.append("Baseline (speedup 1.00×, memory saved 0%): " +
                      "; ".join(f"job {r.job} ({r.label})" for r in base.itertuples()) + ".")
+    if "loss_ok" in df and df["loss_ok"].notna().any():
+        lines.append("loss ok: the row's held-out loss (its gap to the floor where known) is "
+                     "above the baseline's by no more than the wider min–max spread of the "
+                     "two over repeats of different initializations (sweep.vary_init).")
     if (df["repeats"].fillna(1) > 1).any():
         lines.append("Median over repeats; spread = half the min–max range; (n.s.) = the "
                      "tokens/s ranges of this row and its baseline overlap.")
