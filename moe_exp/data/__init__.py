@@ -5,7 +5,7 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from .markov import CHUNK, MarkovTokens
-from .tokens import TokenFile, prepare, read_meta
+from .tokens import TokenFile, held_tokens, prepare, read_meta
 
 __all__ = ["MarkovTokens", "TokenFile", "build_loader", "heldout", "markov_floor", "prepare",
            "read_meta"]
@@ -36,11 +36,6 @@ def heldout(cfg) -> tuple[torch.Tensor, torch.Tensor] | None:
         rows = TokenFile(cfg.data.path, cfg.train.seq_len, 0).tail(n)
     return rows[:, :-1], rows[:, 1:]
 
-
-def held_tokens(cfg) -> int:
-    """data=tokens with data.heldout: how many of the file's last tokens training leaves out."""
-    d, t = cfg.data, cfg.train
-    return t.eval_sequences * (t.seq_len + 1) if d.source == "tokens" and d.heldout else 0
 
 
 def build_loader(cfg, device: torch.device, num_samples: int, rank: int = 0,

@@ -124,6 +124,12 @@ class TokenFile(Dataset):
         return row[:-1], row[1:]
 
 
+def held_tokens(cfg) -> int:
+    """data=tokens with data.heldout: how many of the file's last tokens training leaves out."""
+    d, t = cfg.data, cfg.train
+    return t.eval_sequences * (t.seq_len + 1) if d.source == "tokens" and d.heldout else 0
+
+
 def check_token_file(cfg) -> None:
     """data=tokens: data.path names a token file with its sidecar, whose vocabulary fits the
     model and which holds a sequence (ConfigError: invalid, before any work)."""
@@ -152,8 +158,6 @@ def check_token_file(cfg) -> None:
     if meta.get("num_tokens", cfg.train.seq_len + 1) < cfg.train.seq_len + 1:
         raise ConfigError("data.path", f"'{d.path}' holds {meta['num_tokens']} tokens, fewer "
                           f"than train.seq_len+1={cfg.train.seq_len + 1}")
-    from . import held_tokens
-
     if (hold := held_tokens(cfg)) and meta["num_tokens"] < hold + cfg.train.seq_len + 1:
         raise ConfigError("data.heldout", f"'{d.path}' holds {meta['num_tokens']} tokens: "
                           f"holding out train.eval_sequences={cfg.train.eval_sequences} x "
