@@ -67,6 +67,8 @@ def report(sweep_dir: Path, baseline: dict | None = None, by=("model",), wandb_c
 
 def profile_links(df, sweep_dir: Path) -> str | None:
     """A section linking each traced job's files (train.profile), with its shares."""
+    from .bench.profile import top_shares
+
     lines = []
     for r in df.itertuples():
         shares = getattr(r, "profile_shares", None)
@@ -79,9 +81,7 @@ def profile_links(df, sweep_dir: Path) -> str | None:
         files = [f"[trace]({d}/trace.json)", f"[top ops]({d}/profile.txt)"]
         if (sweep_dir / d / "memory_snapshot.pickle").exists():
             files.append(f"[memory snapshot]({d}/memory_snapshot.pickle)")
-        top = ", ".join(f"{k} {v:.0%}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1])
-                        if v >= 0.005)
-        lines.append(f"- job {r.job} ({r.label}): {' · '.join(files)} — {top}")
+        lines.append(f"- job {r.job} ({r.label}): {' · '.join(files)} — {top_shares(shares)}")
     if not lines:
         return None
     return ("## Profiles\n\nTraces open in <https://ui.perfetto.dev> or TensorBoard's "

@@ -155,6 +155,17 @@ def failed_record(cfg_dict: dict, overrides: list[str], status: str, error: str,
     return rec
 
 
+def why_died(rc: int) -> str:
+    """How a child process that wrote no record ended, from its return code."""
+    import signal
+
+    if rc < 0:
+        name = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else -rc
+        oom = " (the kernel's OOM killer sends SIGKILL)" if -rc == signal.SIGKILL else ""
+        return f"was killed by {name}{oom}"
+    return f"exited with code {rc} before writing its record"
+
+
 def write_json_atomic(path: str | Path, obj) -> None:
     """A failed write (a full or read-only disk) leaves no temporary file, and its OSError
     names `path` (a write's own names none)."""

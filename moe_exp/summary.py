@@ -82,8 +82,9 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
         rows.append(("GPU (NVML)", f"{r['gpu_util_pct']:.0f}% busy, {r['gpu_mem_used_gib']:.1f} "
                                    f"GiB used, {r['gpu_power_w']:.0f} W"))
     if shares := r.get("profile_shares"):
-        rows.append(("profile", ", ".join(f"{k} {v:.0%}" for k, v in sorted(
-            shares.items(), key=lambda kv: -kv[1]) if v >= 0.005) + f" ({r['profile_trace']})"))
+        from .bench.profile import top_shares
+
+        rows.append(("profile", f"{top_shares(shares)} ({r['profile_trace']})"))
     if r.get("startup_s") is not None:
         rows.append(("startup", f"{r['startup_s']:.1f} s from process start to the first "
                                 "measured step (compile excluded)"))

@@ -12,7 +12,7 @@ from ..data import heldout
 
 class Evaluator:
     """eval_loss over train.eval_sequences held-out sequences, in micro-batches of
-    train.micro_batch_size; `due` says at which steps; `seconds` is its wall time."""
+    train.micro_batch_size; `due` says at which steps; a call returns its wall time."""
 
     def __init__(self, cfg, applied, device: torch.device):
         t = cfg.train
@@ -22,13 +22,13 @@ class Evaluator:
         self.autocast, self.device, self.b = applied.autocast, device, t.micro_batch_size
         self.curve: list[list] = []  # [step, eval loss] (steps: optimizer steps done)
         self.reached: int | None = None  # the first step whose eval loss <= target_loss
-        self.seconds = 0.0
 
     def due(self, steps_done: int, last: bool) -> bool:
         return self.data is not None and (last or self.every > 0 and steps_done % self.every == 0)
 
     @torch.no_grad()
     def __call__(self, steps_done: int) -> float:
+        """Measure at steps_done; returns the seconds it took."""
         t0 = time.perf_counter()
         tokens, targets = self.data
         self.model.eval()
@@ -45,5 +45,4 @@ class Evaluator:
         self.curve.append([steps_done, loss])
         if self.target is not None and self.reached is None and loss <= self.target:
             self.reached = steps_done
-        self.seconds += time.perf_counter() - t0
-        return loss
+        return time.perf_counter() - t0

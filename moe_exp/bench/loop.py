@@ -347,9 +347,8 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
             if (step + 1) % t.log_every == 0 or step + 1 == total:
                 log.read(step)
             if step + 1 < total and step < win.prof_from and evaluate.due(step + 1, False):
-                spent = evaluate.seconds  # (not under the profiler: its collectives would
-                evaluate(step + 1)  # count in comm_ms)
-                win.pause(evaluate.seconds - spent)
+                win.pause(evaluate(step + 1))  # (not under the profiler: its
+                # collectives would count in comm_ms)
             bar.update(1)
         win.finish()
         if evaluate.due(total, True):  # after the window: in no figure

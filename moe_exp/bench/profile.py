@@ -44,6 +44,12 @@ def shares(prof, on_device: bool) -> dict[str, float]:
     return {k: (v / total if total else 0.0) for k, v in out.items()}
 
 
+def top_shares(shares: dict) -> str:
+    """'matmul 48%, other 40%, ...': the shares, largest first (those under 0.5% left out)."""
+    return ", ".join(f"{k} {v:.0%}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1])
+                     if v >= 0.005)
+
+
 def write(prof, snapshot, out_dir: Path, on_device: bool) -> dict:
     """The trace, the table and the snapshot into out_dir; the record's fields."""
     trace = out_dir / "trace.json"

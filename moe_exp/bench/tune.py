@@ -12,12 +12,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from ..results import fill_null_reasons, new_record, write_json_atomic
+from ..results import fill_null_reasons, new_record, why_died, write_json_atomic
 
 FITS, NO_FIT = ("ok", "diverged"), ("oom", "crashed", "skipped")
 # the probes' own keys (set by the search), and what only the search's record carries
@@ -68,10 +67,7 @@ def run_probe(overrides: list[str], n: int, out_dir: Path) -> dict:
     try:
         rec = json.loads((out / "metrics.json").read_text())
     except (OSError, ValueError):
-        why = (f"killed by {signal.Signals(-rc).name}" if rc < 0 and -rc in signal.valid_signals()
-               else f"exit {rc}")
-        rec = {"status": "crashed", "error": f"probe {why} before writing its record "
-                                             f"(see {out}/probe.log)"}
+        rec = {"status": "crashed", "error": f"probe {why_died(rc)} (see {out}/probe.log)"}
     if rec.get("status") in (None, "running"):  # a record left mid-run by a killed probe
         rec.update(status="crashed", error=rec.get("error") or f"probe exit {rc}")
     return rec

@@ -25,7 +25,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from ..config import override_texts
-from ..results import (config_hash, failed_record, hold_sigint, release_sigint,
+from ..results import (config_hash, failed_record, why_died, hold_sigint, release_sigint,
                        row_key, stop_signal, write_json_atomic)
 from .live import sweep_group
 from .table import DONE, combine, read_record
@@ -210,14 +210,6 @@ def finished_records(sweep_dir: Path, key: tuple, job_dir: Path) -> list[tuple[P
     return found
 
 
-def _why_died(rc: int) -> str:
-    if rc < 0:
-        name = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else -rc
-        oom = " (the kernel's OOM killer sends SIGKILL)" if -rc == signal.SIGKILL else ""
-        return f"was killed by {name}{oom}"
-    return f"exited with code {rc} before writing its record"
-
-
 def run_child(cfg_dict: dict, overrides, choices, out_dir: Path, s) -> dict:
     """`python -m moe_exp.sweep.child` on this job; a process that dies is a `crashed` row."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -261,7 +253,7 @@ def run_child(cfg_dict: dict, overrides, choices, out_dir: Path, s) -> dict:
     lines = [ln for ln in b"".join(tail).decode(errors="replace").replace("\r", "\n")
              .splitlines() if ln.strip()]
     why = (f"was killed after sweep.job_timeout_s={s.job_timeout_s:g} s" if timed_out
-           else _why_died(proc.returncode))
+           else why_died(proc.returncode))
     last = f": {lines[-1].strip()[:200]}" if lines and not timed_out else ""
     return failed_record(cfg_dict, overrides, "crashed",
                          f"job process {why}{last} (see {out_dir}/job.log)",
