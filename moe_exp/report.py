@@ -17,19 +17,23 @@ def report(sweep_dir: Path, baseline: dict | None = None, by=("model",), wandb_c
            group: str | None = None, title: str | None = None, plots: bool = True,
            strict: bool = False) -> dict:
     """Rebuild everything from the job records in sweep_dir; returns the output paths."""
+    from .sweep.answer import answer_text
     from .sweep.table import markdown, print_table, write_tables, write_text_atomic
 
     sweep_dir = Path(sweep_dir)
     title = title or f"Sweep {sweep_dir}"
     df = sweep_df(sweep_dir, baseline, by, strict)  # (before the tables are rewritten)
     paths = write_tables(df, sweep_dir, title)
+    lead = answer_text(df)
+    if lead:
+        print(lead)
     print_table(df, title)
     pngs = {}
     if plots:
         from .sweep.plots import write_plots
 
         pngs = write_plots(df, sweep_dir / "plots")
-    parts = [markdown(df, title)]
+    parts = [markdown(df, title, lead)]
     from .sweep.seed import seed_tables
     from .sweep.seed002 import seed002_table
 

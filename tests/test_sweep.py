@@ -363,6 +363,8 @@ def test_notebook_executes_against_a_sweep(swept):
     assert not [o for o in outs if o.output_type == "error"]
     assert sum("image/png" in o.get("data", {}) for o in outs) == 2
     assert "4 jobs" in "".join(o.get("text", "") for o in outs)
+    answer = "".join(o.get("data", {}).get("text/markdown", "") for o in outs)
+    assert "fits with its loss ok is job" in answer or "(its loss not judged) is job" in answer
 
 
 def test_notebook_runs_through_a_sweep_without_finished_rows(tmp_path):

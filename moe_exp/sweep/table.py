@@ -219,7 +219,7 @@ def _norm_key(key: str) -> str:
     return key[: -len(".name")] if key.endswith(".name") else key
 
 
-def _override_items(rec: dict) -> dict:
+def override_items(rec: dict) -> dict:
     items = {}
     for o in rec.get("overrides") or []:
         if "=" in o and not o.startswith(_HIDDEN_OVERRIDES):
@@ -230,7 +230,7 @@ def _override_items(rec: dict) -> dict:
 
 def labels(records: list[dict]) -> list[str]:
     """Each row's combination: the overrides whose value varies across the sweep."""
-    items = [_override_items(r) for r in records]
+    items = [override_items(r) for r in records]
     keys = sorted({k for it in items for k in it})
     varying = [k for k in keys if len({it.get(k) for it in items}) > 1]
     out = []
@@ -265,7 +265,7 @@ def _value(row: dict, key: str, what: str):
             sub = _MISSING
     if isinstance(sub, dict):
         return sub.get(rest, _MISSING)
-    set_here = {_norm_key(o): v for o, v in _override_items(row).items()}
+    set_here = {_norm_key(o): v for o, v in override_items(row).items()}
     if k in set_here:
         return _typed(set_here[k])
     if rest:
@@ -527,8 +527,10 @@ def contended(df) -> str:
     return note
 
 
-def markdown(df, title: str = "Sweep results") -> str:
-    lines = [f"# {title}", "", compact(df).to_markdown(index=False), ""]
+def markdown(df, title: str = "Sweep results", lead: str = "") -> str:
+    """The table as markdown; `lead` (the report's answer) between the title and it."""
+    lines = [f"# {title}", "", *([lead] if lead else []), compact(df).to_markdown(index=False),
+             ""]
     base = df[df["baseline"] == True]  # noqa: E712 - pandas mask
     if len(base):
         lines.append("Baseline (speedup 1.00×, memory saved 0%): " +

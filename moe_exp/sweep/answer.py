@@ -1,0 +1,118 @@
+"""The answer a sweep is run for: per baseline group, the fastest configuration that fits
+(it ran: status ok) with its loss ok, then the Pareto frontier of tokens/s vs peak memory
+among such rows. A row whose loss was not judged (one repeat) can be the answer, and the
+answer says so; a row whose loss is not ok never is, and the answer names the faster ones."""
+from __future__ import annotations
+
+import shlex
+
+from .plots import pareto_mask
+from .table import _fmt, _num, override_items
+
+
+def _groups(df):
+    """Rows per baseline group (build_table's: the same baseline_job); a group without a
+    baseline (none of its rows finished) by model."""
+    keys = [("job", b) if _num(b) is not None or isinstance(b, str) else ("model", m)
+            for b, m in zip(df["baseline_job"], df["model"])]
+    out: dict = {}
+    for i, k in enumerate(keys):
+        out.setdefault(str(k), []).append(i)
+    return [df.iloc[idx] for idx in out.values()]
+
+
+def _fits(g):
+    """Rows that ran to the end with a throughput."""
+    return g[(g["status"] == "ok") & g["tokens_per_s"].map(lambda v: _num(v) is not None)]
+
+
+def pick(g):
+    """(the answer row or None, the loss-ok-or-unjudged rows that fit, the faster rows whose
+    loss is not ok) of one group. Ties: the fewer-optimizations row (the baseline first)."""
+    fit = _fits(g)
+    cands = fit[fit["loss_ok"].map(lambda v: v is not False)]
+    if not len(cands):
+        return None, cands, fit[fit["loss_ok"].map(lambda v: v is False)]
+    order = cands.assign(_base=~cands["baseline"].astype(bool)).sort_values(
+        ["tokens_per_s", "_base"], ascending=[False, True])
+    best = order.iloc[0]
+    worse = fit[fit["loss_ok"].map(lambda v: v is False)
+                & (fit["tokens_per_s"] > best["tokens_per_s"])]
+    return best, cands, worse.sort_values("tokens_per_s", ascending=False)
+
+
+def command(row) -> str:
+    """The command that runs the row's configuration alone."""
+    items = override_items(row)
+    return "python -m moe_exp.run" + "".join(f" {shlex.quote(f'{k}={v}')}"
+                                             for k, v in items.items())
+
+
+def _loss(row, base) -> str:
+    """The row's held-out loss, against the baseline's and the data's floor, and its
+    verdict."""
+    verdict = {True: "loss ok", False: "loss NOT ok"}.get(
+        row.get("loss_ok"), "loss not judged (one initialization: sweep.repeats=3 "
+        "sweep.vary_init=true judges it)")
+    ev = _num(row.get("eval_loss"))
+    if ev is None:
+        return f"no held-out loss, {verdict}"
+    notes = []
+    bev = None if base is None or bool(row.get("baseline")) else _num(base.get("eval_loss"))
+    if bev is not None:
+        notes.append(f"{ev - bev:+.4f} vs the baseline")
+    if (gap := _num(row.get("eval_gap"))) is not None:
+        notes.append(f"{gap:.4f} above the data's floor")
+    return f"held-out loss {ev:.4f}" + (f" ({'; '.join(notes)})" if notes else "") + \
+        f", {verdict}"
+
+
+def _row_line(row, base) -> str:
+    sp = _num(row.get("speedup"))
+    vs = "the baseline" if bool(row.get("baseline")) else \
+        (f"{sp:.2f}× the baseline's tokens/s" if sp is not None else "no speedup")
+    saved = _num(row.get("mem_saved_pct"))
+    mem = f"peak {_fmt(row.get('peak_mem_gib'), '.3f')} GiB" + \
+        (f" ({abs(saved):.0f}% {'less' if saved >= 0 else 'more'} memory)"
+         if saved is not None and not bool(row.get("baseline")) else "")
+    return (f"job {row['job']} ({row['label']}): {_fmt(row['tokens_per_s'], ',.0f')} "
+            f"tokens/s, {vs}, {mem}, {_loss(row, base)}")
+
+
+def answer_text(df) -> str:
+    """The report's opening section (markdown), '' for an empty or non-training table."""
+    if not len(df) or ("task" in df and (df["task"] == "comm").all()):
+        return ""
+    many = df["model"].nunique() > 1 or df["baseline_job"].nunique() > 1
+    lines = ["## The answer", ""]
+    for g in _groups(df):
+        base = g[g["baseline"] == True]  # noqa: E712 - pandas mask
+        base = base.iloc[0] if len(base) else None
+        best, cands, worse = pick(g)
+        head = f"**{g['model'].iloc[0]}**" + (f" (baseline job {base['job']})"
+                                               if base is not None else "") + ": " if many \
+            else ""
+        missed = g[g["status"] != "ok"]["status"].value_counts().to_dict()
+        if best is None:
+            why = "no row finished" if not len(_fits(g)) else "no finished row has its loss ok"
+            lines.append(f"{head}none: {why}.")
+        else:
+            judged = "with its loss ok" if best["loss_ok"] is True else \
+                "(its loss not judged)"
+            lines += [f"{head}the fastest configuration that fits {judged} is "
+                      f"{_row_line(best, base)}.", "", f"    {command(best)}", ""]
+        if len(worse):
+            lines.append("Faster, but the loss is not ok: " + "; ".join(
+                f"job {r['job']} ({r['label']}, {_fmt(r['speedup'], '.2f', '×')})"
+                for _, r in worse.iterrows()) + ".")
+        if missed:
+            lines.append("Did not run to the end: " + ", ".join(
+                f"{n} {s}" for s, n in sorted(missed.items())) + " (the table's status and "
+                "error columns).")
+        front = cands[pareto_mask(cands)].sort_values("peak_mem_gib") if len(cands) else cands
+        if len(front) > 1:
+            lines += ["", "Pareto frontier (tokens/s vs peak memory; no other row with its "
+                      "loss ok is both faster and smaller):", ""]
+            lines += [f"- {_row_line(r, base)}" for _, r in front.iterrows()]
+        lines.append("")
+    return "\n".join(lines)
