@@ -17,6 +17,7 @@ from .hydra_internals import (flag_error, flags, hydra_args, hydra_error_line,
 from .pipeline import hydra_info, run
 from .results import stop_on_sigterm, stop_signal
 from .sweep.callback import no_job_ok
+from .sweep.searcher import register as register_search_sweeper
 
 
 EXIT_INVALID, EXIT_FAILED = 2, 1
@@ -258,6 +259,7 @@ def cli() -> None:
 
     writable_std()
     stop_on_sigterm()
+    register_search_sweeper()  # (+sweep=search's sweeper; Optuna itself only when used)
     full = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting 1
     args = sys.argv[1:]

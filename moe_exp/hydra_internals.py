@@ -17,7 +17,9 @@ def hydra_error_line(e: Exception) -> str:
         return parse_error_line(e.override, e.message)
     if isinstance(e, MissingConfigException) and e.options and e.missing_cfg_file:
         group, _, name = e.missing_cfg_file.rpartition("/")
-        return f"{group}: '{name}' is not one of: {', '.join(e.options)}"
+        hint = " (the Optuna sweeper of +sweep=search: pip install -e \".[search]\")" \
+            if group == "hydra/sweeper" and name == "optuna" else ""
+        return f"{group}: '{name}' is not one of: {', '.join(e.options)}{hint}"
     cause = e.__cause__
     key = getattr(cause, "full_key", None) or ""
     typ = getattr(cause, "object_type", None)
@@ -113,13 +115,17 @@ def flag_error(argv) -> str | None:
 
 def plan(config: DictConfig) -> tuple[list[list[str]] | None, dict]:
     """(each job's overrides, {key that varies: its values as written, quotes kept}) for the
-    basic sweeper; (None, {}) if unknown. A key swept twice (preset and command line): the
-    command line's values."""
+    basic sweeper; for a search (the Optuna sweeper), None and its choice(...) values;
+    (None, {}) if unknown. A key swept twice (preset and command line): the command line's
+    values."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    if "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", "")):
+    from .sweep.search import is_search
+
+    search = is_search(config.hydra.sweeper)
+    if "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", "")) and not search:
         return None, {}
     params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
     try:  # (the config loader lists a group's options for glob(...), as the sweeper's does)
@@ -127,9 +133,12 @@ def plan(config: DictConfig) -> tuple[list[list[str]] | None, dict]:
         ).is_initialized() else None
         parsed = OverridesParser.create(config_loader=loader).parse_overrides(
             params + override_texts(config.hydra.overrides.task))
-        jobs = BasicSweeper.split_arguments(parsed, None)[0]
+        jobs = None if search else BasicSweeper.split_arguments(parsed, None)[0]
     except Exception:  # noqa: BLE001 - progress is a nicety; Hydra reports real errors
         return None, {}
+    # (a search: its choice(...) values, checked before any trial; its number of jobs is
+    # the sampler's to decide)
     varying = {o.get_key_element(): list(o.sweep_string_iterator())  # as written: '1e-3'
-               for o in parsed if o.is_sweep_override()}  # stays quoted (a string)
+               for o in parsed if o.is_sweep_override()  # stays quoted (a string)
+               and (not search or type(o.value()).__name__ == "ChoiceSweep")}
     return jobs, varying

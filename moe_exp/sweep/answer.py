@@ -11,14 +11,19 @@ from .table import _fmt, _num, override_items
 
 
 def _groups(df):
-    """Rows per baseline group (build_table's: the same baseline_job); a group without a
-    baseline (none of its rows finished) by model."""
-    keys = [("job", b) if _num(b) is not None or isinstance(b, str) else ("model", m)
-            for b, m in zip(df["baseline_job"], df["model"])]
+    """Rows per baseline group (build_table's: the same baseline_job). A row without one
+    (not finished, so never grouped by size) joins its model's first group."""
+    has = [_num(b) is not None or isinstance(b, str) for b in df["baseline_job"]]
     out: dict = {}
-    for i, k in enumerate(keys):
-        out.setdefault(str(k), []).append(i)
-    return [df.iloc[idx] for idx in out.values()]
+    for i, (b, m) in enumerate(zip(df["baseline_job"], df["model"])):
+        if has[i]:
+            out.setdefault(("job", str(b)), []).append(i)
+    for i, m in enumerate(df["model"]):
+        if not has[i]:
+            key = next((k for k, idx in out.items() if df["model"].iloc[idx[0]] == m),
+                       ("model", str(m)))
+            out.setdefault(key, []).append(i)
+    return [df.iloc[sorted(idx)] for idx in out.values()]
 
 
 def _fits(g):
@@ -48,12 +53,12 @@ def command(row) -> str:
                                              for k, v in items.items())
 
 
-def _loss(row, base) -> str:
+def _loss(row, base, hint: bool) -> str:
     """The row's held-out loss, against the baseline's and the data's floor, and its
     verdict."""
-    verdict = {True: "loss ok", False: "loss NOT ok"}.get(
-        row.get("loss_ok"), "loss not judged (one initialization: sweep.repeats=3 "
-        "sweep.vary_init=true judges it)")
+    verdict = {True: "loss ok", False: "loss NOT ok"}.get(row.get("loss_ok"), "loss not judged")
+    if hint and row.get("loss_ok") is None:
+        verdict += " (one initialization: sweep.repeats=3 sweep.vary_init=true judges it)"
     ev = _num(row.get("eval_loss"))
     if ev is None:
         return f"no held-out loss, {verdict}"
@@ -67,7 +72,7 @@ def _loss(row, base) -> str:
         f", {verdict}"
 
 
-def _row_line(row, base) -> str:
+def _row_line(row, base, hint: bool = False) -> str:
     sp = _num(row.get("speedup"))
     vs = "the baseline" if bool(row.get("baseline")) else \
         (f"{sp:.2f}× the baseline's tokens/s" if sp is not None else "no speedup")
@@ -76,7 +81,7 @@ def _row_line(row, base) -> str:
         (f" ({abs(saved):.0f}% {'less' if saved >= 0 else 'more'} memory)"
          if saved is not None and not bool(row.get("baseline")) else "")
     return (f"job {row['job']} ({row['label']}): {_fmt(row['tokens_per_s'], ',.0f')} "
-            f"tokens/s, {vs}, {mem}, {_loss(row, base)}")
+            f"tokens/s, {vs}, {mem}, {_loss(row, base, hint)}")
 
 
 def answer_text(df) -> str:
@@ -100,7 +105,7 @@ def answer_text(df) -> str:
             judged = "with its loss ok" if best["loss_ok"] is True else \
                 "(its loss not judged)"
             lines += [f"{head}the fastest configuration that fits {judged} is "
-                      f"{_row_line(best, base)}.", "", f"    {command(best)}", ""]
+                      f"{_row_line(best, base, hint=True)}.", "", f"    {command(best)}", ""]
         if len(worse):
             lines.append("Faster, but the loss is not ok: " + "; ".join(
                 f"job {r['job']} ({r['label']}, {_fmt(r['speedup'], '.2f', '×')})"
@@ -111,8 +116,9 @@ def answer_text(df) -> str:
                 "error columns).")
         front = cands[pareto_mask(cands)].sort_values("peak_mem_gib") if len(cands) else cands
         if len(front) > 1:
-            lines += ["", "Pareto frontier (tokens/s vs peak memory; no other row with its "
-                      "loss ok is both faster and smaller):", ""]
+            lines += ["", "Pareto frontier of tokens/s vs peak memory (among the rows that "
+                      "fit whose loss is not NO: none of them is both faster and smaller):",
+                      ""]
             lines += [f"- {_row_line(r, base)}" for _, r in front.iterrows()]
         lines.append("")
     return "\n".join(lines)

@@ -15,6 +15,8 @@ from omegaconf.errors import InterpolationResolutionError
 from ..config import override_texts
 from ..hydra_internals import plan
 from .live import baseline_of, sweep_group, update_table
+from .search import is_search
+from .table import read_record
 
 
 # set at the end of a multirun where no job finished ok: `python -m moe_exp.run -m` exits 1
@@ -60,8 +62,10 @@ class SweepCallback(Callback):
         NO_JOB_OK = False
         self.active = True
         jobs, swept = plan(config)
-        self.total = len(jobs) if jobs is not None else None
-        self.varying = list(swept)
+        self.total = len(jobs) if jobs is not None else \
+            (config.hydra.sweeper.n_trials if is_search(config.hydra.sweeper) else None)
+        # (a search's trials draw from its sweeper's params: each job's progress line names them)
+        self.varying = list(swept) or [str(k) for k in config.hydra.sweeper.get("params") or {}]
         from .checks import SweepError, check_jobs, check_sweep, claim_dir, resume_warning
 
         launcher = str(config.hydra.launcher.get("_target_", ""))
@@ -114,6 +118,8 @@ class SweepCallback(Callback):
             return
         self.finished += 1
         rec = job_return._return_value if hasattr(job_return, "_return_value") else None
+        if not isinstance(rec, dict):  # a search trial's values (or its failure): the record
+            rec = read_record(Path(config.hydra.runtime.output_dir) / "metrics.json")
         status = rec.get("status", "?") if isinstance(rec, dict) else "error"
         dt = time.time() - self.job_t0
         if status not in ("invalid", "skipped") and not reused(rec, self.job_t0):
@@ -132,8 +138,9 @@ class SweepCallback(Callback):
             counts[r.get("status", "?")] = counts.get(r.get("status", "?"), 0) + 1
         summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
         jobs = self.total or len(records)
-        rows = "" if jobs == len(records) else f" (the table: {len(records)} rows, with the " \
-            "sweep dir's other configurations)"
+        rows = "" if jobs == len(records) else f" (the table: {len(records)} rows, " + (
+            "one per configuration the search drew, with the sweep dir's others)"
+            if is_search(config.hydra.sweeper) else "with the sweep dir's other configurations)")
         print(f"[sweep] done: {_jobs(jobs)} in {_fmt_s(time.time() - self.t0)}{rows}"
               f"{': ' + summary if summary else ''}", flush=True)
         if records and not counts.get("ok"):

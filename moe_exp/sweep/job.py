@@ -28,6 +28,7 @@ from ..config import override_texts
 from ..results import (config_hash, failed_record, why_died, hold_sigint, release_sigint,
                        row_key, stop_signal, write_json_atomic)
 from .live import sweep_group
+from .search import is_search, trial_values
 from .table import DONE, combine, read_record
 
 
@@ -61,6 +62,8 @@ def run_job(cfg) -> dict:
               f"one keep their records: python -m moe_exp.report {sweep_dir} remakes the table "
               "once there is room)", file=sys.stderr, flush=True)
         raise SystemExit(1) from None  # (Hydra passes SystemExit on: run.EXIT_FAILED)
+    if is_search(hc.sweeper):  # Optuna's sweeper learns from values (or a failed trial)
+        return trial_values(rec, sweep_dir)
     return rec
 
 

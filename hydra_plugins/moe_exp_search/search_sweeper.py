@@ -1,0 +1,20 @@
+"""moe_exp's `+sweep=search` sweeper: Hydra's Optuna sweeper, its study's first trial the
+baseline (moe_exp.sweep.searcher). Hydra takes sweepers only from this namespace; Optuna
+is imported when the sweeper is made, so Hydra's plugin scan needs no Optuna."""
+from hydra.plugins.sweeper import Sweeper
+
+
+class SearchSweeper(Sweeper):
+    def __init__(self, **kwargs) -> None:
+        from hydra_plugins.hydra_optuna_sweeper.optuna_sweeper import OptunaSweeper
+
+        self.optuna = OptunaSweeper(**kwargs)
+
+    def setup(self, **kwargs) -> None:
+        self.optuna.setup(**kwargs)
+
+    def sweep(self, arguments):
+        from moe_exp.sweep.searcher import enqueue_baseline
+
+        enqueue_baseline(self.optuna.sweeper, arguments)
+        return self.optuna.sweep(arguments)
