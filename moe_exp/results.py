@@ -32,7 +32,7 @@ EXTRAS = (
     "task", "extra", "null_reasons", "losses", "loss_floor", "eval_loss", "eval_losses",
     "eval_gap", "steps_to_target", "seconds_to_target", "lrs", "lr_schedule", "attention", "gc_every",
     "gc_ms", "gc_collections", "measured_steps", "tokens_per_step",
-    "tokens_per_s_wall", "data_share", "startup_s", "comm_ms", "comm_share", "comm",
+    "tokens_per_s_wall", "data_share", "startup_s", "comm_ms", "comm_share", "comm_exposed_ms", "comm",
     "comm_backend", "comm_hook", "grad_reduce_bytes", "z_loss", "seq_aux_loss", "tokens_per_expert", "expert_load_cv_per_layer",
     "expert_load_max_over_mean_per_layer", "expert_load_step_max_over_mean", "moe_dispatch", "moe_padded_fallback_share",
     "router_bias_spread", "drop_rate", "dead_experts", "expert_load_quantiles_per_layer",

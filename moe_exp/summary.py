@@ -62,6 +62,8 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                         + (f"{r['comm_ms']:.1f} ms/step" if r.get("comm_ms") is not None
                            else f"null: {why.get('comm_ms', 'unknown')}")
                         + (f" ({100 * r['comm_share']:.0f}%)" if r.get("comm_share") else "")
+                        + (f", {r['comm_exposed_ms']:.1f} ms not overlapped"
+                           if r.get("comm_exposed_ms") is not None else "")
                         + _reduced(r))]
           if (r.get("world_size") or 1) > 1 or r["parallel"] != "none" else []),
         ("params", f"{r['params_total'] / 1e6:,.2f}M total, {r['params_active'] / 1e6:,.2f}M active"),

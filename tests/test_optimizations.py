@@ -191,6 +191,32 @@ def test_comm_time_is_the_union_of_collective_intervals():
     assert comm_ms_per_step(NS(events=lambda: []), 2) == 0.0
 
 
+def test_exposed_comm_is_the_collective_time_no_compute_overlaps():
+    """GPU: collective kernels while no other kernel runs (any stream); CPU: gloo's
+    collectives while the rank runs no innermost op of its own (parents and waits aside)."""
+    from types import SimpleNamespace as NS
+
+    from moe_exp.optimizations.parallel import comm_exposed_ms_per_step, overlap_us
+
+    def ev(name, start, end, device="CPU", children=()):
+        return NS(name=name, time_range=NS(start=start, end=end), device_type=device,
+                  cpu_children=list(children))
+
+    assert overlap_us([(0, 10), (5, 20)], [(15, 30), (40, 50)]) == 5
+    gpu = [ev("nccl:all_gather", 0, 1000), ev("ncclDevKernel_AllGather", 0, 600, "CUDA"),
+           ev("ncclDevKernel_ReduceScatter", 400, 1000, "CUDA"),
+           ev("sm90_gemm", 200, 500, "CUDA"), ev("elementwise", 900, 1200, "CUDA")]
+    assert comm_exposed_ms_per_step(NS(events=lambda: gpu), 1) == (1000 - 300 - 100) / 1e3
+    mm = ev("aten::mm", 1500, 9000)
+    cpu = [ev("c10d::allreduce_", 0, 1000), ev("gloo:all_reduce", 100, 900),
+           ev("gloo:all_reduce", 500, 1500), ev("gloo:all_reduce", 3000, 3500),
+           ev("aten::add_", 200, 300),  # computing while a collective runs: hidden
+           ev("aten::linear", 0, 9000, children=[mm]), mm,  # (a parent is not compute)
+           ev("c10d::wait", 1600, 1700), ev("record_param_comms", 0, 1000)]
+    assert comm_exposed_ms_per_step(NS(events=lambda: cpu), 2) == (2000 - 100 - 500) / 1e3 / 2
+    assert comm_exposed_ms_per_step(NS(events=lambda: cpu), 0) is None
+
+
 @pytest.mark.parametrize("warmup,total", [(3, 23), (5, 8), (0, 10), (1, 2)])
 def test_lr_schedule_peaks_once_and_ends_at_its_minimum(warmup, total):
     """Linear warmup to the peak, cosine to lr * min_lr_ratio on the last step (it stopped

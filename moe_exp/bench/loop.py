@@ -49,6 +49,7 @@ class LoopResult:
     steps_done: int = 0
     comm_ms: float | None = None  # per step, from the profiled last steps (distributed only)
     comm_share: float | None = None  # comm_ms / those profiled steps' own time
+    comm_exposed_ms: float | None = None  # of comm_ms, the time no computation overlaps
     startup_s: float | None = None  # process start -> first measured step (compile included)
     cpu_window: tuple | None = None  # CPU ticks in the window: load.window's tuple
     memory: tuple = ({}, {})  # MemoryMeter.read() at the window's end (before any profiler)
@@ -178,7 +179,7 @@ class _Window:
             self._end()
         if self.prof is None:
             return
-        from ..optimizations.parallel import comm_ms_per_step
+        from ..optimizations.parallel import comm_exposed_ms_per_step, comm_ms_per_step
 
         device_sync(self.device)
         n = self.total - self.prof_from
@@ -191,6 +192,7 @@ class _Window:
         if not dist.is_initialized():
             return
         self.res.comm_ms = comm_ms_per_step(self._closed, n)
+        self.res.comm_exposed_ms = comm_exposed_ms_per_step(self._closed, n)
         if self.res.comm_ms is not None:  # (the same steps: the median step is not)
             self.res.comm_share = self.res.comm_ms / prof_ms
 

@@ -258,9 +258,10 @@ def _record(cfg, rec: dict, res, device: torch.device, world: int) -> None:
     rec.update(mem)
     why.update({k: v for k, v in mem_why.items() if mem.get(k) is None})  # (another rank's
     # figure may fill a null)
-    rec.update(comm_ms=res.comm_ms, comm_share=res.comm_share)  # (nulls present: a sweep's
-    if res.comm_ms is None:  # table has the columns for every row)
-        why["comm_ms"] = why["comm_share"] = (
+    rec.update(comm_ms=res.comm_ms, comm_share=res.comm_share,  # (nulls present: a sweep's
+               comm_exposed_ms=res.comm_exposed_ms)  # table has the columns for every row)
+    if res.comm_ms is None:
+        why["comm_ms"] = why["comm_share"] = why["comm_exposed_ms"] = (
             "one rank: no communication" if world == 1 else
             "parallel.profile_steps=0 or train.steps <= profile_steps")
 
@@ -421,9 +422,9 @@ def _across_ranks(res, tm: dict, mem: dict, device) -> None:
     tm.update(slowest_rank_steps(every, keys))
     mkeys = sorted(mem)  # the same keys on every rank, nulls included
     vals = all_max([*(mem[k] for k in mkeys), res.comm_ms, res.comm_share,
-                    res.step_max_over_mean], dev)
+                    res.comm_exposed_ms, res.step_max_over_mean], dev)
     mem.update(zip(mkeys, vals))
-    res.comm_ms, res.comm_share, res.step_max_over_mean = vals[-3:]
+    res.comm_ms, res.comm_share, res.comm_exposed_ms, res.step_max_over_mean = vals[-4:]
     if res.counts is not None:
         dist.all_reduce(res.counts)
         choices = torch.tensor([res.choices], dtype=torch.float64, device=dev)

@@ -203,22 +203,66 @@ def comm_ms_per_step(prof, steps: int) -> float | None:
     encloses its worker's). A sum would count the same time twice."""
     if steps <= 0:
         return None
-    keys = ("nccl", "gloo", "c10d::", "all_to_all", "allreduce", "all_reduce", "all_gather",
-            "allgather", "reduce_scatter", "alltoall")
-    events = [ev for ev in prof.events() if any(k in ev.name.lower() for k in keys)]
+    events = [ev for ev in prof.events() if any(k in ev.name.lower() for k in _COMM_KEYS)]
     kernels = [ev for ev in events if "nccl" in ev.name.lower()
                and str(getattr(ev, "device_type", "")).endswith("CUDA")]
     spans = [(ev.time_range.start, ev.time_range.end) for ev in (kernels or events)]
     return union_us(spans) / 1e3 / steps
 
 
+_COMM_KEYS = ("nccl", "gloo", "c10d::", "all_to_all", "allreduce", "all_reduce",
+              "all_gather", "allgather", "reduce_scatter", "alltoall")
+_NOT_COMPUTE = ("wait", "record_param_comms")  # (a wait on a collective; c10d's marker)
+
+
+def comm_exposed_ms_per_step(prof, steps: int) -> float | None:
+    """The collective time per step that no computation overlaps: the time with a
+    collective in flight (comm_ms_per_step's spans) and no compute running. Compute: on a
+    GPU, every kernel that is not NCCL's (any stream); on CPU, the innermost ops (no child
+    op) that are neither a collective nor a wait on one. gloo runs a collective on its own
+    threads while the caller waits (expert parallel's all_to_all) or computes on (DDP's
+    gradient all-reduce during the backward): the first is exposed, the second is not."""
+    if steps <= 0:
+        return None
+    events = list(prof.events())
+    comm = [ev for ev in events if any(k in ev.name.lower() for k in _COMM_KEYS)]
+    kernels = [ev for ev in comm if "nccl" in ev.name.lower()
+               and str(getattr(ev, "device_type", "")).endswith("CUDA")]
+    spans = [(ev.time_range.start, ev.time_range.end) for ev in (kernels or comm)]
+    if kernels:
+        compute = [ev for ev in events if str(getattr(ev, "device_type", "")).endswith("CUDA")
+                   and "nccl" not in ev.name.lower()]
+    else:
+        compute = [ev for ev in events if not getattr(ev, "cpu_children", None)
+                   and not any(k in ev.name.lower() for k in _COMM_KEYS)
+                   and not any(w in ev.name.lower() for w in _NOT_COMPUTE)]
+    busy = [(ev.time_range.start, ev.time_range.end) for ev in compute]
+    return (union_us(spans) - overlap_us(spans, busy)) / 1e3 / steps
+
+
+def _merged(spans) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def overlap_us(a, b) -> float:
+    """Length of the intersection of the union of intervals a with that of b."""
+    a, b, i, j, total = _merged(a), _merged(b), 0, 0, 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
 def union_us(spans) -> float:
     """Total length of the union of (start, end) intervals."""
-    total, start, end = 0.0, None, None
-    for s, e in sorted(spans):
-        if end is None or s > end:
-            total += 0.0 if end is None else end - start
-            start, end = s, e
-        else:
-            end = max(end, e)
-    return total + (0.0 if end is None else end - start)
+    return sum(e - s for s, e in _merged(spans))
