@@ -130,3 +130,21 @@ def test_a_bad_value_in_the_search_space_fails_before_any_trial(tmp_path):
     assert r.stderr.strip().splitlines() == [
         "error: train.activation_checkpointing: 'fulll' is not one of: none, full, selective"]
     assert not (d / "optuna.db").exists() and not list(d.glob("*/metrics.json"))
+
+
+def test_the_plugins_own_optuna_sweeper_without_the_preset_fails_before_any_trial(tmp_path):
+    """Its default direction (one, minimize) cannot take a trial's (tokens/s, peak GiB)."""
+    pytest.importorskip("optuna")
+    from omegaconf import OmegaConf
+
+    from moe_exp.sweep.search import direction_error
+
+    assert direction_error(OmegaConf.create({"direction": ["maximize", "minimize"]})) is None
+    d = tmp_path / "s"
+    r = run_cli(["-m", "hydra/sweeper=optuna", "logger=none", "train.compile=choice(off,default)",
+                 f"hydra.sweep.dir={d}"], tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "error: hydra.sweeper.direction: a search's trials return (tokens/s, peak GiB), so "
+        "[maximize, minimize], got ['minimize']: add +sweep=search"]
+    assert not list(d.glob("*/metrics.json"))

@@ -15,7 +15,7 @@ from omegaconf.errors import InterpolationResolutionError
 from ..config import override_texts
 from ..hydra_internals import plan
 from .live import baseline_of, sweep_group, update_table
-from .search import is_search
+from .search import direction_error, is_search
 from .table import read_record
 
 
@@ -70,6 +70,9 @@ class SweepCallback(Callback):
 
         launcher = str(config.hydra.launcher.get("_target_", ""))
         try:  # before any job
+            if is_search(config.hydra.sweeper) and \
+                    (line := direction_error(config.hydra.sweeper)) is not None:
+                raise SweepError(line)
             check_sweep(config, swept)
             if jobs:  # (submitit: jobs resolve their hardware where they run)
                 check_jobs(config, jobs, validate="submitit" not in launcher)

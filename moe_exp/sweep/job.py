@@ -63,7 +63,7 @@ def run_job(cfg) -> dict:
               "once there is room)", file=sys.stderr, flush=True)
         raise SystemExit(1) from None  # (Hydra passes SystemExit on: run.EXIT_FAILED)
     if is_search(hc.sweeper):  # Optuna's sweeper learns from values (or a failed trial)
-        return trial_values(rec, sweep_dir)
+        return trial_values(rec, sweep_dir, cfg.sweep)
     return rec
 
 
