@@ -62,3 +62,15 @@ def test_answer_without_judged_loss_or_any_finished_row():
     assert "loss not judged (one initialization" in unjudged
     none = answer_text(build_table([rec(0, None, None, status="oom")]))
     assert "none: no row finished." in none and "1 oom" in none
+
+
+def test_answer_reads_numpy_bools_and_nan_as_verdicts():
+    """A table whose every row was judged holds numpy's bools (a file read back: NaN for
+    null): a NOT-ok row stays out of the answer."""
+    df = build_table([r for r in PLANTED if r["status"] == "ok"])
+    df["loss_ok"] = df["loss_ok"].astype(bool)
+    text = answer_text(df)
+    assert "fits with its loss ok is job 1 (precision=bf16)" in text
+    assert "Faster, but the loss is not ok: job 2 (" in text
+    df["loss_ok"] = df["loss_ok"].astype(object).where(df["job"] != 1, float("nan"))
+    assert "fits (its loss not judged) is job 1 (" in answer_text(df)

@@ -15,7 +15,7 @@ def _groups(df):
     (not finished, so never grouped by size) joins its model's first group."""
     has = [_num(b) is not None or isinstance(b, str) for b in df["baseline_job"]]
     out: dict = {}
-    for i, (b, m) in enumerate(zip(df["baseline_job"], df["model"])):
+    for i, b in enumerate(df["baseline_job"]):
         if has[i]:
             out.setdefault(("job", str(b)), []).append(i)
     for i, m in enumerate(df["model"]):
@@ -24,6 +24,11 @@ def _groups(df):
                        ("model", str(m)))
             out.setdefault(key, []).append(i)
     return [df.iloc[sorted(idx)] for idx in out.values()]
+
+
+def verdict(v) -> bool | None:
+    """A loss_ok cell as True, False or None (numpy's bools and NaN included)."""
+    return None if v is None or v != v else bool(v)
 
 
 def _fits(g):
@@ -35,14 +40,14 @@ def pick(g):
     """(the answer row or None, the loss-ok-or-unjudged rows that fit, the faster rows whose
     loss is not ok) of one group. Ties: the fewer-optimizations row (the baseline first)."""
     fit = _fits(g)
-    cands = fit[fit["loss_ok"].map(lambda v: v is not False)]
+    bad = fit["loss_ok"].map(lambda v: verdict(v) is False).astype(bool)
+    cands = fit[~bad]
     if not len(cands):
-        return None, cands, fit[fit["loss_ok"].map(lambda v: v is False)]
+        return None, cands, fit[bad]
     order = cands.assign(_base=~cands["baseline"].astype(bool)).sort_values(
         ["tokens_per_s", "_base"], ascending=[False, True])
     best = order.iloc[0]
-    worse = fit[fit["loss_ok"].map(lambda v: v is False)
-                & (fit["tokens_per_s"] > best["tokens_per_s"])]
+    worse = fit[bad & (fit["tokens_per_s"] > best["tokens_per_s"])]
     return best, cands, worse.sort_values("tokens_per_s", ascending=False)
 
 
@@ -56,12 +61,13 @@ def command(row) -> str:
 def _loss(row, base, hint: bool) -> str:
     """The row's held-out loss, against the baseline's and the data's floor, and its
     verdict."""
-    verdict = {True: "loss ok", False: "loss NOT ok"}.get(row.get("loss_ok"), "loss not judged")
-    if hint and row.get("loss_ok") is None:
-        verdict += " (one initialization: sweep.repeats=3 sweep.vary_init=true judges it)"
+    ok = verdict(row.get("loss_ok"))
+    said = {True: "loss ok", False: "loss NOT ok"}.get(ok, "loss not judged")
+    if hint and ok is None:
+        said += " (one initialization: sweep.repeats=3 sweep.vary_init=true judges it)"
     ev = _num(row.get("eval_loss"))
     if ev is None:
-        return f"no held-out loss, {verdict}"
+        return f"no held-out loss, {said}"
     notes = []
     bev = None if base is None or bool(row.get("baseline")) else _num(base.get("eval_loss"))
     if bev is not None:
@@ -69,7 +75,7 @@ def _loss(row, base, hint: bool) -> str:
     if (gap := _num(row.get("eval_gap"))) is not None:
         notes.append(f"{gap:.4f} above the data's floor")
     return f"held-out loss {ev:.4f}" + (f" ({'; '.join(notes)})" if notes else "") + \
-        f", {verdict}"
+        f", {said}"
 
 
 def _row_line(row, base, hint: bool = False) -> str:
@@ -102,7 +108,7 @@ def answer_text(df) -> str:
             why = "no row finished" if not len(_fits(g)) else "no finished row has its loss ok"
             lines.append(f"{head}none: {why}.")
         else:
-            judged = "with its loss ok" if best["loss_ok"] is True else \
+            judged = "with its loss ok" if verdict(best["loss_ok"]) is True else \
                 "(its loss not judged)"
             lines += [f"{head}the fastest configuration that fits {judged} is "
                       f"{_row_line(best, base, hint=True)}.", "", f"    {command(best)}", ""]
