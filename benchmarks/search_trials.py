@@ -57,6 +57,24 @@ def grid_rows(grid_dir: Path, names) -> dict:
     return rows
 
 
+def unrunnable(dists: dict, rows: dict) -> list[str]:
+    """The precisions whose every row is skipped, out of dists (in place), as the search
+    sweeper leaves out what its machine cannot run (moe_exp.sweep.searcher.drop_unrunnable)."""
+    import optuna
+
+    names, key = list(dists), "precision"
+    if key not in dists:
+        return []
+    i = names.index(key)
+    gone = [v for v in dists[key].choices
+            if all(st == "skipped" for k, (st, _, _) in rows.items() if k[i] == str(v))]
+    kept = [v for v in dists[key].choices if v not in gone]
+    if gone and kept:
+        dists[key] = optuna.distributions.CategoricalDistribution(kept)
+        return [str(v) for v in gone]
+    return []
+
+
 def sampler(name: str, seed: int):
     """`preset`: the preset's own (NSGA-II with its population_size); the others as Optuna
     makes them by default."""
@@ -65,7 +83,7 @@ def sampler(name: str, seed: int):
 
     pop = OmegaConf.load(PRESET).hydra.sweeper.sampler.population_size
     return {"preset": lambda: optuna.samplers.NSGAIISampler(seed=seed, population_size=pop),
-            "nsgaii": lambda: optuna.samplers.NSGAIISampler(seed=seed),
+            "nsgaii8": lambda: optuna.samplers.NSGAIISampler(seed=seed, population_size=8),
             "tpe": lambda: optuna.samplers.TPESampler(seed=seed),
             "random": lambda: optuna.samplers.RandomSampler(seed=seed)}[name]()
 
@@ -97,7 +115,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("grid_dir", type=Path)
     ap.add_argument("--seeds", type=int, default=20)
-    ap.add_argument("--samplers", default="preset,nsgaii,tpe,random")
+    ap.add_argument("--samplers", default="preset,nsgaii8,tpe,random")
+    ap.add_argument("--keep-unrunnable", action="store_true", help="keep the precisions "
+                    "whose every row is skipped in the space (the sweeper leaves them out)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     import optuna
@@ -119,8 +139,15 @@ def main(argv=None) -> int:
     print(f"grid: {size} configurations, {len(ok)} ok; fastest: "
           f"{' '.join(f'{k}={v}' for k, v in zip(dists, target))} ({ok[target][1]:,.0f} "
           f"tokens/s)")
-    out = {"grid": str(a.grid_dir), "size": size, "ok": len(ok), "seeds": a.seeds,
-           "target": dict(zip(dists, target)), "samplers": {}}
+    dropped = [] if a.keep_unrunnable else unrunnable(dists, rows)
+    n_space = 1
+    for d in dists.values():
+        n_space *= len(d.choices)
+    if dropped:
+        print(f"space: {n_space} configurations (precision {', '.join(dropped)} left out, as "
+              "the sweeper leaves out what the grid's machine cannot run: every row skipped)")
+    out = {"grid": str(a.grid_dir), "size": size, "space": n_space, "ok": len(ok),
+           "seeds": a.seeds, "target": dict(zip(dists, target)), "samplers": {}}
     budget = 3 * size
     print(f"{'sampler':8} {'found':>7} {'configs median':>15} {'trials median':>14} "
           f"{'configs <= size/3':>18}   (within {budget} trials; '-': not found)")

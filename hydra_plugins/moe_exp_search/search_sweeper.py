@@ -1,6 +1,7 @@
 """moe_exp's `+sweep=search` sweeper: Hydra's Optuna sweeper, its study's first trial the
-baseline (moe_exp.sweep.searcher). Hydra takes sweepers only from this namespace; Optuna
-is imported when the sweeper is made, so Hydra's plugin scan needs no Optuna."""
+baseline, the precisions this machine cannot run left out (moe_exp.sweep.searcher). Hydra
+takes sweepers only from this namespace; Optuna is imported when the sweeper is made, so
+Hydra's plugin scan needs no Optuna."""
 from hydra.plugins.sweeper import Sweeper
 
 
@@ -14,7 +15,8 @@ class SearchSweeper(Sweeper):
         self.optuna.setup(**kwargs)
 
     def sweep(self, arguments):
-        from moe_exp.sweep.searcher import enqueue_baseline
+        from moe_exp.sweep.searcher import drop_unrunnable, enqueue_baseline
 
+        arguments = drop_unrunnable(self.optuna.sweeper, arguments)
         enqueue_baseline(self.optuna.sweeper, arguments)
         return self.optuna.sweep(arguments)

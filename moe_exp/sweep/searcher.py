@@ -41,3 +41,47 @@ def enqueue_baseline(impl, arguments: list[str]) -> None:
             with warnings.catch_warnings():  # (enqueue_trial is "experimental" in Optuna 2)
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 study.enqueue_trial(first)
+
+
+def drop_unrunnable(impl, arguments: list[str]) -> list[str]:
+    """The arguments with the values of a `precision` choice this machine cannot run left
+    out (validate.precision_here: tf32 and fp8 on a CPU): each trial of one would be a
+    skipped row, and the sampler learns nothing from a failed trial. Only where the jobs
+    run here (not submitit's) and some value is left; says which went and why."""
+    import optuna
+    from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
+    from omegaconf import OmegaConf
+
+    from ..config import ConfigError, Unsupported
+    from ..hardware import resolve
+    from ..validate import precision_here
+
+    if "submitit" in str(impl.config.hydra.launcher.get("_target_", "")):
+        return arguments
+    impl._process_searchspace_config()
+    space, _ = create_params_from_overrides([*impl._parse_sweeper_params_config(),
+                                             *arguments])
+    key = next((k for k in space if k.lstrip("+") == "precision"), None)
+    if key is None or not isinstance(space[key], optuna.distributions.CategoricalDistribution):
+        return arguments
+    try:
+        cfg = OmegaConf.create({"hardware": OmegaConf.to_container(impl.config.hardware,
+                                                                   resolve=True),
+                                "precision": {"name": None}})
+        resolve(cfg)
+    except (ConfigError, ValueError):  # (the jobs say what is wrong with the hardware)
+        return arguments
+    kept, why = [], {}
+    for value in space[key].choices:
+        cfg.precision.name = str(value)
+        try:
+            precision_here(cfg)
+            kept.append(str(value))
+        except Unsupported as e:
+            why[str(value)] = str(e).split(": ", 1)[-1]  # (without its key)
+    if not why or not kept:
+        return arguments
+    print(f"[search] {key}: {', '.join(why)} left out of the space, this machine cannot run "
+          f"them ({'; '.join(dict.fromkeys(why.values()))})", flush=True)
+    return [*arguments, f"{key}=choice({','.join(kept)})"]  # (the last one of a key wins)
+
