@@ -179,7 +179,7 @@ class _Window:
             self._end()
         if self.prof is None:
             return
-        from ..optimizations.parallel import comm_exposed_ms_per_step, comm_ms_per_step
+        from ..optimizations.parallel import comm_times
 
         device_sync(self.device)
         n = self.total - self.prof_from
@@ -191,8 +191,7 @@ class _Window:
             self.res.profiler = self._closed
         if not dist.is_initialized():
             return
-        self.res.comm_ms = comm_ms_per_step(self._closed, n)
-        self.res.comm_exposed_ms = comm_exposed_ms_per_step(self._closed, n)
+        self.res.comm_ms, self.res.comm_exposed_ms = comm_times(self._closed, n)
         if self.res.comm_ms is not None:  # (the same steps: the median step is not)
             self.res.comm_share = self.res.comm_ms / prof_ms
 

@@ -50,7 +50,7 @@ def reused(rec, job_t0: float) -> bool:
 
 class SweepCallback(Callback):
     def __init__(self) -> None:
-        self.total, self.varying = None, []
+        self.total, self.varying, self.search = None, [], False
         self.t0 = self.job_t0 = time.time()
         self.ran: list[float] = []  # durations of jobs that did run (not resumed/skipped)
         self.finished = 0
@@ -62,16 +62,16 @@ class SweepCallback(Callback):
         NO_JOB_OK = False
         self.active = True
         jobs, swept = plan(config)
+        self.search = is_search(config.hydra.sweeper)
         self.total = len(jobs) if jobs is not None else \
-            (config.hydra.sweeper.n_trials if is_search(config.hydra.sweeper) else None)
+            (config.hydra.sweeper.n_trials if self.search else None)
         # (a search's trials draw from its sweeper's params: each job's progress line names them)
         self.varying = list(swept) or [str(k) for k in config.hydra.sweeper.get("params") or {}]
         from .checks import SweepError, check_jobs, check_sweep, claim_dir, resume_warning
 
         launcher = str(config.hydra.launcher.get("_target_", ""))
         try:  # before any job
-            if is_search(config.hydra.sweeper) and \
-                    (line := direction_error(config.hydra.sweeper)) is not None:
+            if self.search and (line := direction_error(config.hydra.sweeper)) is not None:
                 raise SweepError(line)
             check_sweep(config, swept)
             if jobs:  # (submitit: jobs resolve their hardware where they run)
@@ -143,7 +143,7 @@ class SweepCallback(Callback):
         jobs = self.total or len(records)
         rows = "" if jobs == len(records) else f" (the table: {len(records)} rows, " + (
             "one per configuration the search drew, with the sweep dir's others)"
-            if is_search(config.hydra.sweeper) else "with the sweep dir's other configurations)")
+            if self.search else "with the sweep dir's other configurations)")
         print(f"[sweep] done: {_jobs(jobs)} in {_fmt_s(time.time() - self.t0)}{rows}"
               f"{': ' + summary if summary else ''}", flush=True)
         if records and not counts.get("ok"):

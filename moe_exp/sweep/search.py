@@ -55,6 +55,7 @@ def loss_verdict(rec: dict, sweep_dir: Path, sweep=None) -> bool | None:
     """rec's loss_ok in the table of the sweep dir's records (its own row included), with
     the sweep's baseline settings (`sweep`: cfg.sweep; None: the default baseline)."""
     from ..results import row_key
+    from .answer import verdict
     from .live import baseline_of
     from .table import collect, sweep_table
 
@@ -65,4 +66,4 @@ def loss_verdict(rec: dict, sweep_dir: Path, sweep=None) -> bool | None:
         (baseline_of(sweep), list(sweep.baseline_by))
     df, _ = sweep_table(records, base, by)
     mine = [v for r, v in zip(records, df["loss_ok"]) if row_key(r) == row_key(rec)]
-    return None if not mine or mine[0] is None or mine[0] != mine[0] else bool(mine[0])
+    return verdict(mine[0]) if mine else None

@@ -17,17 +17,24 @@ def register() -> None:
     Plugins.instance().register(SearchSweeper)
 
 
+def space(impl, arguments: list[str]) -> dict:
+    """The search space as the sweeper parses it: {key: Optuna distribution} of its
+    hydra.sweeper.params and the command line's sweep arguments (the last of a key wins)."""
+    from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
+
+    impl._process_searchspace_config()
+    dists, _ = create_params_from_overrides([*impl._parse_sweeper_params_config(),
+                                             *arguments])
+    return dists
+
+
 def enqueue_baseline(impl, arguments: list[str]) -> None:
     """A new study (none in the storage yet) gets one trial enqueued: the first value of
     each choice(...) of the space (a preset puts every optimization's off first). `impl`:
     hydra-optuna-sweeper's OptunaSweeperImpl, before its sweep()."""
     import optuna
-    from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
 
-    impl._process_searchspace_config()
-    space, _ = create_params_from_overrides([*impl._parse_sweeper_params_config(),
-                                             *arguments])
-    first = {k: d.choices[0] for k, d in space.items()
+    first = {k: d.choices[0] for k, d in space(impl, arguments).items()
              if isinstance(d, optuna.distributions.CategoricalDistribution)}
     if impl.storage is None:
         log.warning("hydra.sweeper.storage is null: the baseline is not enqueued first, and "
@@ -49,7 +56,6 @@ def drop_unrunnable(impl, arguments: list[str]) -> list[str]:
     skipped row, and the sampler learns nothing from a failed trial. Only where the jobs
     run here (not submitit's) and some value is left; says which went and why."""
     import optuna
-    from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
     from omegaconf import OmegaConf
 
     from ..config import ConfigError, Unsupported
@@ -58,11 +64,9 @@ def drop_unrunnable(impl, arguments: list[str]) -> list[str]:
 
     if "submitit" in str(impl.config.hydra.launcher.get("_target_", "")):
         return arguments
-    impl._process_searchspace_config()
-    space, _ = create_params_from_overrides([*impl._parse_sweeper_params_config(),
-                                             *arguments])
-    key = next((k for k in space if k.lstrip("+") == "precision"), None)
-    if key is None or not isinstance(space[key], optuna.distributions.CategoricalDistribution):
+    dists = space(impl, arguments)
+    key = next((k for k in dists if k.lstrip("+") == "precision"), None)
+    if key is None or not isinstance(dists[key], optuna.distributions.CategoricalDistribution):
         return arguments
     try:
         cfg = OmegaConf.create({"hardware": OmegaConf.to_container(impl.config.hardware,
@@ -72,7 +76,7 @@ def drop_unrunnable(impl, arguments: list[str]) -> list[str]:
     except (ConfigError, ValueError):  # (the jobs say what is wrong with the hardware)
         return arguments
     kept, why = [], {}
-    for value in space[key].choices:
+    for value in dists[key].choices:
         cfg.precision.name = str(value)
         try:
             precision_here(cfg)

@@ -195,49 +195,47 @@ def clip_grad_norm(params, max_norm: float, ep_group) -> torch.Tensor:
     return norm
 
 
-def comm_ms_per_step(prof, steps: int) -> float | None:
-    """Time spent in collectives per step from a torch.profiler trace: the time during which
-    any collective is in flight (the union of their intervals). GPU: NCCL kernels (FSDP's
-    all-gathers and reduce-scatters run on separate streams and may overlap); CPU: gloo /
-    c10d events (gloo runs them on several threads at once, and the caller's c10d event
-    encloses its worker's). A sum would count the same time twice."""
-    if steps <= 0:
-        return None
-    events = [ev for ev in prof.events() if any(k in ev.name.lower() for k in _COMM_KEYS)]
-    kernels = [ev for ev in events if "nccl" in ev.name.lower()
-               and str(getattr(ev, "device_type", "")).endswith("CUDA")]
-    spans = [(ev.time_range.start, ev.time_range.end) for ev in (kernels or events)]
-    return union_us(spans) / 1e3 / steps
-
-
 _COMM_KEYS = ("nccl", "gloo", "c10d::", "all_to_all", "allreduce", "all_reduce",
               "all_gather", "allgather", "reduce_scatter", "alltoall")
 _NOT_COMPUTE = ("wait", "record_param_comms")  # (a wait on a collective; c10d's marker)
 
 
-def comm_exposed_ms_per_step(prof, steps: int) -> float | None:
-    """The collective time per step that no computation overlaps: the time with a
-    collective in flight (comm_ms_per_step's spans) and no compute running. Compute: on a
-    GPU, every kernel that is not NCCL's (any stream); on CPU, the innermost ops (no child
-    op) that are neither a collective nor a wait on one. gloo runs a collective on its own
-    threads while the caller waits (expert parallel's all_to_all) or computes on (DDP's
-    gradient all-reduce during the backward): the first is exposed, the second is not."""
+def _is_comm(ev) -> bool:
+    return any(k in ev.name.lower() for k in _COMM_KEYS)
+
+
+def _on_cuda(ev) -> bool:
+    return str(getattr(ev, "device_type", "")).endswith("CUDA")
+
+
+def comm_times(prof, steps: int) -> tuple[float | None, float | None]:
+    """(comm_ms, comm_exposed_ms) per step from a torch.profiler trace, its events read once.
+
+    comm_ms: the time during which any collective is in flight (the union of their
+    intervals). GPU: NCCL kernels (FSDP's all-gathers and reduce-scatters run on separate
+    streams and may overlap); CPU: gloo / c10d events (gloo runs them on several threads at
+    once, and the caller's c10d event encloses its worker's). A sum would count the same
+    time twice.
+
+    comm_exposed_ms: of that, the time no compute runs. Compute: on a GPU, every kernel
+    that is not NCCL's (any stream); on CPU, the innermost ops (no child op) that are
+    neither a collective nor a wait on one. gloo runs a collective on its own threads while
+    the caller waits (expert parallel's all_to_all) or computes on (DDP's gradient
+    all-reduce during the backward): the first is exposed, the second is not."""
     if steps <= 0:
-        return None
+        return None, None
     events = list(prof.events())
-    comm = [ev for ev in events if any(k in ev.name.lower() for k in _COMM_KEYS)]
-    kernels = [ev for ev in comm if "nccl" in ev.name.lower()
-               and str(getattr(ev, "device_type", "")).endswith("CUDA")]
+    comm = [ev for ev in events if _is_comm(ev)]
+    kernels = [ev for ev in comm if "nccl" in ev.name.lower() and _on_cuda(ev)]
     spans = [(ev.time_range.start, ev.time_range.end) for ev in (kernels or comm)]
     if kernels:
-        compute = [ev for ev in events if str(getattr(ev, "device_type", "")).endswith("CUDA")
-                   and "nccl" not in ev.name.lower()]
+        compute = [ev for ev in events if _on_cuda(ev) and "nccl" not in ev.name.lower()]
     else:
         compute = [ev for ev in events if not getattr(ev, "cpu_children", None)
-                   and not any(k in ev.name.lower() for k in _COMM_KEYS)
-                   and not any(w in ev.name.lower() for w in _NOT_COMPUTE)]
+                   and not _is_comm(ev) and not any(w in ev.name.lower() for w in _NOT_COMPUTE)]
     busy = [(ev.time_range.start, ev.time_range.end) for ev in compute]
-    return (union_us(spans) - overlap_us(spans, busy)) / 1e3 / steps
+    total = union_us(spans)
+    return total / 1e3 / steps, (total - overlap_us(spans, busy)) / 1e3 / steps
 
 
 def _merged(spans) -> list[tuple[float, float]]:
