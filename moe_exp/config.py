@@ -95,6 +95,7 @@ SCHEDULES = ("cosine", "linear", "constant", "wsd", "onecycle")
 BOTH = ("bench", "comm")  # keys task=comm reads too (task=tune_batch reads bench's: Knob)
 COMM_TASK = ("comm",)
 PROFILE = Reads("train.profile", positive=True, what="train.profile=true")
+CHECKPOINT = Reads("train.checkpoint_every", positive=True, what="checkpointing")
 TUNE_TASK = ("tune_batch",)
 TASKS = BOTH + TUNE_TASK
 
@@ -369,6 +370,19 @@ class TrainConfig:
                          "(untimed): trace.json, profile.txt, profile_shares", since=False)
     profile_steps: int = knob(2, "steps train.profile traces (the run's last; untimed)",
                               read_by=PROFILE, since=2)
+    checkpoint_every: int = knob(0, "save a checkpoint (torch.distributed.checkpoint) every N "
+                                 "steps, and on SIGTERM (0: off)", off=0, since=0)
+    checkpoint_dir: Optional[str] = knob(None, "where checkpoints go (null: checkpoints/ in "
+                                         "the run's dir; a path: <path>/<run>/)",
+                                         read_by=CHECKPOINT, since=None)
+    checkpoint_async: bool = knob(False, "save in the background (DCP's async_save): the "
+                                  "step waits only for the copy to host memory",
+                                  read_by=CHECKPOINT, off=False, since=False)
+    checkpoint_keep: int = knob(1, "the latest checkpoints kept (0: all)", read_by=CHECKPOINT,
+                                since=1)
+    resume_from: Optional[str] = knob(None, "continue from a checkpoint: its step_* dir, a dir "
+                                      "of them (the latest) or the run dir that holds them",
+                                      since=None)
 
 
 @dataclass

@@ -40,7 +40,9 @@ EXTRAS = (
     "tune_max_micro_batch", "tune_best_micro_batch", "tune_limit", "tune_probes",
     "profile_trace", "profile_shares", "memory_snapshot", "gpu_util_pct", "gpu_mem_used_gib",
     "gpu_power_w", "grad_norm", "grad_norms", "grad_norm_spike", "alloc_retries", "init_seed",
-    "alloc_ooms",
+    "alloc_ooms", "checkpoint_every", "checkpoint_async", "checkpoint_saves", "checkpoint_save_s", "checkpoint_save_total_s",
+    "checkpoint_gib", "checkpoint_path", "checkpoint_load_s", "checkpoint_share",
+    "resumed_from_step",
     "job",
     "repeat", "repeats",
     "repeats_ok", "combined", "resumed_from",
@@ -138,7 +140,9 @@ def new_record(cfg_dict: dict, overrides: list[str]) -> dict:
     )
     rec["task"] = cfg_dict.get("task", "bench")
     rec.update(lr_schedule=get("optim", "schedule"), attention=get("train", "attention"),
-               gc_every=get("train", "gc_every"))
+               gc_every=get("train", "gc_every"),
+               checkpoint_every=get("train", "checkpoint_every"),
+               checkpoint_async=get("train", "checkpoint_async"))
     rec["comm_hook"] = get("parallel", "comm_hook")
     rec["extra"] = dict(cfg_dict.get("extra") or {})
     rec["null_reasons"] = {}

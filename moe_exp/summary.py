@@ -132,11 +132,34 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
     if spike := r.get("grad_norm_spike"):
         rows.append(("WARNING", f"gradient norm spiked at step {spike[0]}: {spike[1]:.0f}× the "
                                 "median of the 20 steps before it"))
+    if ckpt := _checkpoints(r):
+        rows.append(("checkpoints", ckpt))
     load = r.get("cpu_other_load")
     if busy(load):
         rows.append(("WARNING", f"other processes used {load:.0%} of this machine's CPU during "
                                 "the measured steps: its timings are not reliable"))
     return rows
+
+
+def _checkpoints(r: dict) -> str:
+    """train.checkpoint_every's saves and train.resume_from's load, in one line ('' if none)."""
+    out = []
+    if r.get("resumed_from_step") is not None:
+        out.append(f"resumed at step {r['resumed_from_step']} (loaded in "
+                   f"{r['checkpoint_load_s']:.2f} s)")
+    if r.get("checkpoint_saves"):
+        out.append(f"{r['checkpoint_saves']} saved, each {_gib(r['checkpoint_gib'])} in "
+                   f"{r['checkpoint_save_s']:.2f} s blocking"
+                   + (f" ({r['checkpoint_save_total_s']:.2f} s to disk)"
+                      if r["checkpoint_save_total_s"] != r["checkpoint_save_s"] else "")
+                   + (f", {r['checkpoint_share']:.0%} of the measured time"
+                      if r.get("checkpoint_share") is not None else "")
+                   + f"; latest {r['checkpoint_path']}")
+    return "; ".join(out)
+
+
+def _gib(x) -> str:
+    return "? GiB" if x is None else f"{x:.3f} GiB"
 
 
 def print_summary(r: dict, path: Path | None = None) -> None:

@@ -614,6 +614,17 @@ def check_optim(cfg) -> None:
             raise ConfigError("optim.ns_steps", f"must be in [1, 20], got {o.ns_steps}")
 
 
+def check_checkpoint(cfg) -> None:
+    """train.checkpoint_* and resume_from (bench.checkpoint.check)."""
+    if cfg.task != "bench":
+        return
+    from .bench.checkpoint import check
+    from .bench.loop import profiled_steps
+
+    world = _world_size(cfg.hardware.devices)
+    check(cfg, world, profiled_steps(cfg, world > 1))
+
+
 def check_rendezvous(cfg) -> None:
     """A rank (RANK and WORLD_SIZE set) of a run with ranks joins torch's env:// rendezvous,
     which needs MASTER_ADDR and MASTER_PORT: this environment not ready (status error),
@@ -761,6 +772,7 @@ def validate(cfg, overrides=(), in_sweep: bool = False) -> None:
     check_unread(cfg, overrides, in_sweep)
     check_data(cfg, overrides)
     check_optim(cfg)
+    check_checkpoint(cfg)
     check_sweep(cfg)
     check_comm(cfg)
     check_tune(cfg)

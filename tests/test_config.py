@@ -363,9 +363,11 @@ def test_cli_invalid_exits_nonzero_with_one_line(tmp_path):
 
 HYDRA_ERRORS = [
     ("train.stepz=3", "error: train.stepz: no such key in train (known: "
-                      "activation_checkpointing, attention, compile, eval_every, "
+                      "activation_checkpointing, attention, checkpoint_async, "
+                      "checkpoint_dir, checkpoint_every, checkpoint_keep, compile, eval_every, "
                       "eval_sequences, gc_every, grad_accum_steps, log_every, micro_batch_size, "
-                      "profile, profile_steps, seed, seq_len, steps, target_loss, warmup_steps)"),
+                      "profile, profile_steps, resume_from, seed, seq_len, steps, target_loss, "
+                      "warmup_steps)"),
     ("seed_row=all", "error: Could not override 'seed_row'. No match in the defaults list; "
                      "To append to your default list use +seed_row=all"),
     ("train.steps=abc", "error: train.steps: Error merging override train.steps=abc; Value "

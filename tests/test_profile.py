@@ -21,7 +21,7 @@ def test_profile_writes_a_trace_of_the_models_ops_and_their_shares(tmp_path):
     assert shares["matmul"] > 0.1 and shares["attention"] > 0 and shares["all_to_all"] == 0
     why = rec["null_reasons"]
     assert rec["memory_snapshot"] is None and why["memory_snapshot"] == "on CUDA only"
-    assert rec["gpu_util_pct"] is None and why["gpu_util_pct"].startswith("no NVIDIA GPU")
+    assert rec["gpu_util_pct"] is None and why["gpu_util_pct"].startswith("no NVIDIA GPU or Gaudi")
     assert rec["alloc_retries"] is None and why["alloc_ooms"].startswith("CPU: no caching")
     off = run_inproc(TINY, tmp_path / "off")
     assert off["measured_steps"] == 4 and off["profile_shares"] is None
@@ -53,3 +53,29 @@ def test_report_links_each_traced_jobs_files(tmp_path):
     assert "- job 1 (train.profile=True): [trace](1/rep0/trace.json) · [top ops](1/rep0/" \
            "profile.txt) — matmul 60%, other 40%" in text and "job 0" not in text
     assert profile_links(df.iloc[:1], tmp_path) is None
+
+
+def test_gaudi_figures_come_from_hlml_and_a_missing_library_is_a_reason(monkeypatch):
+    """Gaudi's sampler reads HLML (pyhlml, pynvml's calls): a stand-in library, as none
+    runs here; without it, a reason."""
+    import sys
+    import time
+    import types
+
+    import torch
+
+    from moe_exp.bench.nvml import GpuSampler
+
+    monkeypatch.setitem(sys.modules, "pyhlml", None)  # (not installed)
+    assert GpuSampler(torch.device("hpu", 0)).stop()["null_reasons"]["gpu_util_pct"] \
+        .startswith("pyhlml is not installed")
+    fake = types.SimpleNamespace(
+        hlmlInit=lambda: None, hlmlDeviceGetHandleByIndex=lambda i: ("dev", i),
+        hlmlDeviceGetUtilizationRates=lambda h: 80 if h == ("dev", 1) else 0,
+        hlmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=3 * 2**30),
+        hlmlDeviceGetPowerUsage=lambda h: 450_000)  # (mW)
+    monkeypatch.setitem(sys.modules, "pyhlml", fake)
+    s = GpuSampler(torch.device("hpu", 1))
+    s.start()
+    time.sleep(0.35)
+    assert s.stop() == {"gpu_util_pct": 80, "gpu_mem_used_gib": 3.0, "gpu_power_w": 450.0}

@@ -58,6 +58,7 @@ class LoopResult:
     gpu: dict = field(default_factory=dict)  # nvml.GpuSampler's fields over the window
     profiler: object = None  # train.profile: the closed torch.profiler of the last steps
     memory_snapshot: dict | None = None  # train.profile on CUDA: one step's allocations
+    checkpoint_s: float = 0.0  # the measured window's time blocked by checkpoint saves
 
 
 def micro_step(model, tokens, targets, autocast, scaler, accum: int, timer=None):
@@ -110,19 +111,28 @@ def _kineto_quiet():
             os.write(2, out.encode())
 
 
+def profiled_steps(cfg, ranks: bool) -> int:
+    """The run's last steps that run under torch.profiler (untimed): parallel.profile_steps
+    with several ranks, train.profile_steps with train.profile; none where they would
+    leave no timed step."""
+    t = cfg.train
+    n = max(cfg.parallel.profile_steps if ranks else 0, t.profile_steps if t.profile else 0)
+    return n if 0 < n < t.steps else 0
+
+
 class _Window:
     """The measured window: from the end of warmup to the profiled steps (distributed: the
     last parallel.profile_steps steps run under torch.profiler to time the collectives;
     they are left out of the step-time figures). Its wall time, CPU ticks and memory go
     into the loop's result."""
 
-    def __init__(self, cfg, device, memory: MemoryMeter, res: LoopResult):
+    def __init__(self, cfg, device, memory: MemoryMeter, res: LoopResult, start: int = 0):
         t = cfg.train
         self.device, self.memory, self.res = device, memory, res
-        self.total, self.warmup = total_steps(t), t.warmup_steps
-        n_prof = max(cfg.parallel.profile_steps if dist.is_initialized() else 0,
-                     t.profile_steps if t.profile else 0)
-        self.prof_from = self.total - n_prof if 0 < n_prof < t.steps else self.total
+        # (a resumed run: its steps from the checkpoint's on, warm from the first measured)
+        self.total, self.warmup = total_steps(t), max(t.warmup_steps, start)
+        n_prof = profiled_steps(cfg, dist.is_initialized())
+        self.prof_from = self.total - n_prof
         self.prof = None
         self.wall0 = None
         self.trace = t.profile  # keep the profile (train.profile): its trace is written
@@ -290,33 +300,68 @@ def optimizer_step(cfg, applied, optimizer, scheduler, scaler, params, timer):
     return norm
 
 
+def _checkpoint(ckpt, step: int, read: bool, log: _LossLog, res: LoopResult,
+                measured: bool) -> None:
+    """At a step's end: a checkpoint when due, or when a SIGTERM came (then the run stops:
+    KeyboardInterrupt("SIGTERM") with the checkpoint's dir). With several ranks a SIGTERM
+    is acted on at a loss read, where every rank learns whether any rank got one."""
+    stop = ckpt.stop_requested(agree=True) if read or not dist.is_initialized() else False
+    if not (stop or ckpt.due(step + 1)):
+        return
+    if log.logged < step + 1:
+        log.read(step)
+    t0 = time.perf_counter()
+    path = ckpt.save(step + 1, {"losses": res.losses, "lrs": res.lrs,
+                                "grad_norms": res.grad_norms}, blocking=stop)
+    if measured:
+        res.checkpoint_s += time.perf_counter() - t0
+    if stop:
+        ckpt.wait()
+        e = KeyboardInterrupt("SIGTERM")
+        e.checkpoint = path
+        raise e
+
+
 def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
-               memory: MemoryMeter, on_log=None, progress: bool = True) -> LoopResult:
+               memory: MemoryMeter, on_log=None, progress: bool = True,
+               ckpt=None) -> LoopResult:
+    """ckpt: the run's bench.checkpoint.Checkpointer (saves; a resumed run starts at its
+    loaded step, with the loss history before it)."""
     t = cfg.train
     model, autocast, scaler, accum = applied.model, applied.autocast, applied.scaler, \
         t.grad_accum_steps
     params = [p for g in optimizer.param_groups for p in g["params"]]
     total = total_steps(t)
     timer, res = StepTimer(device), LoopResult()
+    resumed = ckpt.resumed if ckpt else None
+    start = resumed["step"] if resumed else 0
+    if resumed:  # the steps before the checkpoint's, as the uninterrupted run recorded them
+        h = resumed["history"]
+        res.losses, res.lrs, res.grad_norms = list(h["losses"]), list(h["lrs"]), \
+            list(h["grad_norms"])
     # Per-step figures go into buffers made once: small tensors kept from every step would
     # pin freed heap between them (on CPU the run's peak RSS grew with train.steps).
     losses = torch.zeros(total, device=device)  # each step's loss, read at each log
     norms = torch.full((total,), math.nan, device=device)  # each step's gradient norm
-    bar = tqdm(total=total, desc="warmup", unit="step", disable=not progress,
+    bar = tqdm(total=total, initial=start, desc="warmup", unit="step", disable=not progress,
                mininterval=0.5 if sys.stderr.isatty() else 10.0, dynamic_ncols=True)
-    win, moe, log = _Window(cfg, device, memory, res), _MoeStats(device, cfg.model.top_k), \
-        _LossLog(losses, norms, res, bar, on_log)
+    win, moe, log = _Window(cfg, device, memory, res, start), \
+        _MoeStats(device, cfg.model.top_k), _LossLog(losses, norms, res, bar, on_log)
+    log.logged = start
     balancer = BiasBalancer(model)
     evaluate = Evaluator(cfg, applied, device)
     batches = iter(loader)
     model.train()
     collector = Collector(t.gc_every)  # (entered in the try: its exit restores GC)
+    done = False
     try:
         collector.__enter__()
-        for step in range(total):
+        if ckpt:
+            ckpt.__enter__()  # (its SIGTERM handler; exited in the finally)
+        for step in range(start, total):
             win.begin(step, bar)
             collector.timing = win.measured(step)
-            if step == 0:
+            if step == start:
                 t0 = time.perf_counter()
             timer.start()
             step_loss = losses[step]
@@ -341,12 +386,15 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                 timer.lap("gc")  # (in the step's time, in no phase)
             if win.measured(step):
                 timer.end()
-            if step == 0:
+            if step == start:
                 device_sync(device)
                 res.first_step_s = time.perf_counter() - t0
             res.steps_done = step + 1
-            if (step + 1) % t.log_every == 0 or step + 1 == total:
+            read = (step + 1) % t.log_every == 0 or step + 1 == total
+            if read:
                 log.read(step)
+            if ckpt and ckpt.root:
+                _checkpoint(ckpt, step, read, log, res, win.measured(step))
             if step + 1 < total and step < win.prof_from and evaluate.due(step + 1, False):
                 win.pause(evaluate(step + 1))  # (not under the profiler: its
                 # collectives would count in comm_ms)
@@ -354,12 +402,15 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
         win.finish()
         if evaluate.due(total, True):  # after the window: in no figure
             evaluate(total)
+        done = True
     except KeyboardInterrupt as e:  # the record keeps the loss of every step done
         if not dist.is_initialized():  # (ranks: only the logged, global, losses)
             res.losses.extend(log.unread())
         e.losses, e.steps = res.losses, (res.steps_done, total)
         raise
     finally:
+        if ckpt:
+            ckpt.__exit__(None if done else Exception, None, None)
         collector.__exit__(None, None, None)
         win.close()
         bar.close()

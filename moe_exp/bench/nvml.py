@@ -1,5 +1,6 @@
-"""The GPU's own figures over the measured window, through NVML (nvidia-ml-py, optional):
-utilization, memory used and power, sampled by a thread every 0.1 s."""
+"""The accelerator's own figures over the measured window: utilization, memory used and
+power, sampled by a thread every 0.1 s through NVML (nvidia-ml-py) on NVIDIA GPUs and HLML
+(Habana's pyhlml, the same calls) on Gaudi; both optional."""
 from __future__ import annotations
 
 import threading
@@ -9,48 +10,69 @@ import torch
 FIELDS = ("gpu_util_pct", "gpu_mem_used_gib", "gpu_power_w")
 
 
+def _nvml(device: torch.device):
+    """A () -> (utilization %, memory used GiB, power W) reader of the run's GPU."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    h = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith(("GPU-", "MIG-"))
+                                         else f"GPU-{uuid}")
+    return lambda: (pynvml.nvmlDeviceGetUtilizationRates(h).gpu,
+                    pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**30,
+                    pynvml.nvmlDeviceGetPowerUsage(h) / 1e3)  # (mW)
+
+
+def _hlml(device: torch.device):
+    """Gaudi: HLML's device of the run's hpu index (its utilization: the AIP's)."""
+    import pyhlml
+
+    pyhlml.hlmlInit()
+    h = pyhlml.hlmlDeviceGetHandleByIndex(device.index or 0)
+    return lambda: (pyhlml.hlmlDeviceGetUtilizationRates(h),
+                    pyhlml.hlmlDeviceGetMemoryInfo(h).used / 2**30,
+                    pyhlml.hlmlDeviceGetPowerUsage(h) / 1e3)  # (mW)
+
+
+LIBRARIES = {"cuda": (_nvml, "nvidia-ml-py is not installed (pip install nvidia-ml-py)", "NVML"),
+             "hpu": (_hlml, "pyhlml is not installed (Habana's HLML wrapper, "
+                            "github.com/HabanaAI/pyhlml)", "HLML")}
+
+
 class GpuSampler:
     """start() at the window's opening, stop() at its end -> the record's fields; `why`
-    says why there are none (not a CUDA device, no nvidia-ml-py, NVML refused)."""
+    says why there are none (a device with no such library, not installed, it refused)."""
 
     def __init__(self, device: torch.device):
-        self.why, self.handle, self.samples = None, None, []
-        if device.type != "cuda":
-            self.why = f"no NVIDIA GPU: the run's device is {device.type}"
+        self.why, self.read, self.samples = None, None, []
+        if device.type not in LIBRARIES:
+            self.why = f"no NVIDIA GPU or Gaudi: the run's device is {device.type}"
             return
+        opener, missing, self.lib = LIBRARIES[device.type]
         try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            uuid = str(torch.cuda.get_device_properties(device).uuid)
-            self.handle = pynvml.nvmlDeviceGetHandleByUUID(
-                uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}")
-            self.nvml = pynvml
+            self.read = opener(device)
         except ImportError:
-            self.why = "nvidia-ml-py is not installed (pip install nvidia-ml-py)"
-        except Exception as e:  # noqa: BLE001 - NVML's own errors: a reason, not a crash
-            self.why = f"NVML: {type(e).__name__}: {e}"
+            self.why = missing
+        except Exception as e:  # noqa: BLE001 - the library's own errors: a reason
+            self.why = f"{self.lib}: {type(e).__name__}: {e}"
 
     def _sample(self) -> None:
-        n, h = self.nvml, self.handle
         while not self._stop.wait(0.1):
             try:
-                self.samples.append((n.nvmlDeviceGetUtilizationRates(h).gpu,
-                                     n.nvmlDeviceGetMemoryInfo(h).used / 2**30,
-                                     n.nvmlDeviceGetPowerUsage(h) / 1e3))
+                self.samples.append(self.read())
             except Exception as e:  # noqa: BLE001
-                self.why = f"NVML: {type(e).__name__}: {e}"
+                self.why = f"{self.lib}: {type(e).__name__}: {e}"
                 return
 
     def start(self) -> None:
-        if self.handle is not None:
+        if self.read is not None:
             self._stop = threading.Event()
             self._thread = threading.Thread(target=self._sample, daemon=True)
             self._thread.start()
 
     def stop(self) -> dict:
         """The fields (mean utilization %, most memory used, mean power W) and their reasons."""
-        if self.handle is not None and hasattr(self, "_thread"):
+        if self.read is not None and hasattr(self, "_thread"):
             self._stop.set()
             self._thread.join()
         if self.samples and self.why is None:

@@ -77,3 +77,18 @@ def record_eval(cfg, rec: dict, res) -> None:
             "train.target_loss not set" if t.target_loss is None else
             f"eval loss {best:.4f} at best in {len(res.losses)} steps: train.target_loss="
             f"{t.target_loss} not reached")
+
+
+def record_checkpoints(rec: dict, ckpt, res) -> None:
+    """The checkpoints' figures (bench.checkpoint) and the share of the measured window
+    their saves blocked (tokens_per_s_wall holds that time; the median step does not)."""
+    figures, why = ckpt.figures()
+    rec.update(figures, resumed_from_step=ckpt.resumed["step"] if ckpt.resumed else None)
+    rec["checkpoint_share"] = res.checkpoint_s / res.wall_s if ckpt.root and res.wall_s \
+        else None
+    why.setdefault("checkpoint_share", why.get("checkpoint_saves") or "no measured window")
+    if rec["resumed_from_step"] is None:
+        why["resumed_from_step"] = "train.resume_from=null"
+    for k, v in why.items():
+        if rec.get(k) is None:
+            rec["null_reasons"][k] = v

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..config import total_steps
-from .observe import record_eval, record_grad_norm, record_profile
+from .observe import record_checkpoints, record_eval, record_grad_norm, record_profile
 from ..results import (fill_null_reasons, hold_sigint, release_sigint, stop_signal,
                        write_json_atomic)
 from .balance import bias_spread
@@ -96,6 +96,9 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
         done, total = getattr(e, "steps", (None, None))
         at = f" at step {done} of {total}" if done is not None else " before the run finished"
         rec.update(status="crashed", error=f"interrupted ({stop_signal(e)}){at}")
+        if path := getattr(e, "checkpoint", None):  # (SIGTERM with checkpointing on)
+            rec.update(getattr(e, "figures", {}), checkpoint_path=str(path))
+            rec["error"] += f"; checkpoint saved: resume with train.resume_from={path}"
         if losses := getattr(e, "losses", None):
             rec.update(losses=losses, loss_first=losses[0], loss_last=losses[-1])
         held = hold_sigint()  # a second SIGINT (ranks get one from the agent too) must
@@ -150,15 +153,26 @@ def _memory_cap(cfg, device: torch.device, d):
 def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=None,
              out_dir: Path | None = None) -> None:
     """Build, train the measured steps, record: the run as a plain training loop."""
+    from .checkpoint import Checkpointer, find
+
     memory = MemoryMeter(device)
-    applied, optimizer, scheduler, loader, world = _build(cfg, rec, device, memory, d)
+    resume = find(cfg.train.resume_from) if cfg.train.resume_from else None
+    applied, optimizer, scheduler, loader, world = _build(cfg, rec, device, memory, d, resume)
+    ckpt = Checkpointer(cfg, applied, optimizer, scheduler, out_dir, d.rank if d else 0, world)
+    if resume:
+        ckpt.load(resume)
     cached = _graph_counts()
-    res = train_loop(cfg, applied, optimizer, scheduler, loader, device, memory,
-                     _tracker_log(cfg, tracker), progress)
+    try:
+        res = train_loop(cfg, applied, optimizer, scheduler, loader, device, memory,
+                         _tracker_log(cfg, tracker), progress, ckpt)
+    except KeyboardInterrupt as e:  # (the record names the checkpoint a SIGTERM saved)
+        e.figures = ckpt.figures()[0]
+        raise
     graphs = [a - b for a, b in zip(_graph_counts(), cached)]  # this run's
     _compile_cache(rec, cfg, *graphs[:4])
     _cudagraph_skips(rec, cfg, device, graphs[4])
     _record(cfg, rec, res, device, world)
+    record_checkpoints(rec, ckpt, res)
     record_profile(cfg, rec, res, device, out_dir if d is None or d.main else None)
     from ..optimizations.parallel.hooks import record_reduce_bytes
 
@@ -166,14 +180,16 @@ def _measure(cfg, rec: dict, device: torch.device, tracker, progress: bool, d=No
     _record_moe(cfg, rec, res, applied.model, device, world)
 
 
-def _build(cfg, rec: dict, device: torch.device, memory: MemoryMeter, d):
+def _build(cfg, rec: dict, device: torch.device, memory: MemoryMeter, d, resume=None):
     """The model (its memory counted from a baseline taken just before), the optimizations
-    applied, the optimizer and the loader."""
+    applied, the optimizer and the loader (resume: a checkpoint's dir, whose step's
+    sequences the loader leaves out)."""
     from ..data import build_loader
     from ..hardware import setup_backends
     from ..model import build_model
     from ..optim import build_optimizer
     from ..optimizations import apply
+    from .checkpoint import meta
 
     t = cfg.train
     setup_backends(cfg)
@@ -197,7 +213,9 @@ def _build(cfg, rec: dict, device: torch.device, memory: MemoryMeter, d):
     applied = apply(model, cfg, device, world)
     optimizer, scheduler, rec["optim_impl"] = build_optimizer(applied.model, cfg, device)
     num_samples = total_steps(t) * t.grad_accum_steps * t.micro_batch_size
-    loader = build_loader(cfg, device, num_samples, rank, world)
+    done = meta(resume)["step"] if resume else 0
+    loader = build_loader(cfg, device, num_samples, rank, world,
+                          done * t.grad_accum_steps * t.micro_batch_size)
     return applied, optimizer, scheduler, loader, world
 
 

@@ -39,11 +39,12 @@ def heldout(cfg) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 def build_loader(cfg, device: torch.device, num_samples: int, rank: int = 0,
-                 world: int = 1) -> DataLoader:
+                 world: int = 1, start: int = 0) -> DataLoader:
     """Exactly num_samples sequences of train.seq_len tokens for this rank, in order, no
     repeats. With several ranks, global micro-batch m is samples [m*B*world, (m+1)*B*world)
     and rank r takes its r-th block of B: together the ranks see what one process with
-    micro_batch_size B*world would (tests compare the two)."""
+    micro_batch_size B*world would (tests compare the two). start: this rank's first
+    sequences already trained on (a resumed run) are left out."""
     d, t = cfg.data, cfg.train
     n = num_samples * world
     if d.source == "markov":
@@ -54,6 +55,8 @@ def build_loader(cfg, device: torch.device, num_samples: int, rank: int = 0,
         b = t.micro_batch_size
         ds = Subset(ds, [m * b * world + rank * b + i for m in range(num_samples // b)
                          for i in range(b)])
+    if start:
+        ds = Subset(ds, range(start, len(ds)))
     kwargs = {}
     if d.num_workers > 0:
         kwargs["persistent_workers"] = d.persistent_workers

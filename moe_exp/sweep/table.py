@@ -242,8 +242,8 @@ def labels(records: list[dict]) -> list[str]:
 
 
 def _opts_on(row) -> int:
-    on = sum(_num(row.get(k)) is not None and str(row.get(k)) != off  # (a record older
-             for k, off in OFF.items())  # than the knob has no value: it was off)
+    on = sum(_num(row.get(k)) is not None and not same_value(row.get(k), off)  # (a record
+             for k, off in OFF.items())  # older than the knob has no value: it was off)
     return on + int((row.get("grad_accum_steps") or 1) > 1)
 
 
@@ -454,6 +454,8 @@ def compact(df):
     drops = "drop_rate" in df and (df["drop_rate"].fillna(0) > 0).any()
     tune = "tune_max_micro_batch" in df and df["tune_max_micro_batch"].notna().any()
     judged = "loss_ok" in df and df["loss_ok"].notna().any()
+    # checkpoints: their saves fall between steps, outside the median step's tokens/s
+    ckpt = "checkpoint_saves" in df and (df["checkpoint_saves"].fillna(0) > 0).any()
     rows = []
     for _, r in df.iterrows():
         sp = _fmt(r["speedup"], ".2f", "×")
@@ -461,6 +463,10 @@ def compact(df):
             sp += " (n.s.)"
         row = {"job": r["job"], "combination": r["label"], "status": r["status"],
                "tokens/s": _fmt(r["tokens_per_s"], ",.0f")}
+        if ckpt:
+            share = _num(r["checkpoint_share"])
+            row.update({"wall tokens/s": _fmt(r["tokens_per_s_wall"], ",.0f"),
+                        "ckpt blocked": _fmt(share and share * 100, ".0f", "%")})
         if tune:  # task=tune_batch: the largest micro-batch that fit, and the fastest
             row.update({"largest mbs": _fmt(r["tune_max_micro_batch"], ".0f"),
                         "fastest mbs": _fmt(r["tune_best_micro_batch"], ".0f")})

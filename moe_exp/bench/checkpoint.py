@@ -1,0 +1,302 @@
+"""train.checkpoint_every / resume_from: the run's whole training state through
+torch.distributed.checkpoint (DCP), sharded as the run holds it (FSDP's DTensors; an expert
+parallel rank's own experts under its own keys), and what a save and a load cost.
+
+A checkpoint is a dir `step_<steps done>` holding DCP's files, one `rank<r>.pt` per rank
+(its RNG states) and, written last, `loop.pt`: the step, the run's identity, the schedule's
+and the scaler's state and the loss history. Without loop.pt a checkpoint is incomplete."""
+from __future__ import annotations
+
+import shutil
+import signal
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError
+
+DONE = "loop.pt"
+EP_KEY = ".experts.local."  # expert parallelism's shard (optimizations/parallel/expert.py)
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:06d}"
+
+
+def root(cfg, out_dir: Path) -> Path:
+    """Where this run's checkpoints go: checkpoints/ in its dir, or <checkpoint_dir>/<the
+    run dir's last two parts> (a single run's date and time, a sweep's time and job)."""
+    if cfg.train.checkpoint_dir is None:
+        return out_dir / "checkpoints"
+    return Path(cfg.train.checkpoint_dir).expanduser() / "-".join(out_dir.resolve().parts[-2:])
+
+
+def find(path: str) -> Path:
+    """The complete checkpoint train.resume_from names: the dir itself, its latest complete
+    step_*, or the latest in its checkpoints/ (a run dir)."""
+    p = Path(path).expanduser()
+    for base in (p, p / "checkpoints"):
+        if (base / DONE).is_file():
+            return base
+        steps = sorted(x for x in base.glob("step_*") if (x / DONE).is_file())
+        if steps:
+            return steps[-1]
+    raise ConfigError("train.resume_from", f"no complete checkpoint in {p} (a step_* dir "
+                      f"with {DONE}, a dir of them, or a run dir with checkpoints/)")
+
+
+def meta(path: Path) -> dict:
+    return torch.load(path / DONE, weights_only=True)
+
+
+def identity(cfg, world: int) -> dict:
+    """What a resumed run must share with the checkpoint's to continue it exactly."""
+    from omegaconf import OmegaConf
+
+    t, p = cfg.train, cfg.parallel
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    model.pop("dispatch")  # (how experts run, not what they are: "auto" is resolved in a run)
+    return {"model": model,
+            "optim": OmegaConf.to_container(cfg.optim, resolve=True), "precision": cfg.precision.name, "parallel": p.name,
+            "world": world, "expert_parallel_size": p.get("expert_parallel_size"),
+            "data": cfg.data.source, "train.seed": t.seed, "train.seq_len": t.seq_len,
+            "train.micro_batch_size": t.micro_batch_size,
+            "train.grad_accum_steps": t.grad_accum_steps,
+            "train.steps + train.warmup_steps": t.steps + t.warmup_steps}
+
+
+def check(cfg, world: int, profiled: int) -> None:
+    """Checkpoint mistakes, before any work: a bad count, no checkpoint to resume from, one
+    that another configuration saved, or one too late to leave a measured step."""
+    t = cfg.train
+    for key in ("checkpoint_every", "checkpoint_keep"):
+        if t[key] < 0:
+            raise ConfigError(f"train.{key}", f"must be >= 0 (0 = {'off' if key[-1] == 'y' else 'all'}"
+                              f"), got {t[key]}")
+    if t.resume_from is None:
+        return
+    path = find(t.resume_from)
+    m, mine = meta(path), identity(cfg, world)
+    for key, value in mine.items():
+        if m["identity"].get(key) != value:
+            theirs = m["identity"].get(key)
+            if isinstance(value, dict):  # (model, optim: the keys that differ)
+                diff = sorted(k for k in set(value) | set(theirs or {})
+                              if (theirs or {}).get(k) != value.get(k))
+                value, theirs = ", ".join(f"{k}={value.get(k)}" for k in diff), \
+                    ", ".join(f"{k}={(theirs or {}).get(k)}" for k in diff)
+            raise ConfigError("train.resume_from", f"{path} was saved with {key} {theirs}; this "
+                              f"run has {value} (a resumed run continues the same one)")
+    last = t.steps + t.warmup_steps - profiled
+    if m["step"] >= last:
+        raise ConfigError("train.resume_from", f"{path} is at step {m['step']}: no measured "
+                          f"step is left before step {last} (raise train.steps)")
+
+
+def _ep_rank(model) -> int | None:
+    from ..optimizations.parallel.expert import ExpertParallel
+
+    return next((m.rank for m in model.modules() if isinstance(m, ExpertParallel)), None)
+
+
+def _rename(keys: dict, old: str, new: str) -> dict:
+    return {k.replace(old, new): v for k, v in keys.items()}
+
+
+class Checkpointer:
+    """Saves every train.checkpoint_every steps (and on SIGTERM), loads train.resume_from;
+    keeps its own figures (save_figures)."""
+
+    def __init__(self, cfg, applied, optimizer, scheduler, out_dir: Path | None, rank: int,
+                 world: int):
+        t = cfg.train
+        # DCP in one process warns at every save and load (async_save's in its thread) that
+        # it assumes one process
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or")
+        self.cfg, self.model, self.optimizer, self.scheduler = cfg, applied.model, optimizer, \
+            scheduler
+        self.scaler, self.rank, self.world = applied.scaler, rank, world
+        self.every, self.keep, self.asynchronous = t.checkpoint_every, t.checkpoint_keep, \
+            t.checkpoint_async
+        self.root = root(cfg, out_dir) if self.every and out_dir is not None else None
+        ep = _ep_rank(self.model)  # each EP rank's experts: keys of their own (DCP keeps one
+        # tensor per key: the ranks' different experts under one key would be one rank's)
+        self.ep_key = None if ep is None else f".experts.local_ep{ep}."
+        self.blocking, self.total, self.sizes, self.load_s = [], [], [], None
+        self.pending, self.last_path, self.sigterm = None, None, False
+        self.resumed = None  # load's loop.pt: the loop starts at its step
+        self.error = None  # an async save's failure to complete, for wait() to raise
+        self.group = dist.new_group(backend="gloo") if (
+            self.asynchronous and self.every and dist.is_initialized()) else None
+        self._handler, self._lock = None, threading.Lock()
+
+    # the state
+    def _state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.optimizer)
+        if self.ep_key:
+            model = _rename(model, EP_KEY, self.ep_key)
+            optim = {**optim, "state": _rename(optim["state"], EP_KEY, self.ep_key)}
+        return {"model": model, "optim": optim}
+
+    def _loop_state(self, step: int, history: dict) -> dict:
+        return {"step": step, "identity": identity(self.cfg, self.world),
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler else None,
+                "history": {k: list(v) for k, v in history.items()}}
+
+    def _rng(self) -> dict:
+        return {"cpu": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and
+                torch.cuda.is_initialized() else None}
+
+    # saving
+    def due(self, done: int) -> bool:
+        return bool(self.root and done % self.every == 0)
+
+    def save(self, step: int, history: dict, blocking: bool = False) -> Path:
+        """A checkpoint after `step` steps (the previous async one finished first). Returns
+        its dir; its loop.pt is written once every rank's files are."""
+        import torch.distributed.checkpoint as dcp
+
+        t0 = time.perf_counter()
+        self.wait()
+        path = step_dir(self.root, step)
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save(self._rng(), path / f"rank{self.rank}.pt")
+        state, loop = self._state(), self._loop_state(step, history)
+        if self.asynchronous and not blocking:
+            fut = dcp.async_save(state, checkpoint_id=path, process_group=self.group)
+            fut = getattr(fut, "upload_completion", fut)  # (torch 2.13 may wrap it)
+            fut.add_done_callback(lambda f: self._done(f, path, loop, t0))
+            self.pending = fut
+        else:
+            dcp.save(state, checkpoint_id=path)
+            self._done(None, path, loop, t0)
+        self.blocking.append(time.perf_counter() - t0)
+        if self.pending is None:  # (a save that blocked: its total is its blocking time)
+            self.total.append(self.blocking[-1])
+        return path
+
+    def _done(self, fut, path: Path, loop: dict, t0: float) -> None:
+        """Once DCP has every rank's files (rank 0's save returns after all ranks wrote):
+        loop.pt last, the size, the older checkpoints gone."""
+        if fut is not None and fut.exception() is not None:
+            return  # (wait() raises it)
+        with self._lock:
+            if fut is not None:
+                self.total.append(time.perf_counter() - t0)
+            if self.rank != 0:
+                return
+            try:
+                self._complete(path, loop)
+            except Exception as e:  # noqa: BLE001 - (async: this thread's) raised by wait()
+                if fut is None:
+                    raise
+                self.error = e
+
+    def _complete(self, path: Path, loop: dict) -> None:
+        """Rank 0, once every rank's files are written: loop.pt (atomically), the size, the
+        checkpoints past train.checkpoint_keep gone."""
+        tmp = path / (DONE + ".tmp")
+        torch.save(loop, tmp)
+        tmp.replace(path / DONE)
+        self.sizes.append(sum(f.stat().st_size for f in path.rglob("*") if f.is_file()))
+        self.last_path = path
+        if self.keep:
+            older = sorted(x for x in self.root.glob("step_*") if x.name < path.name)
+            for x in older[:max(0, len(older) - self.keep + 1)]:
+                shutil.rmtree(x, ignore_errors=True)
+
+    def wait(self) -> None:
+        """The async save in flight finished (its error, or its loop.pt's, raised here)."""
+        if self.pending is not None:
+            fut, self.pending = self.pending, None
+            fut.result()
+        if self.error is not None:
+            e, self.error = self.error, None
+            raise e
+
+    # loading
+    def load(self, path: Path) -> dict:
+        """The state of checkpoint `path` into the model, optimizer, schedule, scaler and
+        RNG; returns its loop.pt (step and history)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        t0 = time.perf_counter()
+        loop = meta(path)
+        state = self._state()  # (DCP loads into these tensors, in place)
+        dcp.load(state, checkpoint_id=path)
+        model, optim = state["model"], state["optim"]
+        if self.ep_key:
+            model = _rename(model, self.ep_key, EP_KEY)
+            optim = {**optim, "state": _rename(optim["state"], self.ep_key, EP_KEY)}
+        set_state_dict(self.model, self.optimizer, model_state_dict=model,
+                       optim_state_dict=optim)
+        self.scheduler.load_state_dict(loop["scheduler"])
+        if self.scaler and loop["scaler"]:
+            self.scaler.load_state_dict(loop["scaler"])
+        rng = torch.load(path / f"rank{self.rank}.pt", weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+        self.load_s = time.perf_counter() - t0
+        self.resumed = loop
+        return loop
+
+    # SIGTERM (spot preemption, SLURM's time limit): a checkpoint at the next step's end
+    def __enter__(self):
+        if self.root is not None and threading.current_thread() is threading.main_thread():
+            self._handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        return self
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.sigterm = True
+
+    def __exit__(self, *exc) -> None:
+        if self._handler is not None:
+            signal.signal(signal.SIGTERM, self._handler)
+            self._handler = None
+        if exc[0] is None:
+            self.wait()
+        elif self.pending is not None:  # (a failed run: the save in flight may finish)
+            try:
+                self.wait()
+            except Exception:  # noqa: BLE001 - the run's own error is the one to report
+                pass
+
+    def stop_requested(self, agree: bool) -> bool:
+        """Whether a SIGTERM came (agree: every rank learns whether any rank got one; a
+        collective, so called at the same step on every rank)."""
+        if not agree or not dist.is_initialized():
+            return self.sigterm
+        from ..distributed import all_max, collective_device
+
+        device = next(self.model.parameters()).device
+        return bool(all_max([float(self.sigterm)], collective_device(device))[0])
+
+    def figures(self) -> tuple[dict, dict]:
+        """(the record's checkpoint figures, their null reasons)."""
+        import statistics
+
+        med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+        rec = {"checkpoint_saves": len(self.blocking) if self.root else None,
+               "checkpoint_save_s": med(self.blocking), "checkpoint_save_total_s": med(self.total),
+               "checkpoint_gib": self.sizes[-1] / 2**30 if self.sizes else None,
+               "checkpoint_path": str(self.last_path) if self.last_path else None,
+               "checkpoint_load_s": self.load_s}
+        off = "train.checkpoint_every=0" if not self.every else \
+            "no checkpoint saved (train.checkpoint_every > the run's steps)" if self.root \
+            else "written by rank 0"
+        why = {k: off for k, v in rec.items() if v is None}
+        if self.load_s is None:
+            why["checkpoint_load_s"] = "train.resume_from=null"
+        if self.rank and self.root:  # (rank 0 writes the record)
+            why.pop("checkpoint_load_s", None)
+        return rec, why
