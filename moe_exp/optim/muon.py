@@ -98,14 +98,14 @@ class Muon(torch.optim.Optimizer):
         for group in self.adamw.param_groups:
             group["muon"] = False
             self.add_param_group(group)
-
-    def state_dict(self) -> dict:
-        return {"muon": super().state_dict(), "adamw": self.adamw.state_dict()}
+        self.state.update(self.adamw.state)
+        self.adamw.state = self.state  # one state of every parameter: torch's state_dict
+        # format (which torch.distributed.checkpoint reads) holds both kinds
 
     def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict["muon"])  # (copies every group: linked again)
-        self.adamw.load_state_dict(state_dict["adamw"])
-        self._link_adamw()
+        super().load_state_dict(state_dict)  # (new group dicts and state: linked again)
+        self.adamw.param_groups = [g for g in self.param_groups if not g["muon"]]
+        self.adamw.state = self.state
 
     @torch.no_grad()
     def step(self, closure=None):
