@@ -34,12 +34,12 @@ from _timing import (add_device, at_least, check_config, compose, device_name,  
 
 
 def build(cfg, device, state=None):
-    from moe_exp.bench.runner import _resolve_dispatch
+    from moe_exp.bench.runner import resolve_model_dispatch
     from moe_exp.model import build_model
     from moe_exp.optim import build_optimizer
     from moe_exp.optimizations import apply
 
-    _resolve_dispatch(cfg, device)
+    resolve_model_dispatch(cfg, device)
     torch.manual_seed(0)
     with torch.device(device):
         model = build_model(cfg.model)

@@ -31,7 +31,8 @@ from _timing import (add_device, at_least, check_config, compose, device_name,  
 def state_mib(opt) -> float:
     """Bytes held in optimizer state (Muon's and its inner AdamW's), in MiB."""
     opts = [opt, *([opt.adamw] if hasattr(opt, "adamw") else [])]
-    return sum(t.numel() * t.element_size() for o in opts for s in o.state.values()
+    states = {id(o.state): o.state for o in opts}  # (Muon's holds its AdamW's: counted once)
+    return sum(t.numel() * t.element_size() for st in states.values() for s in st.values()
                for t in s.values() if torch.is_tensor(t) and t.dim() > 0) / 2**20
 
 

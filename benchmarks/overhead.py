@@ -64,7 +64,7 @@ import moe_exp.run  # noqa: F401  (torch, hydra, moe_exp)
 mark("imports (torch, hydra, moe_exp)")
 wrap("moe_exp.pipeline", "prepare", "hardware resolve + validate", before="Hydra set-up + compose")
 import moe_exp.bench.runner as R, moe_exp.bench.loop as L
-wrap("moe_exp.bench.runner", "_resolve_dispatch", "dispatch probe")
+wrap("moe_exp.bench.runner", "resolve_model_dispatch", "dispatch probe")
 wrap("moe_exp.model", "build_model", "model build")
 wrap("moe_exp.optimizations", "apply", "optimizations applied")
 wrap("moe_exp.optim", "build_optimizer", "optimizer (imports torch._dynamo)")

@@ -97,7 +97,8 @@ COMM_TASK = ("comm",)
 PROFILE = Reads("train.profile", positive=True, what="train.profile=true")
 CHECKPOINT = Reads("train.checkpoint_every", positive=True, what="checkpointing")
 TUNE_TASK = ("tune_batch",)
-TASKS = BOTH + TUNE_TASK
+INFER_TASK = ("infer",)
+TASKS = BOTH + TUNE_TASK + INFER_TASK
 
 
 @dataclass
@@ -358,7 +359,7 @@ class TrainConfig:
     # become one full collection every N steps
     gc_every: int = knob(0, "0 = Python's automatic GC; N = automatic GC off, generations "
                          "0-1 collected every N steps", since=0)
-    seed: int = knob(0, "seed of the weights and the data")
+    seed: int = knob(0, "seed of the weights and the data", tasks=("bench",) + INFER_TASK)
     log_every: int = knob(5, "steps between loss reads (each read waits for the device)")
     eval_sequences: int = knob(16, "held-out sequences eval_loss is measured on (0: none)",
                                since=16)
@@ -391,6 +392,20 @@ class TuneConfig:
     multiple: int = knob(1, "micro-batch sizes probed are multiples of this (the search's "
                          "resolution)", tasks=TUNE_TASK, since=1)
     max_micro_batch: int = knob(4096, "the doubling stops here", tasks=TUNE_TASK, since=4096)
+
+
+@dataclass
+class InferConfig:
+    """task=infer: greedy generation with a KV cache (docs/inference.md)."""
+    batch_size: int = knob(8, "requests generated together", tasks=INFER_TASK, since=8)
+    prompt_len: int = knob(64, "tokens per prompt (held-out walks of the data)",
+                           tasks=INFER_TASK, since=64)
+    new_tokens: int = knob(32, "tokens generated per request", tasks=INFER_TASK, since=32)
+    batches: int = knob(3, "measured batches (after infer.warmup)", tasks=INFER_TASK, since=3)
+    warmup: int = knob(1, "unmeasured batches first", tasks=INFER_TASK, since=1)
+    checkpoint: Optional[str] = knob(None, "weights from a checkpoint (train.checkpoint_every's"
+                                     " step_* dir, a dir of them or a run dir); null: the "
+                                     "seed's initialization", tasks=INFER_TASK, since=None)
 
 
 @dataclass
@@ -429,19 +444,22 @@ class SweepConfig:
 
 @dataclass
 class RunConfig:
-    model: ModelConfig = group(ModelConfig, "the transformer's shape and routing")
-    precision: PrecisionConfig = group(PrecisionConfig, "mixed precision")
+    model: ModelConfig = group(ModelConfig, "the transformer's shape and routing",
+                               reads_in=INFER_TASK)
+    precision: PrecisionConfig = group(PrecisionConfig, "mixed precision", reads_in=INFER_TASK)
     parallel: ParallelConfig = group(ParallelConfig, "DDP, FSDP2, expert parallel")
-    hardware: HardwareConfig = group(HardwareConfig, "the device profile")
-    data: DataConfig = group(DataConfig, "the data source and loader")
+    hardware: HardwareConfig = group(HardwareConfig, "the device profile", reads_in=INFER_TASK)
+    data: DataConfig = group(DataConfig, "the data source and loader", reads_in=INFER_TASK)
     optim: OptimConfig = group(OptimConfig, "AdamW or Muon and the schedule")
     logger: LoggerConfig = group(LoggerConfig, "W&B or none", hashed=False)
     train: TrainConfig = group(TrainConfig, "the measured loop")
     sweep: SweepConfig = group(SweepConfig, "how a multirun runs", hashed=False)
     comm: CommConfig = group(CommConfig, "task=comm's collectives")
     tune: TuneConfig = group(TuneConfig, "task=tune_batch's micro-batch search")
+    infer: InferConfig = group(InferConfig, "task=infer's generation")
     task: str = knob("bench", "what a run does: bench (train and measure) | comm (collectives)"
-                     " | tune_batch (the largest and the fastest micro-batch that fit)",
+                     " | tune_batch (the largest and the fastest micro-batch that fit)"
+                     " | infer (generate with a KV cache)",
                      choices=TASKS, tasks=TASKS)
     extra: Dict[str, Any] = field(default_factory=dict, metadata={  # free-form notes
         "knob": Knob("free-form labels, kept in the record"), "hashed": False})

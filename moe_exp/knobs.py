@@ -74,10 +74,12 @@ def knob(default: Any = dataclasses.MISSING, doc: str = "", *, factory=None,
     return field(default=default, metadata=meta)
 
 
-def group(factory, doc: str, hashed: bool = True) -> Any:
+def group(factory, doc: str, hashed: bool = True, reads_in: tuple = ()) -> Any:
     """A config group's field of the root schema; hashed=False: what it holds does not change
-    what is measured (left out of the config hash)."""
-    return field(default_factory=factory, metadata={"group": doc, "hashed": hashed})
+    what is measured (left out of the config hash); reads_in: tasks that read every key of
+    it that bench reads (task=infer: the model, its precision, the hardware, the data)."""
+    return field(default_factory=factory, metadata={"group": doc, "hashed": hashed,
+                                                    "reads_in": tuple(reads_in)})
 
 
 def declarations(schema) -> dict[str, Knob]:
@@ -86,8 +88,12 @@ def declarations(schema) -> dict[str, Knob]:
     out = {}
     for f in dataclasses.fields(schema):
         if "group" in f.metadata:
+            extra = f.metadata.get("reads_in", ())
             for g in dataclasses.fields(f.default_factory):
-                out[f"{f.name}.{g.name}"] = _knob(f"{f.name}.{g.name}", g)
+                k = _knob(f"{f.name}.{g.name}", g)
+                if extra and "bench" in k.tasks:
+                    k = dataclasses.replace(k, tasks=k.tasks + extra)
+                out[f"{f.name}.{g.name}"] = k
         else:
             out[f.name] = _knob(f.name, f)
     return out

@@ -107,6 +107,8 @@ def log_record(rec: dict) -> None:
     if rec["status"] == "ok" and rec.get("tokens_per_s") is not None:  # a bench (not comm)
         from .summary import summary_rows
 
+        if rec.get("task") == "infer":
+            from .infer.runner import summary_rows
         for label, text in summary_rows(rec):
             log.info("%s: %s", label, text)
 
@@ -121,6 +123,10 @@ def _run(cfg: DictConfig, out_dir: Path, overrides, choices, progress,
         from .bench.tune import tune_batch
 
         return tune_batch(cfg, cfg_dict, out_dir, overrides, progress)
+    if cfg.task == "infer":  # (one device: validate refuses ranks)
+        from .infer.runner import infer
+
+        return infer(cfg, cfg_dict, new_record(cfg_dict, overrides), out_dir, choices, progress)
     if distributed_run(cfg):
         from .distributed import is_rank
 

@@ -5,6 +5,7 @@ import datetime as dt
 import hashlib
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -42,7 +43,9 @@ EXTRAS = (
     "gpu_power_w", "grad_norm", "grad_norms", "grad_norm_spike", "alloc_retries", "init_seed",
     "alloc_ooms", "checkpoint_every", "checkpoint_async", "checkpoint_saves", "checkpoint_save_s", "checkpoint_save_total_s",
     "checkpoint_gib", "checkpoint_path", "checkpoint_load_s", "checkpoint_share",
-    "resumed_from_step",
+    "resumed_from_step", "prefill_tokens_per_s", "decode_tokens_per_s", "ttft_ms",
+    "token_latency_ms_p50", "token_latency_ms_p90", "token_latency_ms_p99", "weights_gib",
+    "kv_cache_gib", "infer_other_gib", "measured_batches", "generated_tokens", "weights_from",
     "job",
     "repeat", "repeats",
     "repeats_ok", "combined", "resumed_from",
@@ -227,6 +230,19 @@ def release_sigint(held) -> None:
         import signal
 
         signal.signal(signal.SIGINT, held)
+
+
+def close_record(rec: dict, out_dir, tracker=None, show_error: bool = True) -> None:
+    """A run's end: its error on stderr, every null with a reason, metrics.json written,
+    the tracker's summary and finish."""
+    if show_error and rec["status"] != "ok" and rec["error"]:
+        print(f"error: run {rec['status']}: {rec['error']}\nrecord: "
+              f"{out_dir / 'metrics.json'}", file=sys.stderr)
+    fill_null_reasons(rec, f"not measured: run {rec['status']}")
+    write_json_atomic(out_dir / "metrics.json", rec)
+    if tracker:
+        tracker.summary(rec)
+        tracker.finish(ok=rec["status"] == "ok")
 
 
 def fill_null_reasons(rec: dict, default: str) -> None:

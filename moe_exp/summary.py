@@ -162,11 +162,13 @@ def _gib(x) -> str:
     return "? GiB" if x is None else f"{x:.3f} GiB"
 
 
-def print_summary(r: dict, path: Path | None = None) -> None:
-    table = Table(title="moe_exp result", show_header=False, title_justify="left")
+def print_summary(r: dict, path: Path | None = None, rows=None,
+                  title: str = "moe_exp result") -> None:
+    """The record's rows (a training run's summary_rows unless given) as a table."""
+    table = Table(title=title, show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
-    for k, v in summary_rows(r):
+    for k, v in summary_rows(r) if rows is None else rows:
         table.add_row(k, v)
     console = Console(width=max(100, Console().width))
     console.print(table)

@@ -667,6 +667,33 @@ def check_comm(cfg) -> None:
         raise ConfigError("comm.max_bytes", f"must be >= comm.min_bytes={c.min_bytes}")
 
 
+def check_infer(cfg) -> None:
+    """task=infer: positive sizes, prompt and output within the model's positions, one
+    device, the options it does not apply yet, a checkpoint of this model."""
+    if cfg.task != "infer":
+        return
+    i = cfg.infer
+    for key, low in (("batch_size", 1), ("prompt_len", 1), ("new_tokens", 1), ("batches", 1),
+                     ("warmup", 0)):
+        _at_least(cfg, f"infer.{key}", low)
+    if i.prompt_len + i.new_tokens > cfg.model.max_seq_len:
+        raise ConfigError("infer.new_tokens", f"infer.prompt_len + new_tokens = "
+                          f"{i.prompt_len + i.new_tokens} exceeds model.max_seq_len="
+                          f"{cfg.model.max_seq_len}")
+    if cfg.parallel.name != "none" or _world_size(cfg.hardware.devices) != 1:
+        raise ConfigError("parallel", "task=infer runs on one device: parallel=none "
+                          "hardware.devices=1")
+    if cfg.train.compile != "off":
+        raise ConfigError("train.compile", "not applied by task=infer yet: train.compile=off")
+    if cfg.precision.name == "fp8":
+        raise ConfigError("precision", "fp8 is a training recipe (torchao's float8 "
+                          "training); task=infer's quantization is coming")
+    if i.checkpoint is not None:
+        from .bench.checkpoint import check_weights
+
+        check_weights(cfg)
+
+
 def check_tune(cfg) -> None:
     _at_least(cfg, "tune.multiple", 1)
     t = cfg.tune
@@ -713,6 +740,8 @@ def check_memory(cfg) -> None:
     where = f"{n} CPU ranks together" if local > 1 else "one device"
     if cfg.task == "comm":
         return _comm_memory(cfg, mem)
+    if cfg.task == "infer":  # (its weights at least: bench.flops' state bound is training's)
+        return
     world = _world_size(n) if p.name != "none" else 1
     need = state_lower_bound(cfg, world) * local / 2**30
     if need > mem:
@@ -776,6 +805,7 @@ def validate(cfg, overrides=(), in_sweep: bool = False) -> None:
     check_sweep(cfg)
     check_comm(cfg)
     check_tune(cfg)
+    check_infer(cfg)
     check_logger(cfg)
     # what this machine cannot do, or is not ready for (a sweep's row says which)
     device_here(cfg)

@@ -29,7 +29,7 @@ def test_every_key_of_every_schema_is_declared():
     keys = {f"{f.name}.{g.name}" for f in dataclasses.fields(RunConfig) if "group" in f.metadata
             for g in dataclasses.fields(f.default_factory)}
     keys |= {f.name for f in dataclasses.fields(RunConfig) if "group" not in f.metadata}
-    assert len(schemas) == 11 and set(KNOBS) == keys == set(DEFAULTS)
+    assert len(schemas) == 12 and set(KNOBS) == keys == set(DEFAULTS)
     assert declarations(RunConfig) == KNOBS
     for key, knob in KNOBS.items():
         assert knob.doc and "\n" not in knob.doc, key

@@ -343,13 +343,13 @@ def test_auto_dispatch_on_cuda_takes_grouped_only_where_it_has_a_kernel(
     assert moe.resolve_dispatch("auto", "cuda", dtype, sizes=(1024, 1152)) == want
     assert moe.resolve_dispatch("grouped", "cuda", dtype, sizes=(1024, 1152)) == "grouped"
     # an explicit grouped runs as asked, with a warning where auto would not take it
-    from moe_exp.bench.runner import _resolve_dispatch
+    from moe_exp.bench.runner import resolve_model_dispatch
 
     cfg = compose(["model.dispatch=grouped", "precision="
                    + {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _resolve_dispatch(cfg, torch.device("cuda"))
+        resolve_model_dispatch(cfg, torch.device("cuda"))
     assert cfg.model.dispatch == "grouped"
     said = [str(w.message) for w in caught if "model.dispatch=grouped" in str(w.message)]
     assert len(said) == (want == "loop") and all("auto picks loop" in m for m in said)

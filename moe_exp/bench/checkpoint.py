@@ -35,9 +35,9 @@ def root(cfg, out_dir: Path) -> Path:
     return Path(cfg.train.checkpoint_dir).expanduser() / "-".join(out_dir.resolve().parts[-2:])
 
 
-def find(path: str) -> Path:
-    """The complete checkpoint train.resume_from names: the dir itself, its latest complete
-    step_*, or the latest in its checkpoints/ (a run dir)."""
+def find(path: str, key: str = "train.resume_from") -> Path:
+    """The complete checkpoint `key` names: the dir itself, its latest complete step_*, or
+    the latest in its checkpoints/ (a run dir)."""
     p = Path(path).expanduser()
     for base in (p, p / "checkpoints"):
         if (base / DONE).is_file():
@@ -45,7 +45,7 @@ def find(path: str) -> Path:
         steps = sorted(x for x in base.glob("step_*") if (x / DONE).is_file())
         if steps:
             return steps[-1]
-    raise ConfigError("train.resume_from", f"no complete checkpoint in {p} (a step_* dir "
+    raise ConfigError(key, f"no complete checkpoint in {p} (a step_* dir "
                       f"with {DONE}, a dir of them, or a run dir with checkpoints/)")
 
 
@@ -95,6 +95,39 @@ def check(cfg, world: int, profiled: int) -> None:
     if m["step"] >= last:
         raise ConfigError("train.resume_from", f"{path} is at step {m['step']}: no measured "
                           f"step is left before step {last} (raise train.steps)")
+
+
+def check_weights(cfg) -> Path:
+    """infer.checkpoint: the checkpoint it names, of this model, saved without expert
+    parallelism (whose ranks each hold other experts)."""
+    path = find(cfg.infer.checkpoint, "infer.checkpoint")
+    mine, theirs = identity(cfg, 1)["model"], meta(path)["identity"]
+    if theirs["model"] != mine:
+        diff = sorted(k for k in set(mine) | set(theirs["model"])
+                      if theirs["model"].get(k) != mine.get(k))
+        raise ConfigError("infer.checkpoint", f"{path} holds another model ("
+                          + ", ".join(f"{k}={theirs['model'].get(k)}" for k in diff)
+                          + "; this run has " + ", ".join(f"{k}={mine.get(k)}" for k in diff)
+                          + ")")
+    if str(theirs["parallel"]).startswith("expert"):
+        raise ConfigError("infer.checkpoint", f"{path} was saved under parallel="
+                          f"{theirs['parallel']} (each rank's own experts): not loadable "
+                          "into one process yet")
+    return path
+
+
+def load_weights(model, path: Path) -> float:
+    """The model's weights from checkpoint `path` (resharded into one process); seconds."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, \
+        set_model_state_dict
+
+    t0 = time.perf_counter()
+    warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or")
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    return time.perf_counter() - t0
 
 
 def _ep_rank(model) -> int | None:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import traceback
 import warnings
 from pathlib import Path
@@ -12,8 +11,7 @@ import torch
 
 from ..config import total_steps
 from .observe import record_checkpoints, record_eval, record_grad_norm, record_profile
-from ..results import (fill_null_reasons, hold_sigint, release_sigint, stop_signal,
-                       write_json_atomic)
+from ..results import close_record, hold_sigint, release_sigint, stop_signal
 from .balance import bias_spread
 from .flops import analytic, flops_per_token
 from .load import other_share
@@ -30,7 +28,7 @@ def _tags(choices: dict, cfg) -> list[str]:
     return tags + [f"ac={cfg.train.activation_checkpointing}", f"compile={cfg.train.compile}"]
 
 
-def _resolve_dispatch(cfg, device: torch.device) -> None:
+def resolve_model_dispatch(cfg, device: torch.device) -> None:
     from ..model.moe import grouped_fast, resolve_dispatch
     from ..optimizations.precision import DTYPES
 
@@ -123,15 +121,8 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
             # failed; under torchrun this record, rank 0's, says what rank 0 saw)
             raise
     finally:
-        if main:
-            if rec["status"] != "ok" and rec["error"] and not (d and d.launched_here):
-                print(f"error: run {rec['status']}: {rec['error']}\nrecord: "
-                      f"{out_dir / 'metrics.json'}", file=sys.stderr)
-            fill_null_reasons(rec, f"not measured: run {rec['status']}")
-            write_json_atomic(out_dir / "metrics.json", rec)
-        if tracker:
-            tracker.summary(rec)
-            tracker.finish(ok=rec["status"] == "ok")
+        if main:  # (tracker: rank 0's only)
+            close_record(rec, out_dir, tracker, show_error=not (d and d.launched_here))
         release_sigint(held)
     if not main:
         return rec
@@ -195,7 +186,7 @@ def _build(cfg, rec: dict, device: torch.device, memory: MemoryMeter, d, resume=
     setup_backends(cfg)
     rec["init_seed"] = t.seed + cfg.sweep.init_offset  # (sweep.vary_init: repeat i's)
     torch.manual_seed(rec["init_seed"])
-    _resolve_dispatch(cfg, device)
+    resolve_model_dispatch(cfg, device)
     # modules the run imports anyway (torch.optim imports dynamo lazily), loaded before the
     # memory baseline: on CPU their RSS (~45 MiB) would count as the run's memory
     import torch._dynamo as _  # noqa: F401 (binds no local `torch`)

@@ -8,7 +8,7 @@ from .markov import CHUNK, MarkovTokens
 from .tokens import TokenFile, held_tokens, prepare, read_meta
 
 __all__ = ["MarkovTokens", "TokenFile", "build_loader", "heldout", "markov_floor", "prepare",
-           "read_meta"]
+           "prompts", "read_meta"]
 
 
 def markov_floor(cfg) -> float | None:
@@ -36,6 +36,18 @@ def heldout(cfg) -> tuple[torch.Tensor, torch.Tensor] | None:
         rows = TokenFile(cfg.data.path, cfg.train.seq_len, 0).tail(n)
     return rows[:, :-1], rows[:, 1:]
 
+
+
+def prompts(cfg, n: int, length: int) -> torch.Tensor:
+    """task=infer's n prompts of `length` tokens (n, length): held-out walks of the chain
+    (data=markov), or a token file's last windows."""
+    if cfg.data.source == "markov":
+        ds = MarkovTokens(cfg.model.vocab_size, length, n, cfg.data.branching, cfg.train.seed,
+                          heldout=True)
+        rows = torch.cat([ds.chunk(c) for c in range(-(-n // CHUNK))])[:n]
+    else:
+        rows = TokenFile(cfg.data.path, length, 0).tail(n)
+    return rows[:, :length]
 
 
 def build_loader(cfg, device: torch.device, num_samples: int, rank: int = 0,

@@ -70,6 +70,34 @@ def causal_attention(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
+def cached_attention(q, k, v, pos: int):
+    """SDPA of q at positions pos.. over k, v at positions 0.. (a KV cache's): each query
+    sees the keys up to its own position."""
+    gqa = k.shape[1] != q.shape[1]
+    if gqa and repeat_kv_heads(q):
+        r = q.shape[1] // k.shape[1]
+        k, v, gqa = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1), False
+    s = q.shape[-2]
+    mask = None if s == 1 else torch.ones(s, k.shape[-2], dtype=torch.bool,
+                                          device=q.device).tril(pos)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def _attend(attn, q, k, v, cache):
+    """Attention without a cache, or with one (model.cache.LayerCache): k, v stored, and q
+    attends to every position so far. From position 0 it is the model's own kernel."""
+    if cache is None:
+        return attn.attend(q, k, v)
+    pos = cache.pos
+    k, v = cache.update(k, v)
+    return attn.attend(q, k, v) if pos == 0 else cached_attention(q, k, v, pos)
+
+
+def _tables(cos, sin, cache):
+    """RoPE's tables from the cache's position on (all of them without a cache)."""
+    return (cos, sin) if cache is None or not cache.pos else (cos[cache.pos:], sin[cache.pos:])
+
+
 def head_dim(cfg) -> int:
     """The dims RoPE rotates per head: model.head_dim, or hidden_size / num_heads where null
     (MLA: qk_rope_head_dim)."""
@@ -94,13 +122,14 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.attend = causal_attention  # (q, k, v) -> y; an attention kernel may replace it
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, cache=None):
         b, s, _ = x.shape
+        cos, sin = _tables(cos, sin, cache)
         q = self.q_norm(self.wq(x).view(b, s, self.n_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.wk(x).view(b, s, self.n_kv, self.head_dim)).transpose(1, 2)
         v = self.wv(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self.attend(q, k, v)
+        y = _attend(self, q, k, v, cache)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -129,8 +158,10 @@ class LatentAttention(nn.Module):
         self.wo = nn.Linear(n * self.vdim, h, bias=False)
         self.attend = causal_attention  # (q, k, v) -> y; an attention kernel may replace it
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, cache=None):
+        """cache: keys and values per head, as expanded (the latent is not what is kept)."""
         b, s, _ = x.shape
+        cos, sin = _tables(cos, sin, cache)
         q = self.wq(x).view(b, s, self.n_heads, -1).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         latent, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope], dim=-1)
@@ -140,7 +171,7 @@ class LatentAttention(nn.Module):
         k_rope = apply_rope(k_rope[:, None], cos, sin).expand(-1, self.n_heads, -1, -1)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope], dim=-1)
-        y = self.attend(q, k, v)
+        y = _attend(self, q, k, v, cache)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -176,10 +207,11 @@ class Block(nn.Module):
             size = cfg.dense_ffn_hidden_size if cfg.num_experts > 0 else None
             self.ffn = SwiGLU(cfg.hidden_size, size or cfg.ffn_hidden_size)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, cache=None):
         """Returns (x, balance, seq_balance, z, counts, routed counts); zeros after x for a
-        dense block."""
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+        dense block. cache: this layer's model.cache.LayerCache (generation)."""
+        x = x + (self.attn(self.attn_norm(x), cos, sin) if cache is None else
+                 self.attn(self.attn_norm(x), cos, sin, cache))
         h = self.ffn_norm(x)
         if self.is_moe:
             y, balance, seq, z, counts, routed = self.ffn(h)
@@ -240,6 +272,23 @@ class Transformer(nn.Module):
         loss = ce + self.aux_loss_coef * balance + self.seq_aux_loss_coef * seq + \
             self.z_loss_coef * z
         return Output(loss, ce, balance, z, torch.stack(counts), seq, torch.stack(routed))
+
+
+@torch.no_grad()
+def decode(model: Transformer, tokens: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of tokens (B, new) at the cache's positions, the cache advanced past them;
+    and the MoE layers' (layers, experts) counts of these tokens ((0, 0) if dense). From an
+    empty cache it is the forward pass (the same logits: tests check it)."""
+    x = model.embed(tokens)
+    counts = []
+    for layer, c in zip(model.layers, cache.layers):
+        x, _, _, _, n, _ = layer(x, model.rope_cos, model.rope_sin, c)
+        if layer.is_moe:
+            counts.append(n)
+    cache.advance(tokens.shape[1])
+    logits = model.head(model.norm(x))
+    return logits, (torch.stack(counts) if counts else
+                    torch.zeros(0, 0, dtype=torch.long, device=x.device))
 
 
 def build_model(cfg) -> Transformer:

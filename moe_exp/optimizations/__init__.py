@@ -32,6 +32,15 @@ class Applied:
             yield self.no_sync() if self.no_sync and i < n - 1 else contextlib.nullcontext()
 
 
+def apply_inference(model: nn.Module, cfg, device: torch.device) -> Callable[[], ContextManager]:
+    """task=infer: what of the run's optimizations applies to generation (the matmul
+    precision, the router's dtype); returns the precision's autocast."""
+    set_matmul_precision(device, cfg.precision.tf32)
+    if cfg.precision.router_dtype == "fp32":
+        router_fp32(model)
+    return autocast_factory(cfg.precision, device)
+
+
 def apply(model: nn.Module, cfg, device: torch.device, world: int = 1) -> Applied:
     """attention kernel -> precision -> expert parallel -> activation checkpointing -> data
     parallel (DDP and its comm hook / FSDP2 / HSDP) -> compile (torchtitan's order).

@@ -456,6 +456,7 @@ def compact(df):
     judged = "loss_ok" in df and df["loss_ok"].notna().any()
     # checkpoints: their saves fall between steps, outside the median step's tokens/s
     ckpt = "checkpoint_saves" in df and (df["checkpoint_saves"].fillna(0) > 0).any()
+    infer = "ttft_ms" in df and df["ttft_ms"].notna().any()  # (task=infer rows)
     rows = []
     for _, r in df.iterrows():
         sp = _fmt(r["speedup"], ".2f", "×")
@@ -463,6 +464,9 @@ def compact(df):
             sp += " (n.s.)"
         row = {"job": r["job"], "combination": r["label"], "status": r["status"],
                "tokens/s": _fmt(r["tokens_per_s"], ",.0f")}
+        if infer:
+            row.update({"first token ms": _fmt(r["ttft_ms"], ".1f"),
+                        "p99 token ms": _fmt(r["token_latency_ms_p99"], ".2f")})
         if ckpt:
             share = _num(r["checkpoint_share"])
             row.update({"wall tokens/s": _fmt(r["tokens_per_s_wall"], ",.0f"),

@@ -1,0 +1,1 @@
+"""task=infer: generation with a KV cache, measured (docs/inference.md)."""

@@ -1,0 +1,60 @@
+"""Greedy generation with a KV cache, timed: the prompt's prefill (it gives the first new
+token), then each further token."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..bench.timer import device_sync
+from ..model.cache import KVCache
+from ..model.transformer import decode
+
+
+@dataclass
+class Generated:
+    tokens: torch.Tensor  # (batch, new_tokens)
+    prefill_s: float  # the prompt's forward and the first token (time to first token)
+    token_s: list  # each further token's step, seconds
+    counts: torch.Tensor | None  # (MoE layers, experts) tokens routed in those steps
+    kv_bytes: int  # the KV cache's buffers
+
+
+def _next(logits: torch.Tensor) -> torch.Tensor:
+    return logits[:, -1].argmax(-1, keepdim=True)
+
+
+@torch.no_grad()
+def generate(model, prompts: torch.Tensor, new_tokens: int, autocast, device) -> Generated:
+    """new_tokens greedy tokens after each prompt (batch, prompt_len), the KV cache sized for
+    them. Each step waits for the device (a token's latency is its own)."""
+    cache = KVCache(len(model.layers), prompts.shape[1] + new_tokens)
+    device_sync(device)
+    t0 = time.perf_counter()
+    with autocast():
+        logits, _ = decode(model, prompts, cache)
+    out = [_next(logits)]
+    device_sync(device)
+    prefill, steps, counts = time.perf_counter() - t0, [], None
+    for _ in range(new_tokens - 1):
+        t = time.perf_counter()
+        with autocast():
+            logits, c = decode(model, out[-1], cache)
+        out.append(_next(logits))
+        device_sync(device)
+        steps.append(time.perf_counter() - t)
+        if c.numel():
+            counts = c if counts is None else counts + c
+    return Generated(torch.cat(out, 1), prefill, steps, counts, cache.nbytes())
+
+
+@torch.no_grad()
+def generate_uncached(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """The same greedy tokens by a full forward pass over the whole sequence at every step
+    (no cache): the reference the cache is tested against."""
+    seq = prompts
+    for _ in range(new_tokens):
+        logits, _ = decode(model, seq, KVCache(len(model.layers), seq.shape[1]))
+        seq = torch.cat([seq, _next(logits)], 1)
+    return seq[:, prompts.shape[1]:]
