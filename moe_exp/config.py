@@ -406,6 +406,18 @@ class InferConfig:
     checkpoint: Optional[str] = knob(None, "weights from a checkpoint (train.checkpoint_every's"
                                      " step_* dir, a dir of them or a run dir); null: the "
                                      "seed's initialization", tasks=INFER_TASK, since=None)
+    experts_resident: Optional[int] = knob(None, "experts per MoE layer in device memory, the "
+                                           "rest in host memory (an LRU cache, accounted); "
+                                           "null: all", tasks=INFER_TASK, since=None)
+    prefetch: int = knob(0, "experts loaded ahead for the next MoE layer, its router's guess "
+                         "from this layer's input", tasks=INFER_TASK, since=0,
+                         read_by=Reads("infer.experts_resident", positive=True,
+                                       what="expert residency"))
+    usage_threshold: float = knob(0.0, "drop experts whose share of a layer's tokens in the "
+                                  "warmup batches is below this (selective loading)",
+                                  tasks=INFER_TASK, since=0.0)
+    eval_sequences: int = knob(16, "held-out sequences (prompt_len + new_tokens long) the "
+                               "eval loss is measured on (0: none)", tasks=INFER_TASK, since=16)
 
 
 @dataclass

@@ -688,6 +688,19 @@ def check_infer(cfg) -> None:
     if cfg.precision.name == "fp8":
         raise ConfigError("precision", "fp8 is a training recipe (torchao's float8 "
                           "training); task=infer's quantization is coming")
+    if (i.experts_resident is not None or i.usage_threshold) and not cfg.model.num_experts:
+        raise ConfigError("infer.experts_resident" if i.experts_resident is not None else
+                          "infer.usage_threshold", "a MoE model's option (model.num_experts > 0)")
+    if i.experts_resident is not None and not 1 <= i.experts_resident <= cfg.model.num_experts:
+        raise ConfigError("infer.experts_resident", f"must be in 1..model.num_experts="
+                          f"{cfg.model.num_experts} or null, got {i.experts_resident}")
+    _at_least(cfg, "infer.prefetch", 0)
+    _at_least(cfg, "infer.eval_sequences", 0)
+    if not 0 <= i.usage_threshold < 1:
+        raise ConfigError("infer.usage_threshold", f"must be in [0, 1), got {i.usage_threshold}")
+    if i.usage_threshold and i.warmup < 1:
+        raise ConfigError("infer.warmup", "must be >= 1 with infer.usage_threshold (the "
+                          "warmup batches' routing picks the experts to drop)")
     if i.checkpoint is not None:
         from .bench.checkpoint import check_weights
 

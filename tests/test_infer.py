@@ -89,9 +89,15 @@ def test_infer_loads_a_training_runs_checkpoint(tmp_path):
     ("parallel=ddp", "error: parallel: task=infer runs on one device"),
     ("train.compile=default", "error: train.compile: not applied by task=infer yet"),
     ("infer.batch_sise=2", "error: infer.batch_sise: no such key in infer"),
+    ("infer.experts_resident=0", "error: infer.experts_resident: must be in 1..model.num_experts"
+                                 "=8 or null, got 0"),
+    ("infer.usage_threshold=1", "error: infer.usage_threshold: must be in [0, 1), got 1"),
+    ("infer.prefetch=2", "error: infer.prefetch: read by expert residency "
+                         "(infer.experts_resident > 0) only"),
+    ("model=tiny_dense infer.experts_resident=2", "error: infer.experts_resident: a MoE model's"),
 ])
 def test_bad_inference_options_fail_before_any_work(override, says, tmp_path):
-    r = cli_inproc(["task=infer", "logger=none", override], tmp_path)
+    r = cli_inproc(["task=infer", "logger=none", *override.split()], tmp_path)
     assert r.returncode == 2 and r.stderr.startswith(says), r.stderr
     assert [json.loads(f.read_text())["status"] for f in tmp_path.glob("**/metrics.json")] \
         in ([], ["invalid"])  # (no work: at most the record that says so)
@@ -106,3 +112,67 @@ def test_an_inference_sweep_is_one_table(tmp_path):
     cols = compact(df).columns
     assert {"first token ms", "p99 token ms"} <= set(cols)
     assert json.loads((tmp_path / "1" / "metrics.json").read_text())["micro_batch_size"] == 4
+
+
+def test_the_expert_cache_matches_a_hand_computed_trace():
+    from moe_exp.infer.experts import ExpertCache
+
+    c = ExpertCache(capacity=2, expert_bytes=10)
+    c.fetch([0, 1])  # two misses: [0, 1]
+    c.fetch([0, 2])  # 0 hits; 2 misses and evicts 1 (least recently used): [0, 2]
+    c.prefetch([1])  # loaded ahead, evicts 0: [2, 1]
+    c.fetch([1, 0])  # 1 hits (a prefetched one); 0 misses, evicts 2: [1, 0]
+    assert (c.hits, c.misses, c.prefetched, c.prefetch_hits) == (2, 4, 1, 1)
+    assert c.moved_bytes() == 50 and list(c.resident) == [1, 0]
+
+
+def test_residency_fetches_each_steps_experts_and_rare_ones_are_dropped():
+    from moe_exp.infer.experts import Residency, drop_rare, expert_bytes, moe_layers
+    from moe_exp.model import build_model
+    from moe_exp.model.cache import KVCache
+    from moe_exp.model.transformer import decode
+
+    cfg = compose(["model=tiny_moe"])
+    torch.manual_seed(0)
+    m = build_model(cfg.model).eval()
+    r = Residency(m, resident=3, prefetch=0)
+    planted = torch.tensor([[[1, 0, 2, 0, 0, 0, 0, 5], [0, 0, 0, 0, 0, 0, 0, 1]],
+                            [[0, 1, 0, 0, 0, 0, 0, 1], [0, 0, 0, 0, 0, 0, 0, 4]]])
+    for step in planted:  # layer 0: {0, 2, 7} then {1, 7}: 3 misses, then 1 miss 1 hit
+        r.step(step)
+    assert [(c.hits, c.misses) for c in r.caches] == [(1, 4), (1, 1)]
+    b = expert_bytes(moe_layers(m)[0])
+    assert b == 3 * cfg.model.hidden_size * cfg.model.ffn_hidden_size * 4
+    assert r.figures(tokens=5) == {"expert_hit_rate": 2 / 7,
+                                   "expert_bytes_moved_per_token": 5 * b / 5,
+                                   "expert_prefetch_hit_rate": None}
+    usage = torch.tensor([[10, 10, 10, 10, 10, 10, 1, 0], [10] * 8])
+    per_layer, saved, hooks = drop_rare(m, usage, 0.05)
+    assert per_layer == [2, 0] and saved == 2 * b
+    tokens = torch.randint(0, cfg.model.vocab_size, (16, 12))
+    _, counts = decode(m, tokens, KVCache(len(m.layers), 12))
+    assert counts[0, 6:].sum() == 0 and counts[0].sum() == 16 * 12 * cfg.model.top_k
+    for h in hooks:
+        h.remove()
+    _, counts = decode(m, tokens, KVCache(len(m.layers), 12))
+    assert counts[0, 6:].sum() > 0  # (the hooks gone: the router's own choices again)
+
+
+def test_infer_records_residency_and_selective_loading(tmp_path):
+    every = run_inproc([*FAST, "infer.experts_resident=8"], tmp_path / "all")
+    assert every["status"] == "ok", every["error"]
+    # every expert stays once loaded (in the warmup batch): the measured batches all hit
+    assert every["expert_hit_rate"] == 1.0 and every["expert_bytes_moved_per_token"] == 0
+    assert every["device_weights_gib"] == every["weights_gib"]
+    few = run_inproc([*FAST, "infer.experts_resident=2", "infer.prefetch=2",
+                      "infer.usage_threshold=0.2"], tmp_path / "few")
+    assert few["status"] == "ok", few["error"]
+    assert few["expert_hit_rate"] < 1 and few["expert_bytes_moved_per_token"] > 0
+    assert 0 <= few["expert_prefetch_hit_rate"] <= 1
+    # a share of 0.2 is above every expert's of 8: each layer keeps its top_k = 2
+    assert few["experts_dropped"] == 2 * 6 and few["dropped_experts_gib"] > 0
+    assert few["device_weights_gib"] < few["weights_gib"] - few["dropped_experts_gib"] + 1e-12
+    assert few["eval_loss_change"] == pytest.approx(few["eval_loss"] - every["eval_loss"])
+    assert few["expert_move_ms_per_token"] is None and \
+        few["null_reasons"]["expert_move_ms_per_token"].startswith("the moves are accounted")
+    assert every["eval_loss_change"] is None

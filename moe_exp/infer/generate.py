@@ -26,17 +26,21 @@ def _next(logits: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate(model, prompts: torch.Tensor, new_tokens: int, autocast, device) -> Generated:
+def generate(model, prompts: torch.Tensor, new_tokens: int, autocast, device,
+             on_step=None) -> Generated:
     """new_tokens greedy tokens after each prompt (batch, prompt_len), the KV cache sized for
-    them. Each step waits for the device (a token's latency is its own)."""
+    them. Each step waits for the device (a token's latency is its own). on_step: called
+    with each step's (MoE layers, experts) counts, the prefill's first, after its time."""
     cache = KVCache(len(model.layers), prompts.shape[1] + new_tokens)
     device_sync(device)
     t0 = time.perf_counter()
     with autocast():
-        logits, _ = decode(model, prompts, cache)
+        logits, c = decode(model, prompts, cache)
     out = [_next(logits)]
     device_sync(device)
     prefill, steps, counts = time.perf_counter() - t0, [], None
+    if on_step and c.numel():
+        on_step(c)
     for _ in range(new_tokens - 1):
         t = time.perf_counter()
         with autocast():
@@ -46,6 +50,8 @@ def generate(model, prompts: torch.Tensor, new_tokens: int, autocast, device) ->
         steps.append(time.perf_counter() - t)
         if c.numel():
             counts = c if counts is None else counts + c
+            if on_step:
+                on_step(c)
     return Generated(torch.cat(out, 1), prefill, steps, counts, cache.nbytes())
 
 

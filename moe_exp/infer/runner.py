@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ..results import close_record, fill_null_reasons
+from .experts import Residency, drop_rare
 from .generate import generate
 
 GIB = 2**30
@@ -94,16 +95,49 @@ def _measure(cfg, rec: dict, device: torch.device, progress: bool) -> None:
                               f"{cfg.train.seed}"
         why["checkpoint_load_s"] = "infer.checkpoint=null"
     autocast = apply_inference(model, cfg, device)
-    n = i.warmup + i.batches
-    rows = prompts(cfg, n * i.batch_size, i.prompt_len).to(device)
-    runs = []
-    for b in tqdm(range(n), desc="infer", unit="batch", disable=not progress):
-        if b == i.warmup:
-            memory.reset()
-        runs.append(generate(model, rows[b * i.batch_size:(b + 1) * i.batch_size],
-                             i.new_tokens, autocast, device))
-    mem, mem_why = memory.read()
+    n, b = i.warmup + i.batches, i.batch_size
+    rows = prompts(cfg, n * b, i.prompt_len).to(device)
+    held = prompts(cfg, n * b + i.eval_sequences, i.prompt_len + i.new_tokens + 1)[n * b:]
+    held = held.to(device)
+    base = _eval(model, held, autocast) if i.eval_sequences else None
+    res = Residency(model, i.experts_resident, i.prefetch) if i.experts_resident else None
+    usage, runs, dropped = [], [], ([], 0, [])
+    try:
+        for k in tqdm(range(n), desc="infer", unit="batch", disable=not progress):
+            if k == i.warmup:
+                if i.usage_threshold:  # selective loading: from the warmup's routing
+                    dropped = drop_rare(model, sum(usage), i.usage_threshold)
+                    if res:
+                        res.guesses = {}  # (none from the eval's pass)
+                memory.reset()
+                if res:
+                    res.reset_counts()
+
+            def on_step(c, warm=k < i.warmup):
+                if res:
+                    res.step(c)
+                if warm and i.usage_threshold:
+                    usage.append(c)
+            runs.append(generate(model, rows[k * b:(k + 1) * b], i.new_tokens, autocast,
+                                 device, on_step if res or i.usage_threshold else None))
+        mem, mem_why = memory.read()
+        after = _eval(model, held, autocast) if i.eval_sequences and sum(dropped[0]) else base
+    finally:
+        for h in dropped[2]:
+            h.remove()
+        if res:
+            res.close()
     _record(cfg, rec, runs[i.warmup:], model, mem, mem_why)
+    _record_experts(cfg, rec, res, dropped[:2], model)
+    rec.update(eval_loss=after, eval_loss_change=after - base if sum(dropped[0]) else None)
+    if not i.eval_sequences:
+        why["eval_loss"] = "infer.eval_sequences=0"
+    if rec["eval_loss_change"] is None:
+        why["eval_loss_change"] = ("infer.usage_threshold: no expert below it" if
+                                   i.usage_threshold else
+                                   "no infer option changes the model's math "
+                                   "(infer.usage_threshold=0)") if i.eval_sequences else \
+            "infer.eval_sequences=0"
     counts = [r.counts for r in runs[i.warmup:] if r.counts is not None]
     if counts:  # (choices: each decoded token's top_k, kept or dropped)
         rec.update(load_stats(sum(counts), i.batch_size * (i.new_tokens - 1) * i.batches
@@ -112,6 +146,41 @@ def _measure(cfg, rec: dict, device: torch.device, progress: bool) -> None:
         why["expert_load_cv"] = why["expert_load_max_over_mean"] = \
             "dense model (model.num_experts=0)" if not m.num_experts else \
             "infer.new_tokens=1: no decode step"
+
+
+@torch.no_grad()
+def _eval(model, rows: torch.Tensor, autocast) -> float:
+    """The held-out loss of rows (n, length + 1): next-token cross-entropy."""
+    with autocast():
+        return model(rows[:, :-1], rows[:, 1:]).ce.item()
+
+
+def _record_experts(cfg, rec: dict, res, dropped: tuple, model) -> None:
+    """Residency's and selective loading's figures, and the weights on the device."""
+    from .experts import expert_bytes, moe_layers
+
+    i, why = cfg.infer, rec["null_reasons"]
+    keys = ("expert_hit_rate", "expert_bytes_moved_per_token", "expert_prefetch_hit_rate")
+    if res:
+        rec.update(res.figures(rec["generated_tokens"]))
+        if rec["expert_prefetch_hit_rate"] is None:
+            why["expert_prefetch_hit_rate"] = "infer.prefetch=0" if not i.prefetch else \
+                "nothing was loaded ahead"
+    else:
+        rec.update(dict.fromkeys(keys))
+        why.update(dict.fromkeys(keys, "infer.experts_resident=null: every expert resident"
+                                 if cfg.model.num_experts else "dense model"))
+    rec["expert_move_ms_per_token"] = None
+    why["expert_move_ms_per_token"] = (
+        "the moves are accounted, not made: expert_bytes_moved_per_token over the host link's "
+        "bandwidth estimates it")
+    per_layer = dropped[0] or [0] * len(moe_layers(model))
+    rec.update(experts_dropped=sum(per_layer), dropped_experts_gib=dropped[1] / GIB)
+    device = rec["weights_gib"] * GIB - dropped[1]
+    if i.experts_resident:  # (of each layer's experts left, at most N on the device)
+        for moe, gone in zip(moe_layers(model), per_layer):
+            device -= max(0, moe.num_experts - gone - i.experts_resident) * expert_bytes(moe)
+    rec["device_weights_gib"] = device / GIB
 
 
 def _record(cfg, rec: dict, runs: list, model, mem: dict, mem_why: dict) -> None:
@@ -169,6 +238,19 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
     if r.get("expert_load_cv") is not None:
         rows.append(("expert load", f"decode: CV {r['expert_load_cv']:.3f}, max/mean "
                                     f"{r['expert_load_max_over_mean']:.2f}"))
+    if r.get("expert_hit_rate") is not None:
+        pre = r.get("expert_prefetch_hit_rate")
+        rows.append(("residency", f"{r['expert_hit_rate']:.1%} of expert fetches hit the "
+                                  f"device; {r['expert_bytes_moved_per_token'] / 2**20:,.2f} MiB "
+                                  "moved per generated token (accounted, not timed)"
+                     + (f"; {pre:.0%} of prefetched experts used" if pre is not None else "")))
+    if r.get("experts_dropped"):
+        rows.append(("selective", f"{r['experts_dropped']} experts dropped, "
+                                  f"{r['dropped_experts_gib']:.4f} GiB saved"
+                     + (f"; held-out loss {r['eval_loss_change']:+.4f}"
+                        if r.get("eval_loss_change") is not None else "")))
+    if r.get("eval_loss") is not None:
+        rows.append(("loss", f"held-out {r['eval_loss']:.4f}"))
     return rows
 
 
