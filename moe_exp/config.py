@@ -98,6 +98,9 @@ PROFILE = Reads("train.profile", positive=True, what="train.profile=true")
 CHECKPOINT = Reads("train.checkpoint_every", positive=True, what="checkpointing")
 TUNE_TASK = ("tune_batch",)
 INFER_TASK = ("infer",)
+BATCHING = ("static", "dynamic", "continuous")
+SERVING = Reads("infer.batching", BATCHING, what="a served stream (infer.batching=static, "
+                "dynamic or continuous)")
 TASKS = BOTH + TUNE_TASK + INFER_TASK
 
 
@@ -418,6 +421,23 @@ class InferConfig:
                                   tasks=INFER_TASK, since=0.0)
     eval_sequences: int = knob(16, "held-out sequences (prompt_len + new_tokens long) the "
                                "eval loss is measured on (0: none)", tasks=INFER_TASK, since=16)
+    batching: str = knob("none", "serve a simulated request stream: static | dynamic | "
+                         "continuous batching, on a clock of measured costs (none: fixed batches"
+                         " only)", choices=("none",) + BATCHING, tasks=INFER_TASK, off="none",
+                         since="none")
+    max_batch_size: int = knob(8, "the most requests a batch holds", read_by=SERVING,
+                               tasks=INFER_TASK, since=8)
+    timeout_ms: float = knob(50.0, "dynamic batching: a batch leaves when its oldest request "
+                             "waited this long", tasks=INFER_TASK, since=50.0,
+                             read_by=Reads("infer.batching", ("dynamic",),
+                                           what="infer.batching=dynamic"))
+    arrival_rate: float = knob(20.0, "requests a second (Poisson arrivals)", read_by=SERVING,
+                               tasks=INFER_TASK, since=20.0)
+    requests: int = knob(64, "requests in the stream", read_by=SERVING, tasks=INFER_TASK,
+                         since=64)
+    length_spread: float = knob(0.5, "prompt and output lengths uniform in [L(1 - spread), L] "
+                                "(L: prompt_len, new_tokens)", read_by=SERVING,
+                                tasks=INFER_TASK, since=0.5)
 
 
 @dataclass

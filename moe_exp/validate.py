@@ -698,6 +698,17 @@ def check_infer(cfg) -> None:
     _at_least(cfg, "infer.eval_sequences", 0)
     if not 0 <= i.usage_threshold < 1:
         raise ConfigError("infer.usage_threshold", f"must be in [0, 1), got {i.usage_threshold}")
+    if i.batching != "none":
+        _at_least(cfg, "infer.max_batch_size", 1)
+        _at_least(cfg, "infer.requests", 1)
+        if i.new_tokens < 2:
+            raise ConfigError("infer.new_tokens", "must be >= 2 with infer.batching (a decode "
+                              "step's cost is measured)")
+        for key, ok, allowed in (("arrival_rate", i.arrival_rate > 0, "> 0"),
+                                 ("timeout_ms", i.timeout_ms >= 0, ">= 0"),
+                                 ("length_spread", 0 <= i.length_spread < 1, "in [0, 1)")):
+            if not ok:
+                raise ConfigError(f"infer.{key}", f"must be {allowed}, got {i[key]}")
     if i.usage_threshold and i.warmup < 1:
         raise ConfigError("infer.warmup", "must be >= 1 with infer.usage_threshold (the "
                           "warmup batches' routing picks the experts to drop)")

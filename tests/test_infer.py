@@ -95,6 +95,12 @@ def test_infer_loads_a_training_runs_checkpoint(tmp_path):
     ("infer.prefetch=2", "error: infer.prefetch: read by expert residency "
                          "(infer.experts_resident > 0) only"),
     ("model=tiny_dense infer.experts_resident=2", "error: infer.experts_resident: a MoE model's"),
+    ("infer.batching=static infer.timeout_ms=10", "error: infer.timeout_ms: read by "
+                                                  "infer.batching=dynamic only"),
+    ("infer.max_batch_size=4", "error: infer.max_batch_size: read by a served stream"),
+    ("infer.batching=dynamic infer.arrival_rate=0", "error: infer.arrival_rate: must be > 0, "
+                                                    "got 0"),
+    ("infer.batching=fifo", "error: infer.batching: 'fifo' is not one of"),
 ])
 def test_bad_inference_options_fail_before_any_work(override, says, tmp_path):
     r = cli_inproc(["task=infer", "logger=none", *override.split()], tmp_path)
@@ -176,3 +182,56 @@ def test_infer_records_residency_and_selective_loading(tmp_path):
     assert few["expert_move_ms_per_token"] is None and \
         few["null_reasons"]["expert_move_ms_per_token"].startswith("the moves are accounted")
     assert every["eval_loss_change"] is None
+
+
+def test_batching_policies_on_a_planted_stream_and_cost():
+    """A prefill costs 0.1 s and a decode step 0.01 s at any batch size; requests arrive at
+    0, 0.2 and 0.5 s wanting 3, 2 and 1 tokens; max_batch_size 2, timeout 50 ms."""
+    from moe_exp.infer.batching import Cost, Request, figures, serve
+
+    cost = Cost([1, 2], [0.1, 0.1], [0.01, 0.01], prompt_len=8)
+
+    def run(policy):
+        reqs = [Request(0.0, 8, 3), Request(0.2, 8, 2), Request(0.5, 8, 1)]
+        s = serve(reqs, policy, 2, 0.05, cost)
+        return s, [t for r in reqs for t in (r.first, r.done)]
+
+    s, times = run("dynamic")  # r0 leaves alone at its timeout; r1 waits 50 ms for r2, alone
+    assert times == pytest.approx([0.15, 0.17, 0.35, 0.36, 0.6, 0.6])
+    assert [t for t, _ in s.batches] == pytest.approx([0.05, 0.25, 0.5])
+    assert s.held == pytest.approx([0.05, 0.05, 0.0])
+    s, times = run("static")  # r0 waits for r1 to fill the batch; r2 is the stream's end
+    assert times == pytest.approx([0.3, 0.32, 0.3, 0.31, 0.6, 0.6])
+    assert [n for _, n in s.batches] == [2, 1] and s.steps == [2, 2]
+    s, times = run("continuous")  # nothing waits: each joins at once
+    assert times == pytest.approx([0.1, 0.12, 0.3, 0.31, 0.6, 0.6])
+    f = figures(s)
+    assert f["requests"] == 3 and f["served_tokens_per_s"] == pytest.approx(6 / 0.6)
+
+
+def test_dynamic_batching_never_exceeds_the_batch_nor_holds_past_the_timeout():
+    from moe_exp.infer.batching import Cost, serve, stream
+
+    cost = Cost([1, 4, 8], [0.02, 0.03, 0.05], [0.002, 0.003, 0.004], prompt_len=32)
+    for rate in (5.0, 50.0, 500.0):
+        for policy in ("static", "dynamic", "continuous"):
+            reqs = stream(200, rate, 32, 16, 0.5, seed=1)
+            s = serve(reqs, policy, 8, 0.03, cost)
+            assert max(n for _, n in s.batches) <= 8 and max(s.steps) <= 8
+            assert all(r.arrival <= r.first <= r.done for r in reqs)
+            if policy == "dynamic":
+                assert max(s.held) <= 0.03 + 1e-12
+    a, b = stream(50, 20.0, 32, 16, 0.5, 3), stream(50, 20.0, 32, 16, 0.5, 3)
+    assert [(r.arrival, r.prompt, r.output) for r in a] == \
+        [(r.arrival, r.prompt, r.output) for r in b]  # (same seed, same stream)
+    assert all(16 <= r.prompt <= 32 and 8 <= r.output <= 16 for r in a)
+
+
+def test_infer_serves_a_stream(tmp_path):
+    rec = run_inproc([*FAST, "infer.batching=dynamic", "infer.requests=12",
+                      "infer.max_batch_size=4", "infer.arrival_rate=100"], tmp_path)
+    assert rec["status"] == "ok", rec["error"]
+    assert rec["requests"] == 12 and rec["batch_size_max"] <= 4
+    assert rec["tokens_per_s"] == rec["served_tokens_per_s"] > 0
+    assert rec["request_latency_ms_p50"] <= rec["request_latency_ms_p99"]
+    assert rec["serving_costs"]["batch_sizes"] == [1, 2, 4]

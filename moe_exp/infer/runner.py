@@ -31,7 +31,8 @@ def infer(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict,
 
     device = torch_device(cfg)
     i = cfg.infer
-    rec.update(task="infer", device_name=device_name(device), torch_version=torch.__version__,
+    rec.update(task="infer", batching=i.batching, device_name=device_name(device),
+               torch_version=torch.__version__,
                world_size=1, micro_batch_size=i.batch_size, seq_len=i.prompt_len + i.new_tokens,
                **dict.fromkeys(TRAINING))
     tracker = None
@@ -129,6 +130,7 @@ def _measure(cfg, rec: dict, device: torch.device, progress: bool) -> None:
             res.close()
     _record(cfg, rec, runs[i.warmup:], model, mem, mem_why)
     _record_experts(cfg, rec, res, dropped[:2], model)
+    _serve(cfg, rec, model, rows, autocast, device)
     rec.update(eval_loss=after, eval_loss_change=after - base if sum(dropped[0]) else None)
     if not i.eval_sequences:
         why["eval_loss"] = "infer.eval_sequences=0"
@@ -146,6 +148,38 @@ def _measure(cfg, rec: dict, device: torch.device, progress: bool) -> None:
         why["expert_load_cv"] = why["expert_load_max_over_mean"] = \
             "dense model (model.num_experts=0)" if not m.num_experts else \
             "infer.new_tokens=1: no decode step"
+
+
+def _serve(cfg, rec: dict, model, rows: torch.Tensor, autocast, device) -> None:
+    """infer.batching: the stream's figures, on a clock of costs measured here (a prefill
+    and a decode step at batch sizes 1, 2, 4, ... and max_batch_size); tokens_per_s
+    becomes the stream's served tokens per second."""
+    from . import batching as b
+
+    i, why = cfg.infer, rec["null_reasons"]
+    keys = ("request_latency_ms_p50", "request_latency_ms_p90", "request_latency_ms_p99",
+            "request_ttft_ms_p50", "request_ttft_ms_p99", "served_tokens_per_s",
+            "batch_size_mean", "batch_size_max", "requests", "serving_costs")
+    if i.batching == "none":
+        rec.update(dict.fromkeys(keys))
+        why.update(dict.fromkeys(keys, "infer.batching=none"))
+        return
+    sizes = sorted({2**k for k in range(i.max_batch_size.bit_length())
+                    if 2**k < i.max_batch_size} | {i.max_batch_size})
+    prompts = rows[:1].expand(i.max_batch_size, -1)  # (the costs: one prompt, repeated)
+    generate(model, prompts, i.new_tokens, autocast, device)  # (warm at the largest)
+    runs = [[generate(model, prompts[:n], i.new_tokens, autocast, device) for _ in range(3)]
+            for n in sizes]  # (medians of 3: one noisy generation skewed a whole stream)
+    cost = b.Cost(sizes, [statistics.median(r.prefill_s for r in rs) for rs in runs],
+                  [statistics.median(t for r in rs for t in r.token_s) for rs in runs],
+                  i.prompt_len)
+    reqs = b.stream(i.requests, i.arrival_rate, i.prompt_len, i.new_tokens, i.length_spread,
+                    cfg.train.seed)
+    served = b.serve(reqs, i.batching, i.max_batch_size, i.timeout_ms / 1e3, cost)
+    rec.update(b.figures(served), serving_costs={
+        "batch_sizes": sizes, "prefill_ms": [x * 1e3 for x in cost.prefill_s],
+        "step_ms": [x * 1e3 for x in cost.step_s]})
+    rec["tokens_per_s"] = rec["tokens_per_s_per_device"] = rec["served_tokens_per_s"]
 
 
 @torch.no_grad()
@@ -249,6 +283,14 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                                   f"{r['dropped_experts_gib']:.4f} GiB saved"
                      + (f"; held-out loss {r['eval_loss_change']:+.4f}"
                         if r.get("eval_loss_change") is not None else "")))
+    if r.get("served_tokens_per_s") is not None:
+        rows.append(("serving", f"{r['requests']} requests, {r['batching']} batching: "
+                                f"{r['served_tokens_per_s']:,.0f} tokens/s; latency p50 "
+                                f"{r['request_latency_ms_p50']:,.1f} ms, p99 "
+                                f"{r['request_latency_ms_p99']:,.1f} ms; first token p50 "
+                                f"{r['request_ttft_ms_p50']:,.1f} ms; a decode step's "
+                                f"batch {r['batch_size_mean'] or 0:.1f} on average (simulated "
+                                "on measured costs)"))
     if r.get("eval_loss") is not None:
         rows.append(("loss", f"held-out {r['eval_loss']:.4f}"))
     return rows

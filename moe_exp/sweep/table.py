@@ -457,6 +457,7 @@ def compact(df):
     # checkpoints: their saves fall between steps, outside the median step's tokens/s
     ckpt = "checkpoint_saves" in df and (df["checkpoint_saves"].fillna(0) > 0).any()
     infer = "ttft_ms" in df and df["ttft_ms"].notna().any()  # (task=infer rows)
+    served = "served_tokens_per_s" in df and df["served_tokens_per_s"].notna().any()
     rows = []
     for _, r in df.iterrows():
         sp = _fmt(r["speedup"], ".2f", "×")
@@ -467,6 +468,9 @@ def compact(df):
         if infer:
             row.update({"first token ms": _fmt(r["ttft_ms"], ".1f"),
                         "p99 token ms": _fmt(r["token_latency_ms_p99"], ".2f")})
+        if served:  # (infer.batching: tokens/s is the stream's)
+            row.update({"p50 request ms": _fmt(r["request_latency_ms_p50"], ",.1f"),
+                        "p99 request ms": _fmt(r["request_latency_ms_p99"], ",.1f")})
         if ckpt:
             share = _num(r["checkpoint_share"])
             row.update({"wall tokens/s": _fmt(r["tokens_per_s_wall"], ",.0f"),
