@@ -421,6 +421,10 @@ class InferConfig:
                                   tasks=INFER_TASK, since=0.0)
     eval_sequences: int = knob(16, "held-out sequences (prompt_len + new_tokens long) the "
                                "eval loss is measured on (0: none)", tasks=INFER_TASK, since=16)
+    quantize: str = knob("none", "weights through torchao: none | int8 (weight-only) | fp8 "
+                         "(weights and activations; GPUs with fp8)", choices=("none", "int8",
+                                                                             "fp8"),
+                         tasks=INFER_TASK, off="none", since="none")
     batching: str = knob("none", "serve a simulated request stream: static | dynamic | "
                          "continuous batching, on a clock of measured costs (none: fixed batches"
                          " only)", choices=("none",) + BATCHING, tasks=INFER_TASK, off="none",

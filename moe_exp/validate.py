@@ -718,6 +718,17 @@ def check_infer(cfg) -> None:
         check_weights(cfg)
 
 
+def infer_here(cfg) -> None:
+    """task=infer's quantization: torchao installed; fp8 on a GPU with float8 matmuls."""
+    q = cfg.infer.quantize if cfg.task == "infer" else "none"
+    if q == "fp8" and not (cfg.hardware.device == "cuda" and torch.cuda.is_available() and
+                           torch.cuda.get_device_capability(0) >= (8, 9)):
+        raise Unsupported("infer.quantize", "fp8 needs a CUDA GPU with compute capability "
+                          ">= 8.9 (H100, H200, L4, RTX 40xx)")
+    if q != "none" and importlib.util.find_spec("torchao") is None:
+        raise Unsupported("infer.quantize", "needs torchao: pip install -e \".[fp8]\"")
+
+
 def check_tune(cfg) -> None:
     _at_least(cfg, "tune.multiple", 1)
     t = cfg.tune
@@ -838,6 +849,7 @@ def validate(cfg, overrides=(), in_sweep: bool = False) -> None:
     attention_here(cfg)
     dispatch_here(cfg)
     parallel_here(cfg)
+    infer_here(cfg)
     check_workers(cfg)
     check_memory(cfg)
     check_rendezvous(cfg)

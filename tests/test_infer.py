@@ -235,3 +235,24 @@ def test_infer_serves_a_stream(tmp_path):
     assert rec["tokens_per_s"] == rec["served_tokens_per_s"] > 0
     assert rec["request_latency_ms_p50"] <= rec["request_latency_ms_p99"]
     assert rec["serving_costs"]["batch_sizes"] == [1, 2, 4]
+
+
+def test_int8_weights_change_a_trained_models_loss_little_and_save_memory(tmp_path):
+    """infer.quantize=int8 (torchao, weight-only): every Linear but the routers' gates; the
+    held-out loss of a trained tiny model moves by less than 0.01."""
+    train = run_inproc(["logger=none", "train.steps=40", "train.warmup_steps=0",
+                        "train.checkpoint_every=40", "train.micro_batch_size=4",
+                        "train.eval_sequences=0"], tmp_path / "t")
+    assert train["status"] == "ok", train["error"]
+    o = [*FAST, f"infer.checkpoint={tmp_path / 't'}"]
+    none = run_inproc(o, tmp_path / "none")
+    q = run_inproc([*o, "infer.quantize=int8"], tmp_path / "int8")
+    assert q["status"] == "ok", q["error"]
+    m = compose(["model=tiny_moe"]).model
+    assert q["quantized_layers"] == m.num_layers * 4 + 1  # (q, k, v, o a layer; the head)
+    assert 0 < abs(q["eval_loss_change"]) < 0.01 and none["eval_loss_change"] is None
+    assert q["eval_loss"] - q["eval_loss_change"] == pytest.approx(none["eval_loss"])
+    assert 0 < q["quantized_saved_gib"] == pytest.approx(none["weights_gib"] - q["weights_gib"])
+    _, fp8 = prepare(compose([*FAST, "infer.quantize=fp8"]), [*FAST, "infer.quantize=fp8"])
+    if not torch.cuda.is_available():
+        assert fp8["status"] == "skipped" and fp8["error"].startswith("infer.quantize: fp8 needs")

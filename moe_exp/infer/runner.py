@@ -31,7 +31,8 @@ def infer(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict,
 
     device = torch_device(cfg)
     i = cfg.infer
-    rec.update(task="infer", batching=i.batching, device_name=device_name(device),
+    rec.update(task="infer", batching=i.batching, quantize=i.quantize,
+               device_name=device_name(device),
                torch_version=torch.__version__,
                world_size=1, micro_batch_size=i.batch_size, seq_len=i.prompt_len + i.new_tokens,
                **dict.fromkeys(TRAINING))
@@ -101,6 +102,14 @@ def _measure(cfg, rec: dict, device: torch.device, progress: bool) -> None:
     held = prompts(cfg, n * b + i.eval_sequences, i.prompt_len + i.new_tokens + 1)[n * b:]
     held = held.to(device)
     base = _eval(model, held, autocast) if i.eval_sequences else None
+    full = _weights(model)
+    if i.quantize != "none":  # (after the loss it changes was measured without it)
+        from ..optimizations.quantize import quantize_weights
+
+        rec["quantized_layers"] = quantize_weights(model, i.quantize)
+    else:
+        rec["quantized_layers"] = None
+        why["quantized_layers"] = "infer.quantize=none"
     res = Residency(model, i.experts_resident, i.prefetch) if i.experts_resident else None
     usage, runs, dropped = [], [], ([], 0, [])
     try:
@@ -122,24 +131,29 @@ def _measure(cfg, rec: dict, device: torch.device, progress: bool) -> None:
             runs.append(generate(model, rows[k * b:(k + 1) * b], i.new_tokens, autocast,
                                  device, on_step if res or i.usage_threshold else None))
         mem, mem_why = memory.read()
-        after = _eval(model, held, autocast) if i.eval_sequences and sum(dropped[0]) else base
+        changed = sum(dropped[0]) or i.quantize != "none"
+        after = _eval(model, held, autocast) if i.eval_sequences and changed else base
     finally:
         for h in dropped[2]:
             h.remove()
         if res:
             res.close()
     _record(cfg, rec, runs[i.warmup:], model, mem, mem_why)
+    rec["quantized_saved_gib"] = (full - rec["weights_gib"] * GIB) / GIB \
+        if i.quantize != "none" else None
+    if rec["quantized_saved_gib"] is None:
+        why["quantized_saved_gib"] = "infer.quantize=none"
     _record_experts(cfg, rec, res, dropped[:2], model)
     _serve(cfg, rec, model, rows, autocast, device)
-    rec.update(eval_loss=after, eval_loss_change=after - base if sum(dropped[0]) else None)
+    rec.update(eval_loss=after, eval_loss_change=after - base if changed else None)
     if not i.eval_sequences:
         why["eval_loss"] = "infer.eval_sequences=0"
     if rec["eval_loss_change"] is None:
         why["eval_loss_change"] = ("infer.usage_threshold: no expert below it" if
                                    i.usage_threshold else
                                    "no infer option changes the model's math "
-                                   "(infer.usage_threshold=0)") if i.eval_sequences else \
-            "infer.eval_sequences=0"
+                                   "(infer.usage_threshold=0, quantize=none)") \
+            if i.eval_sequences else "infer.eval_sequences=0"
     counts = [r.counts for r in runs[i.warmup:] if r.counts is not None]
     if counts:  # (choices: each decoded token's top_k, kept or dropped)
         rec.update(load_stats(sum(counts), i.batch_size * (i.new_tokens - 1) * i.batches
@@ -180,6 +194,13 @@ def _serve(cfg, rec: dict, model, rows: torch.Tensor, autocast, device) -> None:
         "batch_sizes": sizes, "prefill_ms": [x * 1e3 for x in cost.prefill_s],
         "step_ms": [x * 1e3 for x in cost.step_s]})
     rec["tokens_per_s"] = rec["tokens_per_s_per_device"] = rec["served_tokens_per_s"]
+
+
+def _weights(model) -> int:
+    """The parameters' bytes as stored (quantized ones: their int8/fp8 data and scales)."""
+    from ..optimizations.quantize import stored_bytes
+
+    return sum(stored_bytes(p) for p in model.parameters())
 
 
 @torch.no_grad()
@@ -224,7 +245,7 @@ def _record(cfg, rec: dict, runs: list, model, mem: dict, mem_why: dict) -> None
     prefill = statistics.median(r.prefill_s for r in runs)
     total = sum(r.prefill_s + sum(r.token_s) for r in runs)
     q = statistics.quantiles(steps, n=100, method="inclusive") if len(steps) > 1 else None
-    weights = sum(p.numel() * p.element_size() for p in model.parameters()) / GIB
+    weights = _weights(model) / GIB
     kv = max(r.kv_bytes for r in runs) / GIB
     rec.update(
         tokens_per_s=i.batch_size * i.new_tokens * len(runs) / total,
@@ -280,9 +301,7 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                      + (f"; {pre:.0%} of prefetched experts used" if pre is not None else "")))
     if r.get("experts_dropped"):
         rows.append(("selective", f"{r['experts_dropped']} experts dropped, "
-                                  f"{r['dropped_experts_gib']:.4f} GiB saved"
-                     + (f"; held-out loss {r['eval_loss_change']:+.4f}"
-                        if r.get("eval_loss_change") is not None else "")))
+                                  f"{r['dropped_experts_gib']:.4f} GiB saved"))
     if r.get("served_tokens_per_s") is not None:
         rows.append(("serving", f"{r['requests']} requests, {r['batching']} batching: "
                                 f"{r['served_tokens_per_s']:,.0f} tokens/s; latency p50 "
@@ -291,8 +310,15 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                                 f"{r['request_ttft_ms_p50']:,.1f} ms; a decode step's "
                                 f"batch {r['batch_size_mean'] or 0:.1f} on average (simulated "
                                 "on measured costs)"))
+    if r.get("quantized_layers"):
+        rows.append(("quantized", f"{r['quantized_layers']} Linear layers "
+                                  f"{r['quantize']}: {r['quantized_saved_gib']:.4f} GiB saved "
+                                  "(the routed experts stay unquantized)"))
     if r.get("eval_loss") is not None:
-        rows.append(("loss", f"held-out {r['eval_loss']:.4f}"))
+        change = r.get("eval_loss_change")
+        rows.append(("loss", f"held-out {r['eval_loss']:.4f}" + (
+            f" ({change:+.4f} from the options that change the math)"
+            if change is not None else "")))
     return rows
 
 
