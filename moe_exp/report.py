@@ -34,10 +34,10 @@ def report(sweep_dir: Path, baseline: dict | None = None, by=("model",), wandb_c
 
         pngs = write_plots(df, sweep_dir / "plots")
     parts = [markdown(df, title, lead)]
-    from .sweep.seed import seed_tables
+    from .sweep.seed import seed_inference_table, seed_tables
     from .sweep.seed002 import seed002_table
 
-    for seed in (seed_tables(df), seed002_table(df)):
+    for seed in (seed_tables(df), seed002_table(df), seed_inference_table(df)):
         if seed:
             parts.append(seed)
             print(seed)

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import cli_inproc, compose, run_inproc
+from conftest import cli_inproc, compose, run_cli, run_inproc
 
 from moe_exp.run import prepare
 
@@ -256,3 +256,25 @@ def test_int8_weights_change_a_trained_models_loss_little_and_save_memory(tmp_pa
     _, fp8 = prepare(compose([*FAST, "infer.quantize=fp8"]), [*FAST, "infer.quantize=fp8"])
     if not torch.cuda.is_available():
         assert fp8["status"] == "skipped" and fp8["error"].startswith("infer.quantize: fp8 needs")
+
+
+@pytest.mark.slow
+def test_seed_inference_preset_fills_the_seeds_rows(tmp_path):
+    """+sweep=seed_inference: seven task=infer rows in one table, and the report's table of
+    the seed's inference options beside its claims."""
+    d = tmp_path / "s"
+    r = run_cli(["-m", "+sweep=seed_inference", "logger=none", "infer.prompt_len=8",
+                 "infer.new_tokens=4", "infer.batches=1", "infer.eval_sequences=4",
+                 "sweep.isolate=false", f"hydra.sweep.dir={d}"], tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import pandas as pd
+
+    df = pd.read_csv(d / "results.csv")
+    assert list(df["status"]) == ["ok"] * 7 and (df["task"] == "infer").all()
+    assert list(df["baseline"]) == [True] + [False] * 6
+    report = (d / "report.md").read_text()
+    assert "## The seed's inference options, measured" in report
+    assert "| Selective Expert Loading (max_experts_in_memory=4, usage_threshold=0.01) | " \
+           "weights on the device" in report
+    assert "memory table: + Selective Loading, 60% saved" in report
+    assert "tokens/s served, request p50/p99" in report

@@ -101,3 +101,73 @@ def seed_tables(df) -> str:
                 _md(["Optimization", "Model Size (fp32 weights)", "Peak Memory", "Memory Saved",
                      "Seed claims"], rows), ""]
     return "\n".join(out)
+
+
+# +sweep=seed_inference: (row key in extra.seed_infer_row, the seed's option, its claim)
+INFERENCE_ROWS = (
+    ("selective", "Selective Expert Loading (max_experts_in_memory=4, usage_threshold=0.01)",
+     "memory table: + Selective Loading, 60% saved"),
+    ("offload", "CPU Offloading of experts (prefetch_experts=2)",
+     "memory table: + CPU Offloading, 47% saved"),
+    ("int8", "Model Quantization (int8 weights)", "quick reference: High impact"),
+    ("static", "static batching (max_batch_size=32)", "—"),
+    ("dynamic", "Dynamic Batching (max_batch_size=32, timeout_ms=100)",
+     "quick reference: Dynamic Expert Loading, High impact; no figure for batching"),
+    ("continuous", "continuous batching (max_batch_size=32)", "—"),
+)
+
+
+def _infer_cell(r, base) -> str:
+    """What a seed_inference row measured, against the baseline row's figures."""
+    def num(k):
+        v = r.get(k)
+        return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
+
+    parts = []
+    if num("device_weights_gib") is not None and num("weights_gib"):
+        full = base["weights_gib"] if base is not None else r["weights_gib"]
+        parts.append(f"weights on the device {r['device_weights_gib']:.3f} of {full:.3f} GiB "
+                     f"({100 * (1 - r['device_weights_gib'] / full):.0f}% saved)")
+    if num("expert_hit_rate") is not None:
+        parts.append(f"expert hit rate {r['expert_hit_rate']:.0%}, "
+                     f"{r['expert_bytes_moved_per_token'] / 2**20:.1f} MiB moved per token")
+    if num("expert_prefetch_hit_rate") is not None:
+        parts.append(f"{r['expert_prefetch_hit_rate']:.0%} of prefetched experts used")
+    if num("quantized_saved_gib") is not None:
+        parts.append(f"{r['quantized_saved_gib']:.4f} GiB saved by int8")
+    if num("request_latency_ms_p50") is not None:
+        parts.append(f"{r['served_tokens_per_s']:,.0f} tokens/s served, request p50/p99 "
+                     f"{r['request_latency_ms_p50']:,.0f}/{r['request_latency_ms_p99']:,.0f} "
+                     f"ms, first token p50 {r['request_ttft_ms_p50']:,.0f} ms")
+    elif base is not None and num("tokens_per_s") and base.get("tokens_per_s"):
+        parts.append(f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x the baseline's "
+                     "tokens/s")
+    if num("eval_loss_change") is not None:
+        parts.append(f"held-out loss {r['eval_loss_change']:+.4f}")
+    return "; ".join(parts)
+
+
+def seed_inference_table(df) -> str:
+    """Markdown for +sweep=seed_inference's rows beside the seed's claims ("" without)."""
+    keys = [_row_key(e, "seed_infer_row") for e in df.get("extra", [])]
+    if not any(keys):
+        return ""
+    d = df.assign(seed_infer_row=keys)
+    out = ["## The seed's inference options, measured", ""]
+    for m in dict.fromkeys(d["model"]):
+        at = {r["seed_infer_row"]: r for r in d[d["model"] == m].to_dict("records")
+              if r["seed_infer_row"]}
+        base = at.get("baseline")
+        base = base if base is not None and base["status"] == "ok" else None
+        rows = [[label, _cell(at.get(key), _infer_cell(at[key], base) if key in at else ""),
+                 claim] for key, label, claim in INFERENCE_ROWS]
+        head = f"**{m}** (baseline: " + (
+            f"{base['tokens_per_s']:,.0f} tokens/s, weights {base['weights_gib']:.3f} GiB, "
+            f"held-out loss {base['eval_loss']:.4f}" if base is not None else "not run") + ")"
+        out += [head, "", _md(["Option (the seed's values)", "Measured", "Seed claims"], rows),
+                ""]
+    out.append("Memory here is the weights the device holds (expert moves are accounted, not "
+               "made): the seed's table gives peak memory of a training run. Batching rows "
+               "serve one simulated stream on costs measured on the model "
+               "(docs/inference.md).")
+    return "\n".join(out) + "\n"
