@@ -105,10 +105,10 @@ def log_record(rec: dict) -> None:
     log.info("overrides: %s", " ".join(rec.get("overrides") or []) or "(none)")
     log.info("status: %s%s", rec["status"], f": {rec['error']}" if rec.get("error") else "")
     if rec["status"] == "ok" and rec.get("tokens_per_s") is not None:  # a bench (not comm)
-        from .summary import summary_rows
-
         if rec.get("task") == "infer":
             from .infer.runner import summary_rows
+        else:
+            from .summary import summary_rows
         for label, text in summary_rows(rec):
             log.info("%s: %s", label, text)
 

@@ -13,13 +13,27 @@ FAST = ["task=infer", "logger=none", "infer.batch_size=2", "infer.prompt_len=8",
         "infer.new_tokens=6", "infer.batches=2"]
 
 
+@torch.no_grad()
+def generate_uncached(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """The same greedy tokens by a full forward pass over the whole sequence at every step
+    (no cache): the reference the cache is tested against."""
+    from moe_exp.model.cache import KVCache
+    from moe_exp.model.transformer import decode
+
+    seq = prompts
+    for _ in range(new_tokens):
+        logits, _ = decode(model, seq, KVCache(len(model.layers), seq.shape[1]))
+        seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return seq[:, prompts.shape[1]:]
+
+
 @pytest.mark.parametrize("model", ["tiny_moe", "tiny_deepseek", "tiny_qwen3", "tiny_dense"])
 def test_the_kv_cache_gives_the_full_passes_logits_and_tokens(model):
     """GQA, MLA, QK-norm and a dense model: decoding token by token from a prefill equals
     the forward pass over the whole sequence (to float rounding: below 1e-8 in fp64), from an
     empty cache its loss is the training forward's to the bit, and greedy generation picks
     the tokens the uncached full pass picks."""
-    from moe_exp.infer.generate import generate, generate_uncached
+    from moe_exp.infer.generate import generate
     from moe_exp.model import build_model
     from moe_exp.model.cache import KVCache
     from moe_exp.model.transformer import decode

@@ -69,6 +69,13 @@ def identity(cfg, world: int) -> dict:
             "train.steps + train.warmup_steps": t.steps + t.warmup_steps}
 
 
+def _differ(mine: dict, theirs: dict) -> tuple[str, str]:
+    """The keys two config dicts differ in: (theirs, mine) as 'k=v, ...'."""
+    keys = sorted(k for k in set(mine) | set(theirs) if theirs.get(k) != mine.get(k))
+    return (", ".join(f"{k}={theirs.get(k)}" for k in keys),
+            ", ".join(f"{k}={mine.get(k)}" for k in keys))
+
+
 def check(cfg, world: int, profiled: int) -> None:
     """Checkpoint mistakes, before any work: a bad count, no checkpoint to resume from, one
     that another configuration saved, or one too late to leave a measured step."""
@@ -85,10 +92,7 @@ def check(cfg, world: int, profiled: int) -> None:
         if m["identity"].get(key) != value:
             theirs = m["identity"].get(key)
             if isinstance(value, dict):  # (model, optim: the keys that differ)
-                diff = sorted(k for k in set(value) | set(theirs or {})
-                              if (theirs or {}).get(k) != value.get(k))
-                value, theirs = ", ".join(f"{k}={value.get(k)}" for k in diff), \
-                    ", ".join(f"{k}={(theirs or {}).get(k)}" for k in diff)
+                theirs, value = _differ(value, theirs or {})
             raise ConfigError("train.resume_from", f"{path} was saved with {key} {theirs}; this "
                               f"run has {value} (a resumed run continues the same one)")
     last = t.steps + t.warmup_steps - profiled
@@ -103,12 +107,9 @@ def check_weights(cfg) -> Path:
     path = find(cfg.infer.checkpoint, "infer.checkpoint")
     mine, theirs = identity(cfg, 1)["model"], meta(path)["identity"]
     if theirs["model"] != mine:
-        diff = sorted(k for k in set(mine) | set(theirs["model"])
-                      if theirs["model"].get(k) != mine.get(k))
-        raise ConfigError("infer.checkpoint", f"{path} holds another model ("
-                          + ", ".join(f"{k}={theirs['model'].get(k)}" for k in diff)
-                          + "; this run has " + ", ".join(f"{k}={mine.get(k)}" for k in diff)
-                          + ")")
+        old, new = _differ(mine, theirs["model"])
+        raise ConfigError("infer.checkpoint", f"{path} holds another model ({old}; this run "
+                          f"has {new})")
     if str(theirs["parallel"]).startswith("expert"):
         raise ConfigError("infer.checkpoint", f"{path} was saved under parallel="
                           f"{theirs['parallel']} (each rank's own experts): not loadable "
@@ -165,7 +166,7 @@ class Checkpointer:
         self.error = None  # an async save's failure to complete, for wait() to raise
         self.group = dist.new_group(backend="gloo") if (
             self.asynchronous and self.every and dist.is_initialized()) else None
-        self._handler, self._lock = None, threading.Lock()
+        self._handler = None
 
     # the state
     def _state(self) -> dict:
@@ -221,17 +222,17 @@ class Checkpointer:
         loop.pt last, the size, the older checkpoints gone."""
         if fut is not None and fut.exception() is not None:
             return  # (wait() raises it)
-        with self._lock:
-            if fut is not None:
-                self.total.append(time.perf_counter() - t0)
-            if self.rank != 0:
-                return
-            try:
-                self._complete(path, loop)
-            except Exception as e:  # noqa: BLE001 - (async: this thread's) raised by wait()
-                if fut is None:
-                    raise
-                self.error = e
+        # (no lock: a save waits for the one in flight before it starts)
+        if fut is not None:
+            self.total.append(time.perf_counter() - t0)
+        if self.rank != 0:
+            return
+        try:
+            self._complete(path, loop)
+        except Exception as e:  # noqa: BLE001 - (async: this thread's) raised by wait()
+            if fut is None:
+                raise
+            self.error = e
 
     def _complete(self, path: Path, loop: dict) -> None:
         """Rank 0, once every rank's files are written: loop.pt (atomically), the size, the

@@ -65,7 +65,7 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
     global loss); other errors propagate so the launcher stops all ranks and names this one.
     Rank 0 alone logs to W&B, writes the record and prints the summary.
     shared: a later run of an in-process sweep (see shared_process)."""
-    from ..hardware import device_name, nondeterministic_error, torch_device
+    from ..hardware import device_name, torch_device
     from ..tracking import Tracker
 
     device = torch_device(cfg)
@@ -105,18 +105,7 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
             tracker.discard()
         raise
     except Exception as e:  # noqa: BLE001 - a run's failure is a status, not a crash
-        oom = is_oom(e)
-        rank = "" if d is None else f"rank {d.rank}: "
-        if not oom and main:
-            (out_dir / "error.log").write_text(traceback.format_exc())
-        first = (str(e).strip().splitlines() or [""])[0][:300]
-        if oom:
-            first = oom_line(first, cap)
-        elif det := nondeterministic_error(e):
-            first = det
-        rec.update(status="oom" if oom else "error",
-                   error=rank + (first if oom or det else f"{type(e).__name__}: {first} "
-                                                          f"(see {out_dir}/error.log)"))
+        rec.update(failure(e, out_dir, main, cap, "" if d is None else f"rank {d.rank}: "))
         if d is not None:  # the launcher stops every rank (run.launch then records which
             # failed; under torchrun this record, rank 0's, says what rank 0 saw)
             raise
@@ -131,6 +120,25 @@ def bench(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict, progress
 
         print_summary(rec, out_dir / "metrics.json")
     return rec
+
+
+def failure(e: Exception, out_dir: Path, log: bool = True, cap=None, rank: str = "") -> dict:
+    """A run's exception as its record's status and one-line error: an OOM (with the memory
+    cap), a nondeterministic op's message, or the first line with error.log's traceback
+    (written where `log`)."""
+    from ..hardware import nondeterministic_error
+
+    oom = is_oom(e)
+    if not oom and log:
+        (out_dir / "error.log").write_text(traceback.format_exc())
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    if oom:
+        first = oom_line(first, cap)
+    elif det := nondeterministic_error(e):
+        first = det
+    return {"status": "oom" if oom else "error",
+            "error": rank + (first if oom or det else f"{type(e).__name__}: {first} "
+                                                      f"(see {out_dir}/error.log)")}
 
 
 def _memory_cap(cfg, device: torch.device, d):

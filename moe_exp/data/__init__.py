@@ -29,25 +29,24 @@ def heldout(cfg) -> tuple[torch.Tensor, torch.Tensor] | None:
     n = cfg.train.eval_sequences
     if not n or cfg.data.source != "markov" and not cfg.data.heldout:
         return None
-    if cfg.data.source == "markov":
-        ds = _markov(cfg, n, heldout=True)
-        rows = torch.cat([ds.chunk(c) for c in range(-(-n // CHUNK))])[:n]
-    else:
-        rows = TokenFile(cfg.data.path, cfg.train.seq_len, 0).tail(n)
+    rows = held_rows(cfg, n, cfg.train.seq_len)
     return rows[:, :-1], rows[:, 1:]
+
+
+def held_rows(cfg, n: int, seq_len: int) -> torch.Tensor:
+    """n held-out rows of seq_len + 1 tokens: walks of the chain no training chunk uses
+    (data=markov), or a token file's last windows."""
+    if cfg.data.source == "markov":
+        ds = MarkovTokens(cfg.model.vocab_size, seq_len, n, cfg.data.branching, cfg.train.seed,
+                          heldout=True)
+        return torch.cat([ds.chunk(c) for c in range(-(-n // CHUNK))])[:n]
+    return TokenFile(cfg.data.path, seq_len, 0).tail(n)
 
 
 
 def prompts(cfg, n: int, length: int) -> torch.Tensor:
-    """task=infer's n prompts of `length` tokens (n, length): held-out walks of the chain
-    (data=markov), or a token file's last windows."""
-    if cfg.data.source == "markov":
-        ds = MarkovTokens(cfg.model.vocab_size, length, n, cfg.data.branching, cfg.train.seed,
-                          heldout=True)
-        rows = torch.cat([ds.chunk(c) for c in range(-(-n // CHUNK))])[:n]
-    else:
-        rows = TokenFile(cfg.data.path, length, 0).tail(n)
-    return rows[:, :length]
+    """task=infer's n prompts of `length` tokens (n, length): held_rows' first tokens."""
+    return held_rows(cfg, n, length)[:, :length]
 
 
 def build_loader(cfg, device: torch.device, num_samples: int, rank: int = 0,

@@ -91,6 +91,14 @@ def _to_completion(batch: list, now: float, cost: Cost, steps: list) -> float:
     return now
 
 
+def _admit(pending: list, i: int, now: float, queue: list) -> int:
+    """Queue the requests arrived by `now` (pending[i:] in arrival order); the next index."""
+    while i < len(pending) and pending[i].arrival <= now:
+        queue.append(pending[i])
+        i += 1
+    return i
+
+
 def serve(requests: list, policy: str, max_batch: int, timeout_s: float, cost: Cost) -> Served:
     """Serve the stream on one device. static: a batch waits for max_batch requests (or
     the stream's end); dynamic: for max_batch, or until its oldest request waited
@@ -105,9 +113,7 @@ def serve(requests: list, policy: str, max_batch: int, timeout_s: float, cost: C
     while i < len(pending) or queue:
         if not queue:  # idle: the next arrival
             now = max(now, pending[i].arrival)
-        while i < len(pending) and pending[i].arrival <= now:
-            queue.append(pending[i])
-            i += 1
+        i = _admit(pending, i, now, queue)
         free = now
         if len(queue) < max_batch and i < len(pending):  # wait for more: until the batch
             # is full (or the stream's end), or (dynamic) the oldest request's timeout
@@ -118,9 +124,7 @@ def serve(requests: list, policy: str, max_batch: int, timeout_s: float, cost: C
                                    queue[0].arrival + timeout_s))
             else:
                 now = max(now, pending[-1].arrival if fill is None else fill)
-            while i < len(pending) and pending[i].arrival <= now:
-                queue.append(pending[i])
-                i += 1
+            i = _admit(pending, i, now, queue)
         batch, queue = queue[:max_batch], queue[max_batch:]
         out.batches.append((now, len(batch)))
         out.held.append(now - max(free, batch[0].arrival))
@@ -134,9 +138,7 @@ def _continuous(pending: list, max_batch: int, cost: Cost, out: Served) -> Serve
     while i < len(pending) or queue or running:
         if not queue and not running:
             now = max(now, pending[i].arrival)
-        while i < len(pending) and pending[i].arrival <= now:
-            queue.append(pending[i])
-            i += 1
+        i = _admit(pending, i, now, queue)
         join, queue = queue[:max_batch - len(running)], queue[max_batch - len(running):]
         if join:  # their prefill, a step of its own: each joins with its first token
             out.batches.append((now, len(join)))

@@ -132,5 +132,16 @@ def drop_rare(model, usage: torch.Tensor, threshold: float) -> tuple[list, int, 
         handles.append(moe.router.gate.register_forward_hook(
             lambda mod, args, out, gone=gone: out.masked_fill(gone, float("-inf"))))
         if getattr(moe.router, "expert_bias", None) is not None:
-            moe.router.expert_bias.masked_fill_(gone, float("-inf"))
+            handles.append(_BiasMask(moe.router.expert_bias, gone))
     return dropped, saved, handles
+
+
+class _BiasMask:
+    """A balancing bias at -inf for the dropped experts; remove() puts it back."""
+
+    def __init__(self, bias: torch.Tensor, gone: torch.Tensor):
+        self.bias, self.kept = bias, bias.clone()
+        bias.masked_fill_(gone, float("-inf"))
+
+    def remove(self) -> None:
+        self.bias.copy_(self.kept)

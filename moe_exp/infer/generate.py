@@ -54,13 +54,3 @@ def generate(model, prompts: torch.Tensor, new_tokens: int, autocast, device,
                 on_step(c)
     return Generated(torch.cat(out, 1), prefill, steps, counts, cache.nbytes())
 
-
-@torch.no_grad()
-def generate_uncached(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """The same greedy tokens by a full forward pass over the whole sequence at every step
-    (no cache): the reference the cache is tested against."""
-    seq = prompts
-    for _ in range(new_tokens):
-        logits, _ = decode(model, seq, KVCache(len(model.layers), seq.shape[1]))
-        seq = torch.cat([seq, _next(logits)], 1)
-    return seq[:, prompts.shape[1]:]

@@ -5,7 +5,6 @@ and the experts' load during decode."""
 from __future__ import annotations
 
 import statistics
-import traceback
 from pathlib import Path
 
 import torch
@@ -25,7 +24,6 @@ def infer(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict,
           progress: bool) -> dict:
     """One measured generation run; never raises but on Ctrl-C (the status says what went
     wrong), as a bench run."""
-    from ..bench.memory import is_oom, oom_line
     from ..hardware import device_name, torch_device
     from ..tracking import Tracker
 
@@ -46,13 +44,9 @@ def infer(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict,
         rec.update(status="crashed", error="interrupted before the run finished")
         raise
     except Exception as e:  # noqa: BLE001 - a run's failure is a status, not a crash
-        oom = is_oom(e)
-        first = (str(e).strip().splitlines() or [""])[0][:300]
-        if not oom:
-            (out_dir / "error.log").write_text(traceback.format_exc())
-        rec.update(status="oom" if oom else "error",
-                   error=oom_line(first) if oom else
-                   f"{type(e).__name__}: {first} (see {out_dir}/error.log)")
+        from ..bench.runner import failure
+
+        rec.update(failure(e, out_dir))
     finally:
         close_record(rec, out_dir, tracker)
     if rec["status"] == "ok":
@@ -133,6 +127,7 @@ def _measure(cfg, rec: dict, device: torch.device, progress: bool) -> None:
         mem, mem_why = memory.read()
         changed = sum(dropped[0]) or i.quantize != "none"
         after = _eval(model, held, autocast) if i.eval_sequences and changed else base
+        served = _serve(cfg, model, rows, autocast, device)  # (the row's model: its drops)
     finally:
         for h in dropped[2]:
             h.remove()
@@ -144,7 +139,7 @@ def _measure(cfg, rec: dict, device: torch.device, progress: bool) -> None:
     if rec["quantized_saved_gib"] is None:
         why["quantized_saved_gib"] = "infer.quantize=none"
     _record_experts(cfg, rec, res, dropped[:2], model)
-    _serve(cfg, rec, model, rows, autocast, device)
+    _record_serving(cfg, rec, served)
     rec.update(eval_loss=after, eval_loss_change=after - base if changed else None)
     if not i.eval_sequences:
         why["eval_loss"] = "infer.eval_sequences=0"
@@ -164,20 +159,29 @@ def _measure(cfg, rec: dict, device: torch.device, progress: bool) -> None:
             "infer.new_tokens=1: no decode step"
 
 
-def _serve(cfg, rec: dict, model, rows: torch.Tensor, autocast, device) -> None:
-    """infer.batching: the stream's figures, on a clock of costs measured here (a prefill
-    and a decode step at batch sizes 1, 2, 4, ... and max_batch_size); tokens_per_s
-    becomes the stream's served tokens per second."""
+SERVING = ("request_latency_ms_p50", "request_latency_ms_p90", "request_latency_ms_p99",
+           "request_ttft_ms_p50", "request_ttft_ms_p99", "served_tokens_per_s",
+           "batch_size_mean", "batch_size_max", "requests", "serving_costs")
+
+
+def _record_serving(cfg, rec: dict, served: dict | None) -> None:
+    """The stream's figures (_serve's); tokens_per_s becomes its served tokens per second."""
+    if served is None:
+        rec.update(dict.fromkeys(SERVING))
+        rec["null_reasons"].update(dict.fromkeys(SERVING, "infer.batching=none"))
+        return
+    rec.update(served)
+    rec["tokens_per_s"] = rec["tokens_per_s_per_device"] = rec["served_tokens_per_s"]
+
+
+def _serve(cfg, model, rows: torch.Tensor, autocast, device) -> dict | None:
+    """infer.batching: the stream's figures (None without), on a clock of costs measured
+    here (a prefill and a decode step at batch sizes 1, 2, 4, ... and max_batch_size)."""
     from . import batching as b
 
-    i, why = cfg.infer, rec["null_reasons"]
-    keys = ("request_latency_ms_p50", "request_latency_ms_p90", "request_latency_ms_p99",
-            "request_ttft_ms_p50", "request_ttft_ms_p99", "served_tokens_per_s",
-            "batch_size_mean", "batch_size_max", "requests", "serving_costs")
+    i = cfg.infer
     if i.batching == "none":
-        rec.update(dict.fromkeys(keys))
-        why.update(dict.fromkeys(keys, "infer.batching=none"))
-        return
+        return None
     sizes = sorted({2**k for k in range(i.max_batch_size.bit_length())
                     if 2**k < i.max_batch_size} | {i.max_batch_size})
     prompts = rows[:1].expand(i.max_batch_size, -1)  # (the costs: one prompt, repeated)
@@ -190,10 +194,9 @@ def _serve(cfg, rec: dict, model, rows: torch.Tensor, autocast, device) -> None:
     reqs = b.stream(i.requests, i.arrival_rate, i.prompt_len, i.new_tokens, i.length_spread,
                     cfg.train.seed)
     served = b.serve(reqs, i.batching, i.max_batch_size, i.timeout_ms / 1e3, cost)
-    rec.update(b.figures(served), serving_costs={
+    return b.figures(served) | {"serving_costs": {
         "batch_sizes": sizes, "prefill_ms": [x * 1e3 for x in cost.prefill_s],
-        "step_ms": [x * 1e3 for x in cost.step_s]})
-    rec["tokens_per_s"] = rec["tokens_per_s_per_device"] = rec["served_tokens_per_s"]
+        "step_ms": [x * 1e3 for x in cost.step_s]}}
 
 
 def _weights(model) -> int:

@@ -61,22 +61,25 @@ def repeat_kv_heads(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16)
 
 
-def causal_attention(q, k, v):
-    """SDPA of q (B, h, S, D) over k, v (B, h_kv, S, D), h a multiple of h_kv."""
+def _kv_heads(q, k, v):
+    """(k, v, enable_gqa) for SDPA: k/v repeated to q's heads where a fast kernel needs it."""
     gqa = k.shape[1] != q.shape[1]
     if gqa and repeat_kv_heads(q):
         r = q.shape[1] // k.shape[1]
         k, v, gqa = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1), False
+    return k, v, gqa
+
+
+def causal_attention(q, k, v):
+    """SDPA of q (B, h, S, D) over k, v (B, h_kv, S, D), h a multiple of h_kv."""
+    k, v, gqa = _kv_heads(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
 def cached_attention(q, k, v, pos: int):
     """SDPA of q at positions pos.. over k, v at positions 0.. (a KV cache's): each query
     sees the keys up to its own position."""
-    gqa = k.shape[1] != q.shape[1]
-    if gqa and repeat_kv_heads(q):
-        r = q.shape[1] // k.shape[1]
-        k, v, gqa = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1), False
+    k, v, gqa = _kv_heads(q, k, v)
     s = q.shape[-2]
     mask = None if s == 1 else torch.ones(s, k.shape[-2], dtype=torch.bool,
                                           device=q.device).tril(pos)
