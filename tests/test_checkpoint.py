@@ -4,6 +4,7 @@ under expert parallelism on 2 gloo ranks."""
 import json
 import os
 import signal
+import time
 
 import pytest
 from conftest import compose, run_cli, run_inproc
@@ -42,7 +43,17 @@ def test_a_resumed_run_continues_bit_for_bit(whole, tmp_path):
         "train.checkpoint_every=0"
 
 
-def test_an_async_checkpoint_resumes_as_exactly_and_old_ones_go(whole, tmp_path):
+def test_an_async_checkpoint_resumes_as_exactly_and_old_ones_go(whole, tmp_path,
+                                                                monkeypatch):
+    from moe_exp.bench.checkpoint import Checkpointer
+
+    complete = Checkpointer._complete
+
+    def slow(self, *a):  # (a callback that lags its future's result: the run waits for it)
+        time.sleep(0.2)
+        complete(self, *a)
+
+    monkeypatch.setattr(Checkpointer, "_complete", slow)
     rec = run_inproc([*TINY, "train.checkpoint_every=3", "train.checkpoint_async=true",
                       "train.checkpoint_keep=2"], tmp_path / "a")
     assert rec["status"] == "ok", rec["error"]

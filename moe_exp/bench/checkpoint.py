@@ -207,8 +207,9 @@ class Checkpointer:
         if self.asynchronous and not blocking:
             fut = dcp.async_save(state, checkpoint_id=path, process_group=self.group)
             fut = getattr(fut, "upload_completion", fut)  # (torch 2.13 may wrap it)
-            fut.add_done_callback(lambda f: self._done(f, path, loop, t0))
-            self.pending = fut
+            done = threading.Event()  # (result() returns before the callbacks have run)
+            fut.add_done_callback(lambda f: self._done(f, path, loop, t0, done))
+            self.pending = fut, done
         else:
             dcp.save(state, checkpoint_id=path)
             self._done(None, path, loop, t0)
@@ -217,11 +218,17 @@ class Checkpointer:
             self.total.append(self.blocking[-1])
         return path
 
-    def _done(self, fut, path: Path, loop: dict, t0: float) -> None:
+    def _done(self, fut, path: Path, loop: dict, t0: float, done=None) -> None:
         """Once DCP has every rank's files (rank 0's save returns after all ranks wrote):
-        loop.pt last, the size, the older checkpoints gone."""
-        if fut is not None and fut.exception() is not None:
-            return  # (wait() raises it)
+        loop.pt last, the size, the older checkpoints gone; `done` set at the end."""
+        try:
+            if fut is None or fut.exception() is None:  # (else wait() raises it)
+                self._finish(fut, path, loop, t0)
+        finally:
+            if done is not None:
+                done.set()
+
+    def _finish(self, fut, path: Path, loop: dict, t0: float) -> None:
         # (no lock: a save waits for the one in flight before it starts)
         if fut is not None:
             self.total.append(time.perf_counter() - t0)
@@ -250,8 +257,9 @@ class Checkpointer:
     def wait(self) -> None:
         """The async save in flight finished (its error, or its loop.pt's, raised here)."""
         if self.pending is not None:
-            fut, self.pending = self.pending, None
+            (fut, done), self.pending = self.pending, None
             fut.result()
+            done.wait()
         if self.error is not None:
             e, self.error = self.error, None
             raise e
