@@ -352,7 +352,8 @@ class TrainConfig:
     seq_len: int = knob(128, "tokens per sequence")
     activation_checkpointing: str = knob("none", "none | full | selective",
                                          choices=("none", "full", "selective"), off="none")
-    compile: str = knob("off", "torch.compile mode", off="off",
+    compile: str = knob("off", "torch.compile mode (task=infer: of the decode step)", off="off",
+                        tasks=("bench",) + INFER_TASK,
                         choices=("off", "default", "reduce-overhead", "max-autotune",
                                  "max-autotune-no-cudagraphs"))
     attention: str = knob("auto", "attention kernel: auto (SDPA picks) | flash | efficient | "

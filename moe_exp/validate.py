@@ -683,11 +683,13 @@ def check_infer(cfg) -> None:
     if cfg.parallel.name != "none" or _world_size(cfg.hardware.devices) != 1:
         raise ConfigError("parallel", "task=infer runs on one device: parallel=none "
                           "hardware.devices=1")
-    if cfg.train.compile != "off":
-        raise ConfigError("train.compile", "not applied by task=infer yet: train.compile=off")
+    if cfg.train.compile != "off" and i.warmup < 1:
+        raise ConfigError("infer.warmup", f"must be >= 1 with train.compile="
+                          f"{cfg.train.compile} (the first batch compiles: it must not be "
+                          "measured)")
     if cfg.precision.name == "fp8":
         raise ConfigError("precision", "fp8 is a training recipe (torchao's float8 "
-                          "training); task=infer's quantization is coming")
+                          "training); task=infer quantizes with infer.quantize=fp8")
     if (i.experts_resident is not None or i.usage_threshold) and not cfg.model.num_experts:
         raise ConfigError("infer.experts_resident" if i.experts_resident is not None else
                           "infer.usage_threshold", "a MoE model's option (model.num_experts > 0)")

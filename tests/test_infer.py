@@ -96,12 +96,34 @@ def test_infer_loads_a_training_runs_checkpoint(tmp_path):
         assert bad["status"] == "invalid" and bad["error"].startswith(says), bad["error"]
 
 
+@pytest.mark.slow
+def test_a_compiled_decode_step_generates_the_eager_tokens(tmp_path):
+    """train.compile applies to task=infer's decode step: the run records it, and the
+    compiled step greedy-decodes the tokens the eager one does."""
+    from moe_exp.infer.generate import generate
+    from moe_exp.model import build_model
+    from moe_exp.optimizations import compile_decode
+
+    rec = run_inproc([*FAST, "train.compile=default", "infer.eval_sequences=0"], tmp_path)
+    assert rec["status"] == "ok" and rec["compile"] == "default", rec["error"]
+    assert rec["decode_tokens_per_s"] > 0
+    cfg = compose(FAST)
+    torch.manual_seed(0)
+    m = build_model(cfg.model).eval()
+    prompts = torch.randint(0, cfg.model.vocab_size, (2, 8))
+    cpu = torch.device("cpu")
+    eager = generate(m, prompts, 6, torch.no_grad, cpu)
+    compiled = generate(m, prompts, 6, torch.no_grad, cpu, step=compile_decode("default"))
+    assert torch.equal(compiled.tokens, eager.tokens)
+
+
 @pytest.mark.parametrize("override, says", [
     ("infer.new_tokens=0", "error: infer.new_tokens: must be >= 1, got 0"),
     ("infer.prompt_len=120", "error: infer.new_tokens: infer.prompt_len + new_tokens = 152 "
                              "exceeds model.max_seq_len=128"),
     ("parallel=ddp", "error: parallel: task=infer runs on one device"),
-    ("train.compile=default", "error: train.compile: not applied by task=infer yet"),
+    ("train.compile=default infer.warmup=0", "error: infer.warmup: must be >= 1 with "
+                                             "train.compile=default"),
     ("infer.batch_sise=2", "error: infer.batch_sise: no such key in infer"),
     ("infer.experts_resident=0", "error: infer.experts_resident: must be in 1..model.num_experts"
                                  "=8 or null, got 0"),
@@ -252,8 +274,8 @@ def test_infer_serves_a_stream(tmp_path):
 
 
 def test_int8_weights_change_a_trained_models_loss_little_and_save_memory(tmp_path):
-    """infer.quantize=int8 (torchao, weight-only): every Linear but the routers' gates; the
-    held-out loss of a trained tiny model moves by less than 0.01."""
+    """infer.quantize=int8 (torchao, weight-only): every Linear but the routers' gates, and
+    the stacked experts; the held-out loss of a trained tiny model moves by less than 0.01."""
     train = run_inproc(["logger=none", "train.steps=40", "train.warmup_steps=0",
                         "train.checkpoint_every=40", "train.micro_batch_size=4",
                         "train.eval_sequences=0"], tmp_path / "t")
@@ -263,10 +285,13 @@ def test_int8_weights_change_a_trained_models_loss_little_and_save_memory(tmp_pa
     q = run_inproc([*o, "infer.quantize=int8"], tmp_path / "int8")
     assert q["status"] == "ok", q["error"]
     m = compose(["model=tiny_moe"]).model
-    assert q["quantized_layers"] == m.num_layers * 4 + 1  # (q, k, v, o a layer; the head)
+    # (q, k, v, o and w1, w3, w2 a layer; the head)
+    assert q["quantized_layers"] == m.num_layers * 7 + 1
     assert 0 < abs(q["eval_loss_change"]) < 0.01 and none["eval_loss_change"] is None
     assert q["eval_loss"] - q["eval_loss_change"] == pytest.approx(none["eval_loss"])
     assert 0 < q["quantized_saved_gib"] == pytest.approx(none["weights_gib"] - q["weights_gib"])
+    assert q["quantized_saved_gib"] > 0.6 * none["weights_gib"]  # (fp32 to int8: the experts
+    # and Linear layers, all but the embedding and the norms)
     _, fp8 = prepare(compose([*FAST, "infer.quantize=fp8"]), [*FAST, "infer.quantize=fp8"])
     if not torch.cuda.is_available():
         assert fp8["status"] == "skipped" and fp8["error"].startswith("infer.quantize: fp8 needs")
@@ -274,8 +299,8 @@ def test_int8_weights_change_a_trained_models_loss_little_and_save_memory(tmp_pa
 
 @pytest.mark.slow
 def test_seed_inference_preset_fills_the_seeds_rows(tmp_path):
-    """+sweep=seed_inference: seven task=infer rows in one table, and the report's table of
-    the seed's inference options beside its claims."""
+    """+sweep=seed_inference: eight task=infer rows in one table (a compiled one among them),
+    and the report's table of the seed's inference options beside its claims."""
     d = tmp_path / "s"
     r = run_cli(["-m", "+sweep=seed_inference", "logger=none", "infer.prompt_len=8",
                  "infer.new_tokens=4", "infer.batches=1", "infer.eval_sequences=4",
@@ -284,11 +309,13 @@ def test_seed_inference_preset_fills_the_seeds_rows(tmp_path):
     import pandas as pd
 
     df = pd.read_csv(d / "results.csv")
-    assert list(df["status"]) == ["ok"] * 7 and (df["task"] == "infer").all()
-    assert list(df["baseline"]) == [True] + [False] * 6
+    assert list(df["status"]) == ["ok"] * 8 and (df["task"] == "infer").all()
+    assert list(df["baseline"]) == [True] + [False] * 7
+    assert list(df["compile"]) == ["off"] * 7 + ["max-autotune"]
     report = (d / "report.md").read_text()
     assert "## The seed's inference options, measured" in report
     assert "| Selective Expert Loading (max_experts_in_memory=4, usage_threshold=0.01) | " \
            "weights on the device" in report
     assert "memory table: + Selective Loading, 60% saved" in report
     assert "tokens/s served, request p50/p99" in report
+    assert "| Model Compilation (torch.compile, mode=\"max-autotune\") | " in report

@@ -56,8 +56,10 @@ def moe_layers(model) -> list[MoE]:
 
 
 def expert_bytes(moe: MoE) -> int:
-    """One expert's weights (w1, w3, w2 slices), as stored."""
-    return sum(p[0].numel() * p.element_size() for p in moe.experts.parameters())
+    """One expert's weights (w1, w3, w2 slices), as stored (quantized: data and scales)."""
+    from ..optimizations.quantize import stored_bytes
+
+    return sum(stored_bytes(p) for p in moe.experts.parameters()) // moe.num_experts
 
 
 class Residency:

@@ -27,15 +27,16 @@ def _next(logits: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def generate(model, prompts: torch.Tensor, new_tokens: int, autocast, device,
-             on_step=None) -> Generated:
+             on_step=None, step=decode) -> Generated:
     """new_tokens greedy tokens after each prompt (batch, prompt_len), the KV cache sized for
     them. Each step waits for the device (a token's latency is its own). on_step: called
-    with each step's (MoE layers, experts) counts, the prefill's first, after its time."""
+    with each step's (MoE layers, experts) counts, the prefill's first, after its time.
+    step: the decode function (a compiled one: optimizations.compile_decode)."""
     cache = KVCache(len(model.layers), prompts.shape[1] + new_tokens)
     device_sync(device)
     t0 = time.perf_counter()
     with autocast():
-        logits, c = decode(model, prompts, cache)
+        logits, c = step(model, prompts, cache)
     out = [_next(logits)]
     device_sync(device)
     prefill, steps, counts = time.perf_counter() - t0, [], None
@@ -44,7 +45,7 @@ def generate(model, prompts: torch.Tensor, new_tokens: int, autocast, device,
     for _ in range(new_tokens - 1):
         t = time.perf_counter()
         with autocast():
-            logits, c = decode(model, out[-1], cache)
+            logits, c = step(model, out[-1], cache)
         out.append(_next(logits))
         device_sync(device)
         steps.append(time.perf_counter() - t)

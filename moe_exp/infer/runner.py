@@ -90,7 +90,7 @@ def _measure(cfg, rec: dict, device: torch.device, progress: bool) -> None:
         why["weights_from"] = f"infer.checkpoint=null: the initialization of train.seed=" \
                               f"{cfg.train.seed}"
         why["checkpoint_load_s"] = "infer.checkpoint=null"
-    autocast = apply_inference(model, cfg, device)
+    autocast, step = apply_inference(model, cfg, device)
     n, b = i.warmup + i.batches, i.batch_size
     rows = prompts(cfg, n * b, i.prompt_len).to(device)
     held = prompts(cfg, n * b + i.eval_sequences, i.prompt_len + i.new_tokens + 1)[n * b:]
@@ -123,11 +123,11 @@ def _measure(cfg, rec: dict, device: torch.device, progress: bool) -> None:
                 if warm and i.usage_threshold:
                     usage.append(c)
             runs.append(generate(model, rows[k * b:(k + 1) * b], i.new_tokens, autocast,
-                                 device, on_step if res or i.usage_threshold else None))
+                                 device, on_step if res or i.usage_threshold else None, step))
         mem, mem_why = memory.read()
         changed = sum(dropped[0]) or i.quantize != "none"
         after = _eval(model, held, autocast) if i.eval_sequences and changed else base
-        served = _serve(cfg, model, rows, autocast, device)  # (the row's model: its drops)
+        served = _serve(cfg, model, rows, autocast, device, step)  # (the row's model: its drops)
     finally:
         for h in dropped[2]:
             h.remove()
@@ -174,7 +174,7 @@ def _record_serving(cfg, rec: dict, served: dict | None) -> None:
     rec["tokens_per_s"] = rec["tokens_per_s_per_device"] = rec["served_tokens_per_s"]
 
 
-def _serve(cfg, model, rows: torch.Tensor, autocast, device) -> dict | None:
+def _serve(cfg, model, rows: torch.Tensor, autocast, device, step) -> dict | None:
     """infer.batching: the stream's figures (None without), on a clock of costs measured
     here (a prefill and a decode step at batch sizes 1, 2, 4, ... and max_batch_size)."""
     from . import batching as b
@@ -185,8 +185,10 @@ def _serve(cfg, model, rows: torch.Tensor, autocast, device) -> dict | None:
     sizes = sorted({2**k for k in range(i.max_batch_size.bit_length())
                     if 2**k < i.max_batch_size} | {i.max_batch_size})
     prompts = rows[:1].expand(i.max_batch_size, -1)  # (the costs: one prompt, repeated)
-    generate(model, prompts, i.new_tokens, autocast, device)  # (warm at the largest)
-    runs = [[generate(model, prompts[:n], i.new_tokens, autocast, device) for _ in range(3)]
+    for n in sizes if cfg.train.compile != "off" else sizes[-1:]:  # warm (compiled: each
+        generate(model, prompts[:n], i.new_tokens, autocast, device, step=step)  # size)
+    runs = [[generate(model, prompts[:n], i.new_tokens, autocast, device, step=step)
+             for _ in range(3)]
             for n in sizes]  # (medians of 3: one noisy generation skewed a whole stream)
     cost = b.Cost(sizes, [statistics.median(r.prefill_s for r in rs) for rs in runs],
                   [statistics.median(t for r in rs for t in r.token_s) for rs in runs],
@@ -279,8 +281,9 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
     """The record's headline figures, (label, text) rows (the terminal's table, run.log)."""
     f = lambda x, spec, unit="": "null" if x is None else f"{x:{spec}}{unit}"  # noqa: E731
     rows = [
-        ("run", f"task=infer model={r['model']} precision={r['precision']} on "
-                f"{r['device_name']}"),
+        ("run", f"task=infer model={r['model']} precision={r['precision']} "
+                + (f"compile={r['compile']} " if r.get("compile", "off") != "off" else "")
+                + f"on {r['device_name']}"),
         ("weights", r.get("weights_from") or "initialized (infer.checkpoint=null)"),
         ("throughput", f"{r['tokens_per_s']:,.0f} generated tokens/s; prefill "
                        f"{r['prefill_tokens_per_s']:,.0f} tokens/s, decode "
@@ -314,9 +317,9 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                                 f"batch {r['batch_size_mean'] or 0:.1f} on average (simulated "
                                 "on measured costs)"))
     if r.get("quantized_layers"):
-        rows.append(("quantized", f"{r['quantized_layers']} Linear layers "
-                                  f"{r['quantize']}: {r['quantized_saved_gib']:.4f} GiB saved "
-                                  "(the routed experts stay unquantized)"))
+        rows.append(("quantized", f"{r['quantized_layers']} weights {r['quantize']} (Linear "
+                                  f"layers, stacked experts): {r['quantized_saved_gib']:.4f} "
+                                  "GiB saved"))
     if r.get("eval_loss") is not None:
         change = r.get("eval_loss_change")
         rows.append(("loss", f"held-out {r['eval_loss']:.4f}" + (

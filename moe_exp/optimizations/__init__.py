@@ -10,7 +10,7 @@ from torch import nn
 
 from .attention import apply_attention
 from .checkpointing import apply_checkpointing
-from .compile import apply_compile
+from .compile import apply_compile, compile_decode
 from .precision import (apply_fp8, autocast_factory, grad_scaler, router_fp32,
                         set_matmul_precision)
 
@@ -32,13 +32,14 @@ class Applied:
             yield self.no_sync() if self.no_sync and i < n - 1 else contextlib.nullcontext()
 
 
-def apply_inference(model: nn.Module, cfg, device: torch.device) -> Callable[[], ContextManager]:
+def apply_inference(model: nn.Module, cfg, device: torch.device) -> tuple[Callable, Callable]:
     """task=infer: what of the run's optimizations applies to generation (the matmul
-    precision, the router's dtype); returns the precision's autocast."""
+    precision, the router's dtype, train.compile on the decode step); returns the
+    precision's autocast and the decode step (model.transformer.decode's signature)."""
     set_matmul_precision(device, cfg.precision.tf32)
     if cfg.precision.router_dtype == "fp32":
         router_fp32(model)
-    return autocast_factory(cfg.precision, device)
+    return autocast_factory(cfg.precision, device), compile_decode(cfg.train.compile)
 
 
 def apply(model: nn.Module, cfg, device: torch.device, world: int = 1) -> Applied:

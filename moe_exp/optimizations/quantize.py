@@ -1,8 +1,10 @@
 """infer.quantize: weight quantization through torchao for generation. int8: weight-only,
 per output channel (CPU and GPU); fp8: float8 weights and dynamic float8 activations
 (GPUs with fp8). Quantized: the nn.Linear layers (attention, dense and shared FFNs, the
-LM head), not the router's gate (a rounding there moves tokens to other experts) nor the
-stacked routed experts (3-D weights that torch's quantize_ does not take yet)."""
+LM head), not the router's gate (a rounding there moves tokens to other experts); and the
+stacked routed experts' 3-D weights, weight-only per expert and output channel, stored
+quantized and dequantized at each use (torchao has no 3-D quantized matmul: the saving is
+memory at rest, a layer's dequantized copy lives while it runs)."""
 from __future__ import annotations
 
 import logging
@@ -12,23 +14,47 @@ from torch import nn
 
 
 def _configs(how: str):
+    """(quantize_, the Linear layers' config, the stacked experts' config, FqnToConfig)."""
     logging.getLogger("torchao").setLevel(logging.ERROR)  # (its import names every CUDA
     # kernel library a CPU cannot load)
     from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig,
+                                      Float8WeightOnlyConfig, FqnToConfig,
                                       Int8WeightOnlyConfig, quantize_)
+    from torchao.quantization.granularity import PerRow
 
-    config = Int8WeightOnlyConfig() if how == "int8" else \
-        Float8DynamicActivationFloat8WeightConfig()
-    return quantize_, config
+    per_out = PerRow(dim=1)  # (E, in, out): a scale per expert and output channel
+    if how == "int8":
+        return (quantize_, Int8WeightOnlyConfig(), Int8WeightOnlyConfig(granularity=per_out),
+                FqnToConfig)
+    return (quantize_, Float8DynamicActivationFloat8WeightConfig(),
+            Float8WeightOnlyConfig(granularity=per_out), FqnToConfig)
+
+
+class _Dequantize(nn.Module):
+    """A parametrization: the module reads its stored quantized weight dequantized."""
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        return q.dequantize()
 
 
 def quantize_weights(model: nn.Module, how: str) -> int:
-    """Quantize the model's Linear layers in place (see above); returns how many."""
-    quantize_, config = _configs(how)
+    """Quantize the model's Linear layers and stacked expert weights in place (see above);
+    returns how many weights."""
+    from torch.nn.utils import parametrize
+
+    quantize_, linear, stacked, by_name = _configs(how)
     names = [n for n, m in model.named_modules()
              if isinstance(m, nn.Linear) and not n.endswith("router.gate")]
-    quantize_(model, config, filter_fn=lambda m, fqn: fqn in names)
-    return len(names)
+    quantize_(model, linear, filter_fn=lambda m, fqn: fqn in names)
+    model.requires_grad_(False)
+    experts = [n for n, p in model.named_parameters() if p.dim() == 3]
+    if experts:
+        quantize_(model, by_name(dict.fromkeys(experts, stacked)), filter_fn=None)
+        for n in experts:
+            owner, _, attr = n.rpartition(".")
+            parametrize.register_parametrization(model.get_submodule(owner), attr,
+                                                 _Dequantize(), unsafe=True)
+    return len(names) + len(experts)
 
 
 def stored_bytes(p: torch.Tensor) -> int:

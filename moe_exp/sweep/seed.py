@@ -110,6 +110,7 @@ INFERENCE_ROWS = (
     ("offload", "CPU Offloading of experts (prefetch_experts=2)",
      "memory table: + CPU Offloading, 47% saved"),
     ("int8", "Model Quantization (int8 weights)", "quick reference: High impact"),
+    ("compile", "Model Compilation (torch.compile, mode=\"max-autotune\")", "no figure"),
     ("static", "static batching (max_batch_size=32)", "—"),
     ("dynamic", "Dynamic Batching (max_batch_size=32, timeout_ms=100)",
      "quick reference: Dynamic Expert Loading, High impact; no figure for batching"),
