@@ -101,7 +101,8 @@ INFER_TASK = ("infer",)
 BATCHING = ("static", "dynamic", "continuous")
 SERVING = Reads("infer.batching", BATCHING, what="a served stream (infer.batching=static, "
                 "dynamic or continuous)")
-TASKS = BOTH + TUNE_TASK + INFER_TASK
+PLAN_TASK = ("plan",)  # reads what bench reads (knobs.LIKE_BENCH)
+TASKS = BOTH + TUNE_TASK + INFER_TASK + PLAN_TASK
 
 
 @dataclass
@@ -496,7 +497,8 @@ class RunConfig:
     infer: InferConfig = group(InferConfig, "task=infer's generation")
     task: str = knob("bench", "what a run does: bench (train and measure) | comm (collectives)"
                      " | tune_batch (the largest and the fastest micro-batch that fit)"
-                     " | infer (generate with a KV cache)",
+                     " | infer (generate with a KV cache) | plan (a training step's memory"
+                     " and time, traced on fake tensors: docs/plan.md)",
                      choices=TASKS, tasks=TASKS)
     extra: Dict[str, Any] = field(default_factory=dict, metadata={  # free-form notes
         "knob": Knob("free-form labels, kept in the record"), "hashed": False})

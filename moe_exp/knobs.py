@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-LIKE_BENCH = ("tune_batch",)  # tasks that read every key bench reads
+LIKE_BENCH = ("tune_batch", "plan")  # tasks that read every key bench reads
 NEW = object()  # a key that existed from the start: always part of the config hash
 
 

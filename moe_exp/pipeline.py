@@ -104,9 +104,12 @@ def log_record(rec: dict) -> None:
     log = logging.getLogger("moe_exp")
     log.info("overrides: %s", " ".join(rec.get("overrides") or []) or "(none)")
     log.info("status: %s%s", rec["status"], f": {rec['error']}" if rec.get("error") else "")
-    if rec["status"] == "ok" and rec.get("tokens_per_s") is not None:  # a bench (not comm)
+    if rec["status"] == "ok" and (rec.get("tokens_per_s") is not None  # a bench (not comm)
+                                  or rec.get("task") == "plan"):
         if rec.get("task") == "infer":
             from .infer.runner import summary_rows
+        elif rec.get("task") == "plan":
+            from .plan.runner import summary_rows
         else:
             from .summary import summary_rows
         for label, text in summary_rows(rec):
@@ -127,6 +130,10 @@ def _run(cfg: DictConfig, out_dir: Path, overrides, choices, progress,
         from .infer.runner import infer
 
         return infer(cfg, cfg_dict, new_record(cfg_dict, overrides), out_dir, choices, progress)
+    if cfg.task == "plan":  # (no ranks: a plan traces one device)
+        from .plan.runner import plan
+
+        return plan(cfg, cfg_dict, new_record(cfg_dict, overrides), out_dir, choices)
     if distributed_run(cfg):
         from .distributed import is_rank
 

@@ -731,6 +731,19 @@ def infer_here(cfg) -> None:
         raise Unsupported("infer.quantize", "needs torchao: pip install -e \".[fp8]\"")
 
 
+def check_plan(cfg) -> None:
+    """task=plan: one device so far (the ranks' plans, with a fake process group, are
+    issue 31's next part)."""
+    if cfg.task != "plan":
+        return
+    if cfg.parallel.name != "none" or _world_size(cfg.hardware.devices) != 1:
+        raise ConfigError("parallel", "task=plan plans one device so far: parallel=none "
+                          "hardware.devices=1")
+    if cfg.precision.name == "fp8":
+        raise ConfigError("precision", "task=plan does not trace torchao's float8 training "
+                          "yet: fp32, tf32, fp16 or bf16")
+
+
 def check_tune(cfg) -> None:
     _at_least(cfg, "tune.multiple", 1)
     t = cfg.tune
@@ -843,7 +856,10 @@ def validate(cfg, overrides=(), in_sweep: bool = False) -> None:
     check_comm(cfg)
     check_tune(cfg)
     check_infer(cfg)
+    check_plan(cfg)
     check_logger(cfg)
+    if cfg.task == "plan":  # (planned for the hardware named, on fake tensors: this
+        return logger_ready(cfg)  # machine need not have it)
     # what this machine cannot do, or is not ready for (a sweep's row says which)
     device_here(cfg)
     precision_here(cfg)

@@ -239,3 +239,13 @@ def test_attention_benchmark_rows(tmp_path):
     for k in ("flash", "math"):
         assert 0 < rows[k]["attention_ms"] and 0 < rows[k]["share"] < 1, rows[k]
     assert rows["math"]["speedup"] == 1.0 and "×" in stdout
+
+
+def test_plan_accuracy_benchmark_rows(tmp_path):
+    """Each configuration's planned and measured peak, side by side, within 10%."""
+    out = tmp_path / "plan.json"
+    bench("plan_accuracy.py", "--models", "tiny_moe", "--precisions", "fp32", "--ac",
+          "none,full", "--micro-batch", "2", "--json", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["ac"] for r in rows] == ["none", "full"]
+    assert all(abs(r["error"]) < 0.10 and r["planned"]["params"] > 0 for r in rows)

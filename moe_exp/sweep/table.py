@@ -458,6 +458,7 @@ def compact(df):
     ckpt = "checkpoint_saves" in df and (df["checkpoint_saves"].fillna(0) > 0).any()
     infer = "ttft_ms" in df and df["ttft_ms"].notna().any()  # (task=infer rows)
     served = "served_tokens_per_s" in df and df["served_tokens_per_s"].notna().any()
+    planned = "planned_peak_gib" in df and df["planned_peak_gib"].notna().any()  # task=plan
     rows = []
     for _, r in df.iterrows():
         sp = _fmt(r["speedup"], ".2f", "×")
@@ -475,6 +476,10 @@ def compact(df):
             share = _num(r["checkpoint_share"])
             row.update({"wall tokens/s": _fmt(r["tokens_per_s_wall"], ",.0f"),
                         "ckpt blocked": _fmt(share and share * 100, ".0f", "%")})
+        if planned:  # task=plan: predictions, not measurements
+            row.update({"planned peak GiB": _fmt(r["planned_peak_gib"], ",.3f"),
+                        "fits": {True: "yes", False: "NO"}.get(r["planned_fits"], "—"),
+                        "planned tokens/s": _fmt(r["planned_tokens_per_s"], ",.0f")})
         if tune:  # task=tune_batch: the largest micro-batch that fit, and the fastest
             row.update({"largest mbs": _fmt(r["tune_max_micro_batch"], ".0f"),
                         "fastest mbs": _fmt(r["tune_best_micro_batch"], ".0f")})

@@ -1,0 +1,1 @@
+"""Plans: memory and time of a configuration traced on fake tensors (see trace.py)."""
