@@ -732,13 +732,15 @@ def infer_here(cfg) -> None:
 
 
 def check_plan(cfg) -> None:
-    """task=plan: one device so far (the ranks' plans, with a fake process group, are
-    issue 31's next part)."""
+    """task=plan: the strategies a fake process group runs (plan.trace.PLANNED)."""
+    from .plan.trace import PLANNED
+
     if cfg.task != "plan":
         return
-    if cfg.parallel.name != "none" or _world_size(cfg.hardware.devices) != 1:
-        raise ConfigError("parallel", "task=plan plans one device so far: parallel=none "
-                          "hardware.devices=1")
+    if cfg.parallel.name not in PLANNED:
+        raise ConfigError("parallel", f"task=plan traces parallel={'|'.join(PLANNED)} so "
+                          f"far, not {cfg.parallel.name} (its collectives do not run on fake "
+                          "tensors yet)")
     if cfg.precision.name == "fp8":
         raise ConfigError("precision", "task=plan does not trace torchao's float8 training "
                           "yet: fp32, tf32, fp16 or bf16")

@@ -206,6 +206,21 @@ def muon_round_robin(overrides, parallel="fsdp") -> dict:
         distributed.finish()
 
 
+def measured_step(overrides) -> dict:
+    """plan.trace.measure_step on these ranks: rank 0's peak of live tensor memory over two
+    real steps, and its split (what task=plan predicts for rank 0)."""
+    from moe_exp import distributed
+    from moe_exp.plan.trace import measure_step
+
+    cfg = _cfg(overrides)
+    distributed.init(cfg)
+    try:
+        got = measure_step(cfg)
+        return {"peak": got.peak_bytes, "at_peak": got.at_peak}
+    finally:
+        distributed.finish()
+
+
 def run_rank(cfg_dict: dict, out_dir: str) -> dict | None:
     """One run's rank body as the app's own launch runs it (pipeline.rank_main): its record
     on rank 0 (the cfg prepared by the parent, as pipeline.run does)."""

@@ -37,8 +37,17 @@ def test_expert_parallel_loss_grads_and_counts_match_one_process(case, launched)
 CLIPPED = ["ddp", "fsdp", "expert", "expert_fsdp"]
 # HSDP on 2 ranks: 2-D DTensor grads on a 1 x 2 mesh (sharded) and a 2 x 1 one (replicated)
 HSDP_2 = {"hsdp": "parallel.replicate=1", "hsdp-2x1": "parallel.replicate=2"}
+# task=plan's FSDP cases (2 ranks, one's plan on a fake process group): overrides
+PLANS = {"fsdp": ["parallel=fsdp"],
+         "fsdp-full-bf16": ["parallel=fsdp", "train.activation_checkpointing=full",
+                            "precision=bf16"],
+         "fsdp-deepseek-muon": ["parallel=fsdp", "model=tiny_deepseek", "optim=muon",
+                                "optim.ns_steps=1"],
+         "hsdp": ["parallel=hsdp", "parallel.replicate=1"]}
+PLANS = {k: [*o, "hardware.devices=2", "train.micro_batch_size=4"] for k, o in PLANS.items()}
 # dist_helpers calls: (ranks, helper, its args)
 CALLS = {
+    **{f"plan {k}": (2, "measured_step", [o]) for k, o in PLANS.items()},
     **{f"ep grads {n}": (n, "ep_grads_match", [["parallel=expert", f"hardware.devices={n}",
                                                 "parallel.expert_parallel_size=2",
                                                 "model.aux_loss_coef=0"], 3]) for n in (2, 4)},
@@ -143,6 +152,20 @@ def launched(tmp_path_factory):
             for k, res in zip(todo, got):
                 out[k] = (res, dirs[k]) if k in RUNS else res
     return out
+
+
+@pytest.mark.parametrize("case", PLANS)
+def test_an_fsdp_plan_predicts_rank_0s_peak_within_10_percent(case, launched):
+    """task=plan traces rank 0 of FSDP/HSDP on a fake process group of 2; the real ranks'
+    two steps, tracked by the same FSDPMemTracker on gloo, peak within 10% of it, with the
+    same shards of parameters and optimizer state."""
+    from moe_exp.plan.trace import trace_step
+
+    real = launched[f"plan {case}"]
+    plan = trace_step(compose(["hardware=cpu", *PLANS[case]]))
+    assert abs(plan.peak_bytes / real["peak"] - 1) < 0.10, (plan, real)
+    assert plan.at_peak["params"] == real["at_peak"]["params"] > 0
+    assert plan.at_peak["optimizer"] == real["at_peak"]["optimizer"] > 0
 
 
 @pytest.mark.parametrize("parallel", [*CLIPPED, *HSDP_2])

@@ -44,8 +44,9 @@ def test_a_plan_runs_for_hardware_this_machine_lacks(tmp_path):
     t = compose(o).train
     assert rec["planned_tokens_per_s"] == pytest.approx(
         t.micro_batch_size * t.seq_len / (rec["planned_step_ms"] / 1e3))
-    parts = sum(rec[f"planned_{k}_gib"] for k in ("params", "grads", "optimizer",
-                                                   "activations", "temporaries", "buffers"))
+    parts = sum(rec[f"planned_{k}_gib"] for k in ("params", "grads", "optimizer", "activations",
+                                                   "temporaries", "buffers", "collective",
+                                                   "other"))
     assert parts == pytest.approx(rec["planned_peak_gib"])
     if not torch.cuda.is_available():
         bare = run_inproc(o, tmp_path / "b")
@@ -54,15 +55,38 @@ def test_a_plan_runs_for_hardware_this_machine_lacks(tmp_path):
 
 
 @pytest.mark.parametrize("override, says", [
-    ("parallel=ddp", "error: parallel: task=plan plans one device so far"),
+    ("parallel=ddp hardware.devices=2", "error: parallel: task=plan traces "
+                                        "parallel=none|fsdp|hsdp so far, not ddp"),
+    ("hardware.devices=2", "error: hardware.devices: parallel=none runs one rank"),
     ("precision=fp8", "error: precision: task=plan does not trace torchao's float8"),
     ("train.micro_batch_size=0", "error: train.micro_batch_size: must be >= 1"),
 ])
 def test_bad_plans_fail_before_any_work(override, says, tmp_path):
-    r = cli_inproc([*PLAN, override], tmp_path)
+    r = cli_inproc([*PLAN, *override.split()], tmp_path)
     assert r.returncode == 2 and r.stderr.startswith(says), r.stderr
     assert [json.loads(f.read_text())["status"] for f in tmp_path.glob("**/metrics.json")] \
         in ([], ["invalid"])
+
+
+def test_an_fsdp_plan_shards_over_a_fake_process_group(tmp_path):
+    """parallel=fsdp hardware.devices=64 on this one process: rank 0's shard of the
+    parameters and optimizer state, FSDP's gathered ones as `collective`, no process group
+    left behind."""
+    import torch.distributed as dist
+
+    one = run_inproc([*PLAN, "model=tiny_dense"], tmp_path / "one")
+    two = run_inproc([*PLAN, "model=tiny_dense", "parallel=fsdp", "hardware.devices=2"],
+                     tmp_path / "two")
+    many = run_inproc([*PLAN, "model=tiny_dense", "parallel=fsdp", "hardware.devices=64"],
+                      tmp_path / "many")
+    assert one["status"] == two["status"] == many["status"] == "ok", many["error"]
+    # (half, to FSDP2's padding of dim 0 to a multiple of the ranks)
+    assert two["planned_params_gib"] == pytest.approx(one["planned_params_gib"] / 2, rel=1e-3)
+    assert two["planned_optimizer_gib"] == pytest.approx(one["planned_optimizer_gib"] / 2,
+                                                         rel=1e-3)
+    assert many["planned_params_gib"] < one["planned_params_gib"] / 32
+    assert many["world_size"] == 64 and many["planned_collective_gib"] > 0
+    assert not dist.is_initialized()
 
 
 def test_a_plan_sweep_is_one_table(tmp_path):

@@ -13,7 +13,8 @@ GIB = 2**30
 HEADROOM = 0.10  # of the device's memory kept free: the allocator's fragmentation, the
 # CUDA context and the kernels' workspaces, which no tensor tracker sees
 WHY = "task=plan predicts: nothing is measured"
-KINDS = ("params", "grads", "optimizer", "activations", "temporaries", "buffers")
+KINDS = ("params", "grads", "optimizer", "activations", "temporaries", "buffers",
+         "collective", "other")
 
 
 def plan(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict) -> dict:
@@ -66,7 +67,9 @@ def _plan(cfg, rec: dict) -> None:
             "run): set hardware.memory_gib=<GiB per device>")
     rec["planned_flops_per_step"] = step.flops
     peak = (cfg.hardware.peak_flops or {}).get(cfg.precision.name)
-    tokens = t.micro_batch_size * t.grad_accum_steps * t.seq_len
+    world = cfg.hardware.devices if cfg.parallel.name != "none" else 1
+    rec["world_size"] = world
+    tokens = t.micro_batch_size * t.grad_accum_steps * t.seq_len * world  # (every rank's)
     if peak:
         rec["planned_step_ms"] = step.flops / peak * 1e3
         rec["planned_tokens_per_s"] = tokens / (step.flops / peak)
@@ -88,15 +91,17 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                f"{HEADROOM:.0%} headroom ({mem * (1 - HEADROOM):.3g} GiB)"
     split = ", ".join(f"{k} {r[f'planned_{k}_gib']:,.3f}" for k in KINDS
                       if r.get(f"planned_{k}_gib"))
-    step = r.get("planned_step_ms")
+    step, world = r.get("planned_step_ms"), r.get("world_size") or 1
+    where = "one device" if world == 1 else f"rank 0 of {world} ({r['parallel']})"
     return [
         ("plan", f"model={r['model']} precision={r['precision']} "
                  f"ac={r['activation_checkpointing']} micro-batch {r['micro_batch_size']} on "
-                 f"{r['hardware']}, one device (traced in {r['plan_s']:.1f} s)"),
+                 f"{r['hardware']}, {where} (traced in {r['plan_s']:.1f} s)"),
         ("peak memory", f"{r['planned_peak_gib']:,.3f} GiB per device: {split}"),
         ("fits", fits),
         ("step", f"{r['planned_flops_per_step']:.3g} FLOPs" + (
             f"; at the profile's peak {step:,.1f} ms, {r['planned_tokens_per_s']:,.0f} "
-            "tokens/s (a compute-bound floor: the memory-bound ops' time is not in it)"
+            "tokens/s (a compute-bound floor: neither the memory-bound ops' time nor the "
+            "collectives' is in it)"
             if step is not None else f"; time: null ({r['null_reasons']['planned_step_ms']})")),
     ]

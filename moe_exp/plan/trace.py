@@ -1,9 +1,10 @@
 """One training step of the configured run traced on fake tensors (torch's FakeTensorMode:
-shapes and dtypes, no memory), its live tensor memory tracked by torch's MemTracker
-(torch.distributed._tools) and its FLOPs counted by FlopCounterMode. The model, the
-optimizations, the optimizer and the step are the real code's, so any architecture is
-planned without a formula of its own. `measure_step` runs the same step on real tensors
-under the same tracker: what the plan is checked against on CPU."""
+shapes and dtypes, no memory), its live tensor memory tracked by torch's MemTracker or, under
+FSDP, FSDPMemTracker (torch.distributed._tools), and its FLOPs counted by FlopCounterMode.
+The model, the optimizations, the optimizer and the step are the real code's, so any
+architecture is planned without a formula of its own; FSDP's sharding is its own on a fake
+process group of the configured world size (one rank traced). `measure_step` runs the same
+steps on real tensors under the same tracker: what the plan is checked against on CPU."""
 from __future__ import annotations
 
 import contextlib
@@ -15,10 +16,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-# MemTracker's categories (its _MemRefType values) -> the plan's names
-KINDS = {"Parameter": "params", "Buffer": "buffers", "Gradient": "grads",
-         "Activation": "activations", "Temp": "temporaries", "Optstate": "optimizer",
-         "Other": "other"}
+# the trackers' categories (their _MemRefType / _FSDPRefType values) -> the plan's names;
+# "collective": FSDP's all-gathered (unsharded) parameters and gradients and its collectives'
+# buffers
+KINDS = {"Parameter": "params", "Sharded Param": "params", "Buffer": "buffers",
+         "Gradient": "grads", "Sharded Grad": "grads", "Activation": "activations",
+         "Temp": "temporaries", "Optstate": "optimizer", "OptState": "optimizer", "Other": "other", "Inputs": "other",
+         "Unsharded Param": "collective", "Unsharded Grad": "collective",
+         "All Gather": "collective", "Reduce Scatter": "collective"}
+PLANNED = ("none", "fsdp", "hsdp")  # parallel strategies a plan traces (DDP's reducer and
+# expert parallelism's all-to-all do not run on fake tensors yet)
 
 
 @dataclass
@@ -53,22 +60,42 @@ class BalancedCounts(TorchDispatchMode):
         return out
 
 
-def _steps(cfg, micro_batch: int, device: torch.device, tracker, steps: int = 2) -> None:
-    """Build, optimize and run full steps (forward, backward, optimizer) as the bench loop
-    does, inside whatever modes are active: the second has the optimizer's state, the
-    steady state's peak."""
-    from ..bench.loop import micro_step, optimizer_step
+def _build(cfg, micro_batch: int, device: torch.device, world: int):
+    """The model as a run builds and wraps it, its optimizer, and a micro-batch."""
     from ..model import build_model
     from ..optim import build_optimizer
     from ..optimizations import apply
 
     with torch.device(device):
         model = build_model(cfg.model)
-    applied = apply(model, cfg, device)
+    applied = apply(model, cfg, device, world)
     optimizer, scheduler, _ = build_optimizer(applied.model, cfg, device)
+    tokens = torch.randint(0, cfg.model.vocab_size, (micro_batch, cfg.train.seq_len + 1),
+                           device=device)
+    return applied, optimizer, scheduler, tokens
+
+
+def _tracker(cfg, applied, optimizer, tokens):
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    if cfg.parallel.name in ("fsdp", "hsdp"):
+        tracker = FSDPMemTracker(applied.model, optimizer)
+        tracker.track_inputs((tokens,))
+    else:
+        tracker = MemTracker()
+        tracker.track_external(applied.model, optimizer, tokens)
+    return tracker
+
+
+def _steps(cfg, built, tracker, steps: int = 2) -> None:
+    """Full steps (forward, backward, optimizer) as the bench loop runs them, inside
+    whatever modes are active: the second holds the optimizer's state, the steady state's
+    peak."""
+    from ..bench.loop import micro_step, optimizer_step
+
+    applied, optimizer, scheduler, tokens = built
     params = [p for p in applied.model.parameters() if p.requires_grad]
-    seq = cfg.train.seq_len
-    tokens = torch.randint(0, cfg.model.vocab_size, (micro_batch, seq + 1), device=device)
     for _ in range(steps):
         for _ in range(cfg.train.grad_accum_steps):
             micro_step(applied.model, tokens[:, :-1], tokens[:, 1:], applied.autocast,
@@ -78,17 +105,18 @@ def _steps(cfg, micro_batch: int, device: torch.device, tracker, steps: int = 2)
         optimizer_step(cfg, applied, optimizer, scheduler, applied.scaler, params, None)
 
 
-def _tracked(cfg, micro_batch: int, device: torch.device, modes=()) -> StepMemory:
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
+def _tracked(cfg, built, device: torch.device, modes=()) -> StepMemory:
+    tracker = _tracker(cfg, *built[:2], built[3])
     with tracker, contextlib.ExitStack() as stack:
         for mode in modes:
             stack.enter_context(mode)
-        _steps(cfg, micro_batch, device, tracker)
+        _steps(cfg, built, tracker)
     snap = tracker.get_tracker_snapshot("peak").get(device, {})
-    at_peak = {KINDS[str(getattr(k, "value", k))]: int(v) for k, v in snap.items()
-               if str(getattr(k, "value", k)) in KINDS}
+    at_peak = {}
+    for k, v in snap.items():
+        name = KINDS.get(str(getattr(k, "value", k)))
+        if name:
+            at_peak[name] = at_peak.get(name, 0) + int(v)
     return StepMemory(int(snap.get("Total", 0)), at_peak)
 
 
@@ -99,13 +127,18 @@ FAKE_DEVICE = torch.device("cpu")  # where fake tensors "live": any profile is t
 
 def planned_config(cfg):
     """The traced step's config: balanced routing, no compile (dynamo does not trace under
-    an outer fake mode; the plan is of the eager step), the model's dispatch resolved."""
+    an outer fake mode; the plan is of the eager step), the trace's device, the model's
+    dispatch resolved."""
     from ..bench.runner import resolve_model_dispatch
 
     cfg = copy.deepcopy(cfg)
     cfg.train.compile = "off"
+    cfg.hardware.device = FAKE_DEVICE.type
     if cfg.model.num_experts:
         cfg.model.routing = "balanced"
+    if cfg.parallel.name != "none":  # (AdamW's fused and foreach kernels on fake DTensors
+        cfg.optim.impl = "for-loop"  # held 4.5x the optimizer's state at the step, which
+        # real ones do not: the loop's temporaries are one parameter's at a time)
     resolve_model_dispatch(cfg, FAKE_DEVICE)
     if cfg.model.dispatch == "grouped" and cfg.precision.autocast_dtype != "bf16":
         cfg.model.dispatch = "loop"  # (grouped_mm's shape function takes bf16 only; the
@@ -113,8 +146,39 @@ def planned_config(cfg):
     return cfg
 
 
+@contextlib.contextmanager
+def _fake_world(world: int):
+    """A fake process group of `world` ranks (torch's "fake" backend: collectives that move
+    nothing), for this process's trace of rank 0; device meshes made outside fake mode."""
+    import torch.distributed as dist
+    import torch.distributed.device_mesh as device_mesh
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    if world == 1:
+        yield
+        return
+    if dist.is_initialized():
+        raise RuntimeError("a plan of several ranks makes its own (fake) process group: "
+                           "run it outside one")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    real = device_mesh.init_device_mesh
+
+    def init_device_mesh(*args, **kwargs):  # (a mesh's ranks are a real tensor)
+        with unset_fake_temporarily():
+            return real(*args, **kwargs)
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        with mock.patch.object(device_mesh, "init_device_mesh", init_device_mesh):
+            yield
+    finally:
+        dist.destroy_process_group()
+
+
 def trace_step(cfg, micro_batch: int | None = None) -> StepMemory:
-    """The plan of one step of `cfg` on one device, traced on fake tensors."""
+    """The plan of one step of `cfg` on one device (rank 0 of hardware.devices under FSDP),
+    traced on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -123,20 +187,23 @@ def trace_step(cfg, micro_batch: int | None = None) -> StepMemory:
 
     b = micro_batch or cfg.train.micro_batch_size
     cfg = planned_config(cfg)
-    device = FAKE_DEVICE
+    world = cfg.hardware.devices if cfg.parallel.name != "none" else 1
     m = cfg.model
     rows = b * cfg.train.seq_len * max(m.top_k, 1)  # a MoE call's (token, choice) pairs
     experts = m.num_experts or 1
     if m.num_experts and m.capacity_factor:  # (balanced: every expert at its capacity or
         rows = min(rows, experts * capacity(b * cfg.train.seq_len, m.top_k, experts,
                                             m.capacity_factor))  # below it)
-    with mock.patch.object(Transformer, "reset_parameters", _no_init):
+    with mock.patch.object(Transformer, "reset_parameters", _no_init), _fake_world(world):
         with FakeTensorMode():
-            got = _tracked(cfg, b, device, [BalancedCounts(rows, experts)])
+            got = _tracked(cfg, _build(cfg, b, FAKE_DEVICE, world), FAKE_DEVICE,
+                           [BalancedCounts(rows, experts)])
         # (FLOPs in a pass of their own: FlopCounterMode's module hooks keep tensors alive)
         counter = FlopCounterMode(display=False)
-        with FakeTensorMode(), counter, BalancedCounts(rows, experts):
-            _steps(cfg, b, device, None, steps=1)
+        with FakeTensorMode():
+            built = _build(cfg, b, FAKE_DEVICE, world)
+            with counter, BalancedCounts(rows, experts):
+                _steps(cfg, built, None, steps=1)
     got.flops = float(counter.get_total_flops())
     return got
 
@@ -146,8 +213,11 @@ def _no_init(self) -> None:
 
 
 def measure_step(cfg, micro_batch: int | None = None) -> StepMemory:
-    """The same step on real tensors (the configured routing), its live tensor memory
-    tracked the same way: the plan's check on a machine that can run it."""
+    """The same steps on real tensors (the configured routing; under a parallel strategy,
+    in the ranks' process group), their live tensor memory tracked the same way: the plan's
+    check on a machine that can run it."""
+    import torch.distributed as dist
+
     from ..bench.runner import resolve_model_dispatch
 
     cfg = copy.deepcopy(cfg)
@@ -155,4 +225,6 @@ def measure_step(cfg, micro_batch: int | None = None) -> StepMemory:
     device = torch.device(cfg.hardware.device)
     resolve_model_dispatch(cfg, device)
     torch.manual_seed(cfg.train.seed)
-    return _tracked(cfg, micro_batch or cfg.train.micro_batch_size, device)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    built = _build(cfg, micro_batch or cfg.train.micro_batch_size, device, world)
+    return _tracked(cfg, built, device)
