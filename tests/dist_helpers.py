@@ -216,7 +216,7 @@ def measured_step(overrides) -> dict:
     distributed.init(cfg)
     try:
         got = measure_step(cfg)
-        return {"peak": got.peak_bytes, "at_peak": got.at_peak}
+        return {"peak": got.peak_bytes, "at_peak": got.at_peak, "comm": got.comm}
     finally:
         distributed.finish()
 

@@ -158,7 +158,8 @@ def launched(tmp_path_factory):
 def test_an_fsdp_plan_predicts_rank_0s_peak_within_10_percent(case, launched):
     """task=plan traces rank 0 of FSDP/HSDP on a fake process group of 2; the real ranks'
     two steps, tracked by the same FSDPMemTracker on gloo, peak within 10% of it, with the
-    same shards of parameters and optimizer state."""
+    same shards of parameters and optimizer state, and the same collectives (calls and
+    bytes) a step."""
     from moe_exp.plan.trace import trace_step
 
     real = launched[f"plan {case}"]
@@ -166,6 +167,7 @@ def test_an_fsdp_plan_predicts_rank_0s_peak_within_10_percent(case, launched):
     assert abs(plan.peak_bytes / real["peak"] - 1) < 0.10, (plan, real)
     assert plan.at_peak["params"] == real["at_peak"]["params"] > 0
     assert plan.at_peak["optimizer"] == real["at_peak"]["optimizer"] > 0
+    assert plan.comm == real["comm"] and plan.comm["reduce_scatter"]["bytes"] > 0
 
 
 @pytest.mark.parametrize("parallel", [*CLIPPED, *HSDP_2])

@@ -86,6 +86,12 @@ def test_an_fsdp_plan_shards_over_a_fake_process_group(tmp_path):
                                                          rel=1e-3)
     assert many["planned_params_gib"] < one["planned_params_gib"] / 32
     assert many["world_size"] == 64 and many["planned_collective_gib"] > 0
+    assert one["planned_comm"] == {} and one["planned_comm_gib"] == 0
+    comm = two["planned_comm"]  # (FSDP fp32: the parameters gathered in the forward and
+    # again in the backward, the gradients reduce-scattered)
+    assert comm["all_gather"]["gib"] == pytest.approx(2 * comm["reduce_scatter"]["gib"])
+    assert comm["reduce_scatter"]["gib"] == pytest.approx(2 * two["planned_params_gib"],
+                                                          rel=0.01)
     assert not dist.is_initialized()
 
 

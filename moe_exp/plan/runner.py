@@ -66,6 +66,9 @@ def _plan(cfg, rec: dict) -> None:
             f"hardware={cfg.hardware.name} gives no memory_gib (read from the device when "
             "run): set hardware.memory_gib=<GiB per device>")
     rec["planned_flops_per_step"] = step.flops
+    rec["planned_comm"] = {k: {"calls": v["calls"], "gib": v["bytes"] / GIB}
+                           for k, v in sorted(step.comm.items())}
+    rec["planned_comm_gib"] = sum(v["gib"] for v in rec["planned_comm"].values())
     peak = (cfg.hardware.peak_flops or {}).get(cfg.precision.name)
     world = cfg.hardware.devices if cfg.parallel.name != "none" else 1
     rec["world_size"] = world
@@ -79,6 +82,10 @@ def _plan(cfg, rec: dict) -> None:
             f"no peak FLOP/s known for hardware={cfg.hardware.name} at precision="
             f"{cfg.precision.name}; set ++hardware.peak_flops.{cfg.precision.name}=<FLOP/s>")
     fill_null_reasons(rec, WHY)
+
+
+def _gib(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
 
 def summary_rows(r: dict) -> list[tuple[str, str]]:
@@ -99,6 +106,9 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                  f"{r['hardware']}, {where} (traced in {r['plan_s']:.1f} s)"),
         ("peak memory", f"{r['planned_peak_gib']:,.3f} GiB per device: {split}"),
         ("fits", fits),
+        *([("collectives", ", ".join(f"{k} {_gib(v['gib'])} GiB in {v['calls']} calls"
+                                     for k, v in r["planned_comm"].items())
+            + " a step (each rank)")] if r.get("planned_comm") else []),
         ("step", f"{r['planned_flops_per_step']:.3g} FLOPs" + (
             f"; at the profile's peak {step:,.1f} ms, {r['planned_tokens_per_s']:,.0f} "
             "tokens/s (a compute-bound floor: neither the memory-bound ops' time nor the "

@@ -33,6 +33,30 @@ class StepMemory:
     peak_bytes: int  # live tensor memory at the step's peak (one device)
     at_peak: dict = field(default_factory=dict)  # KINDS' names -> bytes at the peak
     flops: float | None = None  # the step's FLOPs (fake traces only)
+    comm: dict = field(default_factory=dict)  # collective -> {"calls", "bytes"} a step
+
+
+class Collectives(TorchDispatchMode):
+    """Each c10d collective a step calls (FSDP's all-gathers and reduce-scatters, the
+    clip's all-reduce), and its message: the largest tensor it takes (an all-gather's
+    output, a reduce-scatter's input, an all-reduce's tensors)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            from torch.utils._pytree import tree_leaves
+
+            name = func.overloadpacket.__name__.strip("_").replace("allgather", "all_gather") \
+                .replace("allreduce", "all_reduce").removesuffix("_base")
+            sizes = [t.numel() * t.element_size() for t in tree_leaves((args, kwargs))
+                     if isinstance(t, torch.Tensor)]
+            got = self.seen.setdefault(name, {"calls": 0, "bytes": 0})
+            got["calls"] += 1
+            got["bytes"] += sum(sizes) if name == "all_reduce" else max(sizes, default=0)
+        return func(*args, **(kwargs or {}))
 
 
 class BalancedCounts(TorchDispatchMode):
@@ -199,12 +223,12 @@ def trace_step(cfg, micro_batch: int | None = None) -> StepMemory:
             got = _tracked(cfg, _build(cfg, b, FAKE_DEVICE, world), FAKE_DEVICE,
                            [BalancedCounts(rows, experts)])
         # (FLOPs in a pass of their own: FlopCounterMode's module hooks keep tensors alive)
-        counter = FlopCounterMode(display=False)
+        counter, comm = FlopCounterMode(display=False), Collectives()
         with FakeTensorMode():
             built = _build(cfg, b, FAKE_DEVICE, world)
-            with counter, BalancedCounts(rows, experts):
+            with counter, comm, BalancedCounts(rows, experts):
                 _steps(cfg, built, None, steps=1)
-    got.flops = float(counter.get_total_flops())
+    got.flops, got.comm = float(counter.get_total_flops()), comm.seen
     return got
 
 
@@ -227,4 +251,7 @@ def measure_step(cfg, micro_batch: int | None = None) -> StepMemory:
     torch.manual_seed(cfg.train.seed)
     world = dist.get_world_size() if dist.is_initialized() else 1
     built = _build(cfg, micro_batch or cfg.train.micro_batch_size, device, world)
-    return _tracked(cfg, built, device)
+    comm = Collectives()
+    got = _tracked(cfg, built, device, [comm])
+    got.comm = {k: {n: v // 2 for n, v in c.items()} for k, c in comm.seen.items()}  # (a
+    return got  # step's: two ran)

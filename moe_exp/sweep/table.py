@@ -479,6 +479,7 @@ def compact(df):
         if planned:  # task=plan: predictions, not measurements
             row.update({"planned peak GiB": _fmt(r["planned_peak_gib"], ",.3f"),
                         "fits": {True: "yes", False: "NO"}.get(r["planned_fits"], "—"),
+                        "planned comm GiB": _fmt(r["planned_comm_gib"], ",.3f"),
                         "planned tokens/s": _fmt(r["planned_tokens_per_s"], ",.0f")})
         if tune:  # task=tune_batch: the largest micro-batch that fit, and the fastest
             row.update({"largest mbs": _fmt(r["tune_max_micro_batch"], ".0f"),
