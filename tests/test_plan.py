@@ -95,15 +95,15 @@ def test_an_fsdp_plan_shards_over_a_fake_process_group(tmp_path):
     assert not dist.is_initialized()
 
 
-def test_a_plan_sweep_is_one_table(tmp_path):
+def test_a_plan_sweep_is_one_table_the_plans_that_fit_first(tmp_path):
     d = tmp_path / "s"
-    r = run_cli(["-m", *PLAN, "train.micro_batch_size=2,8", "sweep.isolate=false",
-                 f"hydra.sweep.dir={d}"], tmp_path)
+    r = run_cli(["-m", *PLAN, "train.micro_batch_size=8,2", "hardware.memory_gib=0.05",
+                 "sweep.isolate=false", f"hydra.sweep.dir={d}"], tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
-    table = (d / "results.md").read_text()
-    assert "planned peak GiB" in table and "| yes " in table
     import pandas as pd
 
-    df = pd.read_csv(d / "results.csv")
-    assert list(df["status"]) == ["ok", "ok"]
-    assert df["planned_peak_gib"].iloc[1] > df["planned_peak_gib"].iloc[0]
+    df = pd.read_csv(d / "results.csv")  # (every field, in job order)
+    assert list(df["status"]) == ["ok", "ok"] and list(df["planned_fits"]) == [False, True]
+    assert df["planned_peak_gib"].iloc[0] > df["planned_peak_gib"].iloc[1]
+    rows = [x for x in (d / "results.md").read_text().splitlines() if x.startswith("| ")]
+    assert "planned peak GiB" in rows[0] and "| yes " in rows[1] and "| NO " in rows[2]
