@@ -729,6 +729,14 @@ def infer_here(cfg) -> None:
                           ">= 8.9 (H100, H200, L4, RTX 40xx)")
     if q != "none" and importlib.util.find_spec("torchao") is None:
         raise Unsupported("infer.quantize", "needs torchao: pip install -e \".[fp8]\"")
+    if q != "none":  # (its FqnToConfig naming the stacked experts' 3-D weights: tested on
+        from importlib.metadata import version  # 0.18)
+
+        have = version("torchao")
+        if tuple(int(x) for x in have.split(".")[:2] if x.isdigit()) < (0, 18):
+            raise Unsupported("infer.quantize", f"needs torchao >= 0.18 (its FqnToConfig "
+                              f"quantizes the stacked experts), found {have}: pip install "
+                              "\"torchao>=0.18\"")
 
 
 def check_plan(cfg) -> None:
