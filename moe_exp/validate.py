@@ -741,10 +741,10 @@ def infer_here(cfg) -> None:
 
 def check_plan(cfg) -> None:
     """task=plan: the strategies a fake process group runs (plan.trace.PLANNED)."""
-    from .plan.trace import PLANNED
-
     if cfg.task != "plan":
         return
+    from .plan.trace import PLANNED
+
     if cfg.parallel.name not in PLANNED:
         raise ConfigError("parallel", f"task=plan traces parallel={'|'.join(PLANNED)} so "
                           f"far, not {cfg.parallel.name} (its collectives do not run on fake "

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
+from ..bench.memory import GIB
 from ..results import close_record, fill_null_reasons
 from .experts import Residency, drop_rare
 from .generate import generate
 
-GIB = 2**30
 WHY = "task=infer generates: no training step"  # the training figures' null reason
 # the record's training settings, which a generation run does not have
 TRAINING = ("optim", "grad_accum_steps", "activation_checkpointing", "lr_schedule", "attention",

@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from ..bench.memory import GIB
 from ..results import close_record, fill_null_reasons
 
-GIB = 2**30
 HEADROOM = 0.10  # of the device's memory kept free: the allocator's fragmentation, the
 # CUDA context and the kernels' workspaces, which no tensor tracker sees
 WHY = "task=plan predicts: nothing is measured"
@@ -70,8 +70,7 @@ def _plan(cfg, rec: dict) -> None:
                            for k, v in sorted(step.comm.items())}
     rec["planned_comm_gib"] = sum(v["gib"] for v in rec["planned_comm"].values())
     peak = (cfg.hardware.peak_flops or {}).get(cfg.precision.name)
-    world = cfg.hardware.devices if cfg.parallel.name != "none" else 1
-    rec["world_size"] = world
+    rec["world_size"] = world = cfg.hardware.devices
     tokens = t.micro_batch_size * t.grad_accum_steps * t.seq_len * world  # (every rank's)
     if peak:
         rec["planned_step_ms"] = step.flops / peak * 1e3

@@ -21,8 +21,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 # buffers
 KINDS = {"Parameter": "params", "Sharded Param": "params", "Buffer": "buffers",
          "Gradient": "grads", "Sharded Grad": "grads", "Activation": "activations",
-         "Temp": "temporaries", "Optstate": "optimizer", "OptState": "optimizer", "Other": "other", "Inputs": "other",
-         "Unsharded Param": "collective", "Unsharded Grad": "collective",
+         "Temp": "temporaries", "Optstate": "optimizer", "OptState": "optimizer",
+         "Other": "other", "Inputs": "other", "Unsharded Param": "collective", "Unsharded Grad": "collective",
          "All Gather": "collective", "Reduce Scatter": "collective"}
 PLANNED = ("none", "fsdp", "hsdp")  # parallel strategies a plan traces (DDP's reducer and
 # expert parallelism's all-to-all do not run on fake tensors yet)
@@ -163,21 +163,30 @@ FAKE_DEVICE = torch.device("cpu")  # where fake tensors "live": any profile is t
 # matmuls), so a plan needs no GPU
 
 
-def planned_config(cfg):
-    """The traced step's config: balanced routing, no compile (dynamo does not trace under
-    an outer fake mode; the plan is of the eager step), the trace's device, the model's
-    dispatch resolved."""
+def _eager(cfg, device: torch.device | None = None):
+    """A copy of cfg for a traced or tracked step (on `device` where given): compile off
+    (dynamo does not trace under an outer fake mode, and the tracker follows eager ops), the
+    model's dispatch resolved for its device."""
     from ..bench.runner import resolve_model_dispatch
 
     cfg = copy.deepcopy(cfg)
     cfg.train.compile = "off"
-    cfg.hardware.device = FAKE_DEVICE.type
+    if device is not None:
+        cfg.hardware.device = device.type
+    resolve_model_dispatch(cfg, torch.device(cfg.hardware.device))
+    return cfg
+
+
+def planned_config(cfg):
+    """The traced step's config: balanced routing, no compile (dynamo does not trace under
+    an outer fake mode; the plan is of the eager step), the trace's device, the model's
+    dispatch resolved."""
+    cfg = _eager(cfg, FAKE_DEVICE)
     if cfg.model.num_experts:
         cfg.model.routing = "balanced"
     if cfg.parallel.name != "none":  # (AdamW's fused and foreach kernels on fake DTensors
         cfg.optim.impl = "for-loop"  # held 4.5x the optimizer's state at the step, which
         # real ones do not: the loop's temporaries are one parameter's at a time)
-    resolve_model_dispatch(cfg, FAKE_DEVICE)
     if cfg.model.dispatch == "grouped" and cfg.precision.autocast_dtype != "bf16":
         cfg.model.dispatch = "loop"  # (grouped_mm's shape function takes bf16 only; the
         # loop's memory is the grouped kernel's: the same rows, the same saved inputs)
@@ -225,7 +234,7 @@ def trace_step(cfg, micro_batch: int | None = None) -> StepMemory:
 
     b = micro_batch or cfg.train.micro_batch_size
     cfg = planned_config(cfg)
-    world = cfg.hardware.devices if cfg.parallel.name != "none" else 1
+    world = cfg.hardware.devices  # (1 under parallel=none: validate sees to it)
     m = cfg.model
     rows = b * cfg.train.seq_len * max(m.top_k, 1)  # a MoE call's (token, choice) pairs
     experts = m.num_experts or 1
@@ -256,12 +265,8 @@ def measure_step(cfg, micro_batch: int | None = None) -> StepMemory:
     check on a machine that can run it."""
     import torch.distributed as dist
 
-    from ..bench.runner import resolve_model_dispatch
-
-    cfg = copy.deepcopy(cfg)
-    cfg.train.compile = "off"
+    cfg = _eager(cfg)
     device = torch.device(cfg.hardware.device)
-    resolve_model_dispatch(cfg, device)
     torch.manual_seed(cfg.train.seed)
     world = dist.get_world_size() if dist.is_initialized() else 1
     built = _build(cfg, micro_batch or cfg.train.micro_batch_size, device, world)
