@@ -268,6 +268,21 @@ class HardwareConfig:
     # null = unknown (MFU is then null)
     peak_flops: Dict[str, Optional[float]] = knob(doc="dense peak FLOP/s per device for each "
                                                   "precision", factory=dict)
+    # the plan's (task=plan; a bench run's plan reads them too, unhashed there: they change
+    # a prediction, not what is measured)
+    spec_memory_gib: Optional[float] = knob(
+        None, "the part's memory per device as CUDA reports it: a plan's where memory_gib "
+        "is null (the device is not here)", since=None, tasks=PLAN_TASK)
+    memory_bandwidth: Optional[float] = knob(
+        None, "device memory bytes/s (the plan's roofline)", since=None, tasks=PLAN_TASK)
+    link_bandwidth: Optional[float] = knob(
+        None, "bytes/s each way per device between the devices of a node (NVLink)",
+        since=None, tasks=PLAN_TASK)
+    network_bandwidth: Optional[float] = knob(
+        None, "bytes/s each way per device between nodes (its NIC)", since=None,
+        tasks=PLAN_TASK)
+    devices_per_node: int = knob(8, "devices that share a node's links (a plan's group "
+                                 "within one uses link_bandwidth)", since=8, tasks=PLAN_TASK)
     precisions: List[str] = knob(doc="precisions this hardware runs",
                                  factory=lambda: ["fp32", "fp16", "bf16"])
     cudnn_benchmark: bool = knob(True, "cuDNN autotuning")
@@ -386,6 +401,10 @@ class TrainConfig:
                                   read_by=CHECKPOINT, off=False, since=False)
     checkpoint_keep: int = knob(1, "the latest checkpoints kept (0: all)", read_by=CHECKPOINT,
                                 since=1)
+    plan: bool = knob(True, "trace the step first (task=plan) and record its prediction "
+                      "beside the measurement (planned_peak_gib, planned_peak_error); the "
+                      "pre-flight skips a run whose planned peak exceeds the memory",
+                      since=True)
     resume_from: Optional[str] = knob(None, "continue from a checkpoint: its step_* dir, a dir "
                                       "of them (the latest) or the run dir that holds them",
                                       since=None)

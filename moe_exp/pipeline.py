@@ -74,6 +74,9 @@ def run(cfg: DictConfig, out_dir: Path | None = None, progress: bool = True,
     out_dir = Path(out_dir or hydra_dir or "outputs/run")
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg, rec = prepare(cfg, overrides, in_sweep)
+    planned = None
+    if rec is None and cfg.task == "bench":
+        planned, rec = preflight_plan(cfg, overrides)
     if rec is not None:
         if (env := rank_env()) and env.rank != 0:  # torchrun's other ranks: rank 0 reports
             return rec
@@ -86,7 +89,7 @@ def run(cfg: DictConfig, out_dir: Path | None = None, progress: bool = True,
 
     with hardware_env(cfg.hardware):
         try:
-            rec = _run(cfg, out_dir, overrides, choices, progress, shared_process)
+            rec = _run(cfg, out_dir, overrides, choices, progress, shared_process, planned)
         except KeyboardInterrupt:  # Ctrl-C / SIGTERM: the record it wrote, into run.log too
             with contextlib.suppress(OSError, ValueError, KeyError):
                 done = json.loads((out_dir / "metrics.json").read_text())
@@ -96,6 +99,19 @@ def run(cfg: DictConfig, out_dir: Path | None = None, progress: bool = True,
     if rec is not None:
         log_record(rec)
     return rec
+
+def preflight_plan(cfg, overrides) -> tuple[dict, dict | None]:
+    """A bench run's plan (train.plan: its keys for the record), and a `skipped` record
+    where its planned peak cannot fit the memory (else None)."""
+    from .plan.runner import bench_plan, too_big
+
+    planned = bench_plan(cfg)
+    if not (why := too_big(cfg, planned)):
+        return planned, None
+    rec = failed_record(container(cfg), overrides, "skipped", why, "not run: skipped")
+    rec.update({k: v for k, v in planned.items() if k != "null_reasons"})
+    return planned, rec
+
 
 def log_record(rec: dict) -> None:
     """The record's gist into the run's log (Hydra's run.log; the terminal has the table)."""
@@ -120,7 +136,7 @@ def distributed_run(cfg) -> bool:
     return cfg.parallel.name != "none" or cfg.hardware.devices > 1 or cfg.task == "comm"
 
 def _run(cfg: DictConfig, out_dir: Path, overrides, choices, progress,
-         shared_process: bool = False) -> dict | None:
+         shared_process: bool = False, planned: dict | None = None) -> dict | None:
     cfg_dict = container(cfg)
     if cfg.task == "tune_batch":  # (its probes are runs of their own, with their ranks)
         from .bench.tune import tune_batch
@@ -138,15 +154,25 @@ def _run(cfg: DictConfig, out_dir: Path, overrides, choices, progress,
         from .distributed import is_rank
 
         if is_rank():  # started by torchrun / SLURM: this process is one of the ranks
-            return rank_main(cfg_dict, str(out_dir), overrides, choices, progress)
-        return launch(cfg_dict, out_dir, overrides, choices, progress)
+            return rank_main(cfg_dict, str(out_dir), overrides, choices, progress,
+                             planned=planned)
+        return launch(cfg_dict, out_dir, overrides, choices, progress, planned)
 
     from .bench.runner import bench
 
-    rec = new_record(cfg_dict, overrides)
+    rec = _planned_record(cfg_dict, overrides, planned)
     return bench(cfg, cfg_dict, rec, out_dir, choices, progress, shared=shared_process)
 
-def launch(cfg_dict: dict, out_dir: Path, overrides, choices, progress) -> dict:
+def _planned_record(cfg_dict: dict, overrides, planned: dict | None) -> dict:
+    """A new record with the run's plan in it (preflight_plan)."""
+    rec = new_record(cfg_dict, overrides)
+    if planned:
+        rec.update({k: v for k, v in planned.items() if k != "null_reasons"})
+        rec["null_reasons"].update(planned["null_reasons"])
+    return rec
+
+def launch(cfg_dict: dict, out_dir: Path, overrides, choices, progress,
+           planned: dict | None = None) -> dict:
     """hardware.devices ranks on this machine via torch's elastic agent; rank 0's record.
     A rank that fails stops them all; the record names it (status error, oom, or crashed:
     killed by a signal)."""
@@ -158,7 +184,7 @@ def launch(cfg_dict: dict, out_dir: Path, overrides, choices, progress) -> dict:
 
     try:
         rec = elastic(rank_entry, cfg_dict["hardware"]["devices"], rank_main, cfg_dict,
-                      str(out_dir), overrides, choices, progress, True)
+                      str(out_dir), overrides, choices, progress, True, planned)
     except ChildFailedError as e:
         (out_dir / "error.log").write_text(failure_report(e))
         msg = failure_message(e)
@@ -167,29 +193,31 @@ def launch(cfg_dict: dict, out_dir: Path, overrides, choices, progress) -> dict:
         status = "oom" if oom else "crashed" if killed_by_signal(e) else "error"
         rec = failed_record(cfg_dict, overrides, status, msg, f"not measured: run {status}")
         if cfg_dict.get("task", "bench") == "bench":
-            _known_before_the_run(rec, cfg_dict)
+            _known_before_the_run(rec, cfg_dict, planned)
         write_json_atomic(out_dir / "metrics.json", rec)
         print(f"error: run {rec['status']}: {msg}\nrecord: {out_dir / 'metrics.json'}",
               file=sys.stderr)
     return rec
 
-def _known_before_the_run(rec: dict, cfg_dict: dict) -> None:
+def _known_before_the_run(rec: dict, cfg_dict: dict, planned: dict | None = None) -> None:
     """What a failed launch's record still knows (analytic, or of this process): parameter
-    counts, FLOPs per token, the torch version."""
+    counts, FLOPs per token, the torch version, the plan."""
     import torch
 
     from .bench.flops import analytic
 
     known = {**analytic(OmegaConf.create(cfg_dict["model"]), cfg_dict["train"]["seq_len"]),
-             "torch_version": torch.__version__}
+             "torch_version": torch.__version__,
+             **{k: v for k, v in (planned or {}).items() if k != "null_reasons" and v is not None}}
     rec.update(known)
     for k in known:
         rec["null_reasons"].pop(k, None)
 
 def rank_main(cfg_dict: dict, out_dir: str, overrides, choices, progress,
-              launched_here: bool = False) -> dict | None:
+              launched_here: bool = False, planned: dict | None = None) -> dict | None:
     """One rank: join the group, run the task, leave. Rank 0 returns the record.
-    launched_here: by `launch` (which records a failure), not by torchrun / SLURM."""
+    launched_here: by `launch` (which records a failure), not by torchrun / SLURM.
+    planned: the run's plan (preflight_plan)."""
     from . import distributed
 
     parent = os.getppid()  # (launched here: the process that runs launch)
@@ -197,7 +225,7 @@ def rank_main(cfg_dict: dict, out_dir: str, overrides, choices, progress,
     d = distributed.init(cfg)
     d.launched_here = launched_here
     try:
-        rec = new_record(cfg_dict, overrides)
+        rec = _planned_record(cfg_dict, overrides, planned)
         if cfg.task == "comm":
             from .bench.comm import comm_bench
 

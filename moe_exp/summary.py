@@ -43,6 +43,20 @@ def _reduced(r) -> str:
             + (f" ({hook} hook)" if hook not in (None, "none") else ""))
 
 
+def _plan_check(r: dict) -> str:
+    """The run's plan against what it measured (train.plan)."""
+    why = r.get("null_reasons", {})
+    err = lambda k: f"{r[k]:+.1%}" if r.get(k) is not None else f"null: {why.get(k, '')}"  # noqa: E731
+    got = "tracked" if r.get("tracked_peak_gib") is not None else "measured"
+    text = f"peak {r['planned_peak_gib']:.3f} GiB planned, error {err('planned_peak_error')}"
+    if r.get("planned_peak_error") is not None:
+        text += f" of {got}"
+    if r.get("planned_step_ms") is not None:
+        text += f"; step {r['planned_step_ms']:,.1f} ms planned, error " \
+                f"{err('planned_step_error')}"
+    return text + f" (traced in {r['plan_s']:.1f} s)"
+
+
 def summary_rows(r: dict) -> list[tuple[str, str]]:
     why = r.get("null_reasons", {})
     # each phase's share of the phases' summed medians: the median of a sum is not the sum
@@ -80,6 +94,8 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                         + (f" (reserved {r['peak_reserved_gib']:.3f} GiB)"
                            if r.get("peak_reserved_gib") is not None else "")),
     ]
+    if r.get("planned_peak_gib") is not None:
+        rows.append(("plan", _plan_check(r)))
     if r.get("gpu_util_pct") is not None:
         rows.append(("GPU (NVML)", f"{r['gpu_util_pct']:.0f}% busy, {r['gpu_mem_used_gib']:.1f} "
                                    f"GiB used, {r['gpu_power_w']:.0f} W"))

@@ -280,6 +280,10 @@ def check_precision(cfg) -> None:
     for key, peak in hw.peak_flops.items():
         if peak is not None and not peak > 0:
             raise ConfigError(f"hardware.peak_flops.{key}", f"must be > 0 FLOP/s or null, got {peak}")
+    for key in ("memory_bandwidth", "link_bandwidth", "network_bandwidth"):
+        if hw[key] is not None and not hw[key] > 0:
+            raise ConfigError(f"hardware.{key}", f"must be > 0 bytes/s or null, got {hw[key]}")
+    _at_least(cfg, "hardware.devices_per_node", 1)
     if cfg.precision.autocast_dtype not in (None, "bfloat16", "float16"):
         raise ConfigError("precision.autocast_dtype", "must be null, bfloat16 or float16")
     # The name labels every result: its autocast dtype (and, without autocast, its tf32) may
@@ -740,18 +744,18 @@ def infer_here(cfg) -> None:
 
 
 def check_plan(cfg) -> None:
-    """task=plan: the strategies a fake process group runs (plan.trace.PLANNED)."""
+    """task=plan: what the trace follows (plan.trace.unplannable)."""
     if cfg.task != "plan":
         return
-    from .plan.trace import PLANNED
+    from .plan.runner import plan_memory_gib
+    from .plan.trace import unplannable
 
-    if cfg.parallel.name not in PLANNED:
-        raise ConfigError("parallel", f"task=plan traces parallel={'|'.join(PLANNED)} so "
-                          f"far, not {cfg.parallel.name} (its collectives do not run on fake "
-                          "tensors yet)")
-    if cfg.precision.name == "fp8":
-        raise ConfigError("precision", "task=plan does not trace torchao's float8 training "
-                          "yet: fp32, tf32, fp16 or bf16")
+    if why := unplannable(cfg):
+        raise ConfigError(*why)
+    if plan_memory_gib(cfg.hardware) is None:
+        raise ConfigError("hardware.memory_gib", f"hardware={cfg.hardware.name} reads its "
+                          "memory from the device, which is not here: a plan needs it (set "
+                          "hardware.memory_gib=<GiB per device>)")
 
 
 def check_tune(cfg) -> None:

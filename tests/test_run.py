@@ -281,9 +281,16 @@ def test_oom_lines_read_the_same_from_every_allocator():
 def test_a_cpu_run_past_its_memory_ends_oom_with_a_record(tmp_path):
     """Not the kernel's OOM killer (no record, maybe another process killed): the run's
     allocations fail past the memory free at its start (here hardware.memory_gib: the
-    weights fit, a batch of 256 sequences' activations do not)."""
-    rec = run_inproc(["logger=none", "hardware=cpu", "hardware.memory_gib=1",
-                      "train.micro_batch_size=256", "train.steps=2"], tmp_path)
+    weights fit, a batch of 256 sequences' activations do not). First the pre-flight: the
+    plan of the step (train.plan, on by default) peaks past the memory: skipped, before
+    any work, with the plan in the record."""
+    o = ["logger=none", "hardware=cpu", "hardware.memory_gib=1", "train.micro_batch_size=256",
+         "train.steps=2"]
+    rec = run_inproc(o, tmp_path / "planned")
+    assert rec["status"] == "skipped" and rec["error"].startswith(
+        "train.micro_batch_size: the plan of this step peaks at "), rec["error"]
+    assert rec["planned_peak_gib"] > 1 and rec["tokens_per_s"] is None
+    rec = run_inproc([*o, "train.plan=false"], tmp_path)
     assert rec["status"] == "oom", rec["error"]
     assert rec["error"].startswith("DefaultCPUAllocator: can't allocate memory: ")
     assert rec["error"].endswith("(the process could allocate 1 GiB: the least of the memory "

@@ -33,8 +33,11 @@ def test_tune_batch_finds_the_limit_of_a_memory_cap(tmp_path):
     probes = {p["micro_batch_size"]: p for p in rec["tune_probes"]}
     largest = rec["tune_max_micro_batch"]
     assert rec["tune_limit"] == "memory" and largest % 8 == 0
-    assert probes[largest]["status"] == "ok" and probes[largest + 8]["status"] == "oom"
-    assert all(p["status"] == ("ok" if n <= largest else "oom") for n, p in probes.items())
+    # (past it: oom, or skipped where the probe's plan peaks past the memory)
+    assert probes[largest]["status"] == "ok"
+    assert probes[largest + 8]["status"] in ("oom", "skipped")
+    assert all((p["status"] == "ok") if n <= largest else p["status"] in ("oom", "skipped")
+               for n, p in probes.items())
     best = max((p for p in probes.values() if p["status"] == "ok"),
                key=lambda p: p["tokens_per_s"])
     assert rec["tune_best_micro_batch"] == best["micro_batch_size"] == rec["micro_batch_size"]

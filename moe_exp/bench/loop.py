@@ -59,6 +59,8 @@ class LoopResult:
     profiler: object = None  # train.profile: the closed torch.profiler of the last steps
     memory_snapshot: dict | None = None  # train.profile on CUDA: one step's allocations
     checkpoint_s: float = 0.0  # the measured window's time blocked by checkpoint saves
+    tracked_peak: int | None = None  # CPU, train.plan: the last warmup step's live tensors
+    tracked_why: str | None = None  # (why not, where None)
 
 
 def micro_step(model, tokens, targets, autocast, scaler, accum: int, timer=None):
@@ -283,7 +285,8 @@ def optimizer_step(cfg, applied, optimizer, scheduler, scaler, params, timer):
     without clipping."""
     if applied.before_step:
         applied.before_step()
-        timer.lap("backward")
+        if timer is not None:
+            timer.lap("backward")
     if scaler:
         scaler.unscale_(optimizer)
     norm = None
@@ -322,6 +325,22 @@ def _checkpoint(ckpt, step: int, read: bool, log: _LossLog, res: LoopResult,
         raise e
 
 
+def _tracked_step(cfg, device, start: int, warmup: int) -> tuple[int | None, str | None]:
+    """The step whose live tensors are tracked (on CPU, to check the plan against: the
+    last warmup step, which holds the optimizer's state), or None and why not."""
+    t, step = cfg.train, warmup - 1
+    if device.type != "cpu":
+        return None, "tracked on CPU only: a GPU's peak_mem_gib is its allocator's"
+    if not t.plan:
+        return None, "train.plan=false"
+    if t.compile != "off":
+        return None, "train.compile: the tracker follows eager ops, not a compiled step's"
+    if step < max(start, 1):
+        return None, f"train.warmup_steps={t.warmup_steps}: the step tracked is the last " \
+                     "warmup step after the first (with the optimizer's state): >= 2"
+    return step, None
+
+
 def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                memory: MemoryMeter, on_log=None, progress: bool = True,
                ckpt=None) -> LoopResult:
@@ -353,6 +372,8 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
     batches = iter(loader)
     model.train()
     collector = Collector(t.gc_every)  # (entered in the try: its exit restores GC)
+    track, res.tracked_why = _tracked_step(cfg, device, start, win.warmup)
+    live = None  # the tracker of step `track` while it runs
     done = False
     try:
         collector.__enter__()
@@ -364,6 +385,11 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
             if step == start:
                 t0 = time.perf_counter()
             timer.start()
+            if step == track:
+                from ..plan.tracker import live_tracker
+
+                live = live_tracker(cfg, applied, optimizer, device)
+                live.__enter__()
             step_loss = losses[step]
             for sync_ctx in applied.micro_contexts(accum):
                 tokens, targets = next(batches)
@@ -372,6 +398,8 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                 timer.lap("data")
                 with sync_ctx:
                     out = micro_step(model, tokens, targets, autocast, scaler, accum, timer)
+                if live is not None:
+                    live.reset_mod_stats()  # (its per-module figures: one pass's)
                 step_loss += out.ce.detach() / accum
                 if win.measured(step):
                     moe.add(out, tokens.numel())
@@ -381,6 +409,9 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
             if norm is not None:
                 norms[step] = norm.detach()
             balancer.step()
+            if live is not None:
+                live.__exit__(None, None, None)
+                res.tracked_peak, live = live.peak(), None
             timer.lap("optimizer")
             if collector.step(step):
                 timer.lap("gc")  # (in the step's time, in no phase)
@@ -409,6 +440,8 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
         e.losses, e.steps = res.losses, (res.steps_done, total)
         raise
     finally:
+        if live is not None:
+            live.__exit__(None, None, None)
         if ckpt:
             ckpt.__exit__(None if done else Exception, None, None)
         collector.__exit__(None, None, None)

@@ -18,7 +18,7 @@ from .load import other_share
 
 DENSE = "dense model (model.num_experts=0)"  # why its expert figures are null
 from .loop import Diverged, train_loop
-from .memory import MemoryMeter, cpu_memory_cap, is_oom, oom_line
+from .memory import GIB, MemoryMeter, cpu_memory_cap, is_oom, oom_line
 from .metrics import step_metrics
 from .timer import own_process
 
@@ -275,6 +275,12 @@ def _record(cfg, rec: dict, res, device: torch.device, world: int) -> None:
     rec.update(mem)
     why.update({k: v for k, v in mem_why.items() if mem.get(k) is None})  # (another rank's
     # figure may fill a null)
+    from ..plan.check import record_errors
+
+    rec["tracked_peak_gib"] = None if res.tracked_peak is None else res.tracked_peak / GIB
+    if res.tracked_why:
+        why["tracked_peak_gib"] = res.tracked_why
+    record_errors(rec, device.type == "cpu")
     rec.update(comm_ms=res.comm_ms, comm_share=res.comm_share,  # (nulls present: a sweep's
                comm_exposed_ms=res.comm_exposed_ms)  # table has the columns for every row)
     if res.comm_ms is None:

@@ -56,7 +56,7 @@ def _plan(cfg, rec: dict) -> None:
     rec["planned_peak_gib"] = step.peak_bytes / GIB
     for k in KINDS:
         rec[f"planned_{k}_gib"] = step.at_peak.get(k, 0) / GIB
-    mem = cfg.hardware.memory_gib
+    mem = plan_memory_gib(cfg.hardware)
     if mem:
         rec["planned_fits"] = bool(rec["planned_peak_gib"] <= mem * (1 - HEADROOM))
         rec["planned_memory_gib"] = float(mem)
@@ -69,18 +69,81 @@ def _plan(cfg, rec: dict) -> None:
     rec["planned_comm"] = {k: {"calls": v["calls"], "gib": v["bytes"] / GIB}
                            for k, v in sorted(step.comm.items())}
     rec["planned_comm_gib"] = sum(v["gib"] for v in rec["planned_comm"].values())
-    peak = (cfg.hardware.peak_flops or {}).get(cfg.precision.name)
     rec["world_size"] = world = cfg.hardware.devices
-    tokens = t.micro_batch_size * t.grad_accum_steps * t.seq_len * world  # (every rank's)
-    if peak:
-        rec["planned_step_ms"] = step.flops / peak * 1e3
-        rec["planned_tokens_per_s"] = tokens / (step.flops / peak)
-    else:
-        rec["planned_step_ms"] = rec["planned_tokens_per_s"] = None
-        why["planned_step_ms"] = why["planned_tokens_per_s"] = (
-            f"no peak FLOP/s known for hardware={cfg.hardware.name} at precision="
-            f"{cfg.precision.name}; set ++hardware.peak_flops.{cfg.precision.name}=<FLOP/s>")
+    _times(cfg, rec, step, t.micro_batch_size * t.grad_accum_steps * t.seq_len * world)
     fill_null_reasons(rec, WHY)
+
+
+BENCH = ("plan_s", "planned_peak_gib", "planned_step_ms", "planned_compute_ms",
+         "planned_comm_ms", "planned_tokens_per_s", "planned_comm_gib")  # what a task=bench run records of its plan (train.plan)
+
+
+def bench_plan(cfg) -> dict:
+    """A task=bench run's plan (train.plan), before any work: BENCH's keys, each null with
+    its reason where the plan could not be made (a plan that fails is a null, never the
+    run's failure)."""
+    from .trace import unplannable
+
+    rec, why = {"null_reasons": {}}, None
+    if not cfg.train.plan:
+        why = "train.plan=false"
+    elif cant := unplannable(cfg):
+        why = f"not planned: {cant[1]}"
+    else:
+        try:
+            _plan(cfg, rec)
+        except Exception as e:  # noqa: BLE001 - the plan is a check on the run, not the run
+            why = f"the plan failed: {type(e).__name__}: " \
+                  f"{(str(e).strip().splitlines() or [''])[0][:200]}"
+    out = {k: rec.get(k) for k in BENCH}
+    out["null_reasons"] = {k: why or rec["null_reasons"].get(k, WHY) for k in BENCH
+                           if out[k] is None}
+    return out
+
+
+def too_big(cfg, planned: dict) -> str | None:
+    """The pre-flight's verdict on a planned peak: why the run cannot fit (a GPU holds one
+    rank; a CPU's memory, this machine's ranks together), else None."""
+    mem, peak = cfg.hardware.memory_gib, planned.get("planned_peak_gib")
+    if not mem or peak is None:
+        return None
+    n = cfg.hardware.devices if cfg.hardware.device == "cpu" else 1
+    if peak * n <= mem:
+        return None
+    where = f"{n} CPU ranks" if n > 1 else "a device"
+    return (f"train.micro_batch_size: the plan of this step peaks at {peak * n:,.3g} GiB on "
+            f"{where} (task=plan for its split); hardware={cfg.hardware.name} has {mem:,.3g} "
+            "GiB (a smaller micro-batch, activation checkpointing or more sharding; "
+            "train.plan=false runs it anyway)")
+
+
+def plan_memory_gib(hw) -> float | None:
+    """The memory a plan fits against: the device's (set, or read where it is here), else
+    the part's as its profile gives it (spec_memory_gib)."""
+    return hw.memory_gib or hw.spec_memory_gib
+
+
+def _times(cfg, rec: dict, step, tokens: int) -> None:
+    """The roofline's step time (plan.roofline), tokens/s (every rank's tokens) and MFU."""
+    from .roofline import comm_ms, compute_ms
+
+    why, hw = rec["null_reasons"], cfg.hardware
+    rec["planned_compute_ms"], why_compute = compute_ms(step.ops, hw, cfg.precision.name)
+    rec["planned_comm_ms"], why_comm = comm_ms(step.ops, hw)
+    peak = (hw.peak_flops or {}).get(cfg.precision.name)
+    if why_compute or why_comm:
+        for k in ("planned_step_ms", "planned_tokens_per_s", "planned_mfu"):
+            rec[k], why[k] = None, why_compute or why_comm
+        for k, text in (("planned_compute_ms", why_compute), ("planned_comm_ms", why_comm)):
+            if text:
+                why[k] = text
+        return
+    ms = rec["planned_step_ms"] = rec["planned_compute_ms"] + rec["planned_comm_ms"]
+    rec["planned_tokens_per_s"] = tokens / (ms / 1e3)
+    rec["planned_mfu"] = step.flops / (ms / 1e3) / peak if peak else None
+    if not peak:
+        why["planned_mfu"] = f"no peak FLOP/s known for hardware={hw.name} at precision=" \
+                             f"{cfg.precision.name}"
 
 
 def _gib(x: float) -> str:
@@ -109,8 +172,9 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                                      for k, v in r["planned_comm"].items())
             + " a step (each rank)")] if r.get("planned_comm") else []),
         ("step", f"{r['planned_flops_per_step']:.3g} FLOPs" + (
-            f"; at the profile's peak {step:,.1f} ms, {r['planned_tokens_per_s']:,.0f} "
-            "tokens/s (a compute-bound floor: neither the memory-bound ops' time nor the "
-            "collectives' is in it)"
+            f"; {step:,.1f} ms ({r['planned_compute_ms']:,.1f} computing at the profile's "
+            f"roofline, {r['planned_comm_ms']:,.1f} communicating, no overlap), "
+            f"{r['planned_tokens_per_s']:,.0f} tokens/s"
+            + (f", MFU {r['planned_mfu']:.0%}" if r.get("planned_mfu") is not None else "")
             if step is not None else f"; time: null ({r['null_reasons']['planned_step_ms']})")),
     ]

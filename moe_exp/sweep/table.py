@@ -458,7 +458,10 @@ def compact(df):
     ckpt = "checkpoint_saves" in df and (df["checkpoint_saves"].fillna(0) > 0).any()
     infer = "ttft_ms" in df and df["ttft_ms"].notna().any()  # (task=infer rows)
     served = "served_tokens_per_s" in df and df["served_tokens_per_s"].notna().any()
-    planned = "planned_peak_gib" in df and df["planned_peak_gib"].notna().any()  # task=plan
+    planned = "task" in df and (df["task"] == "plan").any()  # task=plan rows
+    # task=bench rows' check of their plan (train.plan): planned / measured - 1
+    checked = [k for k in ("planned_peak_error", "planned_step_error")
+               if k in df and df[k].notna().any()]
     if planned and (df["task"] == "plan").all():  # the plans that fit first, the fastest
         df = df.assign(_fits=df["planned_fits"].map({True: 0, False: 1}).fillna(2),  # first
                        _fast=-pd.to_numeric(df["planned_tokens_per_s"], errors="coerce"))
@@ -501,6 +504,9 @@ def compact(df):
             "MFU": _fmt(r["mfu"] * 100 if _num(r["mfu"]) is not None else None, ".1f", "%"),
             "loss": _fmt(r["loss_last"], ".3f"),
         })
+        for k in checked:
+            err = _num(r[k])
+            row[f"plan {k.split('_')[1]} err"] = _fmt(err and err * 100, "+.0f", "%")
         if judged:  # (rows judged against the baseline's held-out loss and its noise)
             row["loss ok"] = {True: "yes", False: "NO"}.get(r["loss_ok"], "—")
         if load:

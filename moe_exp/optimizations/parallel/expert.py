@@ -22,7 +22,8 @@ class ExpertParallel(nn.Module):
         self.num_local = total // self.ep
         lo = self.rank * self.num_local
         h, f = experts.w1.shape[1:]
-        self.local = Experts(self.num_local, h, f).to(experts.w1.device)
+        with torch.device(experts.w1.device):
+            self.local = Experts(self.num_local, h, f)
         with torch.no_grad():
             for name in ("w1", "w3", "w2"):
                 getattr(self.local, name).copy_(getattr(experts, name)[lo: lo + self.num_local])
@@ -40,7 +41,8 @@ class ExpertParallel(nn.Module):
         x_recv = all_to_all_single_autograd(x, recv, send, self.group)
         # rows arrive grouped by source rank, then local expert: regroup by local expert
         local_e = torch.arange(n, device=x.device).repeat(ep)
-        seg = torch.repeat_interleave(local_e, recv_by_src.reshape(-1))
+        seg = torch.repeat_interleave(local_e, recv_by_src.reshape(-1),
+                                      output_size=x_recv.shape[0])  # (no sync for its size)
         order = torch.argsort(seg, stable=True)
         inv = inverse_permutation(order)
         # gathers both ways (their backwards are gathers too: see moe._Gather)
