@@ -281,6 +281,9 @@ class HardwareConfig:
     network_bandwidth: Optional[float] = knob(
         None, "bytes/s each way per device between nodes (its NIC)", since=None,
         tasks=PLAN_TASK)
+    comm_from: Optional[str] = knob(
+        None, "a task=comm record (its metrics.json or run dir): the plan's collectives "
+        "take the times it measured, not the bandwidths'", since=None, tasks=PLAN_TASK)
     devices_per_node: int = knob(8, "devices that share a node's links (a plan's group "
                                  "within one uses link_bandwidth)", since=8, tasks=PLAN_TASK)
     precisions: List[str] = knob(doc="precisions this hardware runs",

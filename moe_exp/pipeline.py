@@ -54,6 +54,8 @@ def prepare(cfg: DictConfig, overrides: list[str],
         check_complete(cfg)
         if not OmegaConf.is_missing(cfg.data, "path") and isinstance(cfg.data.path, str):
             cfg.data.path = from_launch_dir(os.path.expanduser(cfg.data.path))  # ~/corpus.bin
+        if isinstance(cfg.hardware.get("comm_from"), str):  # (a task=comm record's path)
+            cfg.hardware.comm_from = from_launch_dir(os.path.expanduser(cfg.hardware.comm_from))
         resolve(cfg)
         validate(cfg, overrides, in_sweep)
     except ConfigError as e:

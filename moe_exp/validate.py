@@ -752,6 +752,13 @@ def check_plan(cfg) -> None:
 
     if why := unplannable(cfg):
         raise ConfigError(*why)
+    if cfg.hardware.comm_from:
+        from .plan.roofline import comm_curves
+
+        try:
+            comm_curves(cfg.hardware.comm_from)
+        except ValueError as e:
+            raise ConfigError("hardware.comm_from", str(e)) from None
     if plan_memory_gib(cfg.hardware) is None:
         raise ConfigError("hardware.memory_gib", f"hardware={cfg.hardware.name} reads its "
                           "memory from the device, which is not here: a plan needs it (set "

@@ -242,10 +242,17 @@ def test_attention_benchmark_rows(tmp_path):
 
 
 def test_plan_accuracy_benchmark_rows(tmp_path):
-    """Each configuration's planned and measured peak, side by side, within 10%."""
+    """Each configuration's planned and measured peak, side by side, within 10%; --bench:
+    each as a bench run checking its own plan, at this CPU's measured peaks."""
     out = tmp_path / "plan.json"
     bench("plan_accuracy.py", "--models", "tiny_moe", "--precisions", "fp32", "--ac",
-          "none,full", "--micro-batch", "2", "--json", str(out))
+          "none,full", "--micro-batch", "2", "--bench", "--json", str(out), "train.steps=2")
     rows = json.loads(out.read_text())["rows"]
     assert [r["ac"] for r in rows] == ["none", "full"]
     assert all(abs(r["error"]) < 0.10 and r["planned"]["params"] > 0 for r in rows)
+    for r in rows:
+        b = r["bench"]
+        assert b["status"] == "ok" and abs(b["planned_peak_error"]) < 0.10, b
+        assert b["planned_step_error"] == pytest.approx(
+            b["planned_step_ms"] / b["step_time_ms"] - 1)
+        assert r["cpu_peaks"]["fp32"] > 0 and r["cpu_peaks"]["bandwidth"] > 0

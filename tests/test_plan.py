@@ -18,6 +18,7 @@ PLAN = ["task=plan", "logger=none"]
     "model=tiny_deepseek train.grad_accum_steps=2",
     "model=tiny_moe model.capacity_factor=0.5 optim=muon",
     "model=tiny_dense",
+    "model=tiny_moe model.routing=skewed model.routing_skew=3",
 ])
 def test_the_plan_predicts_the_real_steps_peak_within_10_percent(overrides):
     """The same two steps (the second with the optimizer's state) on real tensors, tracked
@@ -115,3 +116,45 @@ def test_a_plan_sweep_is_one_table_the_plans_that_fit_first(tmp_path):
     assert df["planned_peak_gib"].iloc[0] > df["planned_peak_gib"].iloc[1]
     rows = [x for x in (d / "results.md").read_text().splitlines() if x.startswith("| ")]
     assert "planned peak GiB" in rows[0] and "| yes " in rows[1] and "| NO " in rows[2]
+
+
+def test_a_bench_run_records_its_plan_beside_what_it_measured(tmp_path):
+    """train.plan (on by default): the run's plan in its record, checked against the live
+    tensors of its last warmup step (within 10%) and its median step (the roofline at the
+    peaks given), both errors planned / measured - 1; the terminal's plan line."""
+    o = ["logger=none", "hardware=cpu", "train.steps=4", "++hardware.peak_flops.fp32=1e11",
+         "hardware.memory_bandwidth=1e10"]
+    rec = run_inproc(o, tmp_path / "on")
+    assert rec["status"] == "ok", rec["error"]
+    assert rec["planned_peak_error"] == rec["planned_peak_gib"] / rec["tracked_peak_gib"] - 1
+    assert abs(rec["planned_peak_error"]) < 0.10 and rec["plan_s"] > 0
+    assert rec["planned_step_error"] == pytest.approx(
+        rec["planned_step_ms"] / rec["step_time_ms"] - 1)
+    from moe_exp.summary import summary_rows
+
+    line = dict(summary_rows(rec))["plan"]
+    assert line.startswith(f"peak {rec['planned_peak_gib']:.3f} GiB planned, error ")
+    off = run_inproc([*o, "train.plan=false"], tmp_path / "off")
+    assert off["planned_peak_gib"] is None and off["tracked_peak_gib"] is None
+    assert off["null_reasons"]["planned_peak_error"] == "train.plan=false"
+    assert off["config_hash"] != rec["config_hash"]  # (a run without its check: its own row)
+
+
+def test_the_roofline_takes_each_collective_over_its_groups_link():
+    """FSDP over 16 ranks, 8 a node: its groups span two nodes, so each collective's bus
+    share moves at network_bandwidth; over 8 ranks, within one node, at link_bandwidth.
+    A task=comm record (hardware.comm_from) replaces both with its measured times."""
+    from moe_exp.plan.roofline import _measured_s, comm_ms
+
+    for devices, key in ((16, "network_bandwidth"), (8, "link_bandwidth")):
+        cfg = compose(["model=tiny_dense", "parallel=fsdp", f"hardware.devices={devices}",
+                       "hardware=h100", "precision=bf16"])
+        step = trace_step(cfg)
+        want = sum(b * (2 if c == "all_reduce" else 1) * (devices - 1) / devices
+                   for c, b, _ in step.ops.calls) / cfg.hardware[key] * 1e3
+        assert comm_ms(step.ops, cfg.hardware) == (pytest.approx(want), None)
+    curve = (2, [(1024, 10e-6), (2**20, 1e-3)])  # (measured on 2 ranks: bus share 1/2)
+    assert _measured_s(curve, "all_gather", 1024, 2) == 10e-6  # (a size measured)
+    assert _measured_s(curve, "all_gather", 32 * 1024, 2) == pytest.approx(
+        10e-6 * (1e-3 / 10e-6) ** 0.5)  # (halfway in log size: the log-log line)
+    assert _measured_s(curve, "all_gather", 2**21, 8) == pytest.approx(2e-3 * (7 / 8) / (1 / 2))

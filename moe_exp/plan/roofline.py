@@ -3,8 +3,9 @@ each op takes the longer of its FLOPs at the peak FLOP/s of its dtype and its by
 and written) at hardware.memory_bandwidth (a roofline of the eager step: no fusion); each
 collective moves its message's bus share (nccl-tests' convention, as task=comm measures it:
 2(n-1)/n for an all-reduce, (n-1)/n otherwise) at hardware.link_bandwidth where its group
-is within a node (hardware.devices_per_node), else at hardware.network_bandwidth. Nothing
-overlaps: an upper bound where FSDP's prefetch or DDP's buckets hide communication."""
+is within a node (hardware.devices_per_node), else at hardware.network_bandwidth; or as a
+task=comm record measured it (hardware.comm_from). Nothing overlaps: an upper bound where
+FSDP's prefetch or DDP's buckets hide communication."""
 from __future__ import annotations
 
 import torch
@@ -36,12 +37,60 @@ def compute_ms(ops, hw, precision: str) -> tuple[float | None, str | None]:
     return seconds * 1e3, None
 
 
+def comm_curves(path: str) -> dict:
+    """A task=comm record's measured latency by collective and message size (its
+    metrics.json, or the run dir that holds it): {op: (world size, [(bytes, seconds)])}.
+    Raises ValueError naming what is wrong."""
+    import json
+    from pathlib import Path
+
+    f = Path(path) / "metrics.json" if Path(path).is_dir() else Path(path)
+    try:
+        rec = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read a record from {f} ({type(e).__name__})") from None
+    if rec.get("task") != "comm" or rec.get("status") != "ok" or not rec.get("comm"):
+        raise ValueError(f"{f} is not a finished task=comm record")
+    out = {}
+    for r in rec["comm"]:
+        out.setdefault(r["op"], (rec["world_size"], []))[1].append(
+            (r["bytes"], r["latency_us"] / 1e6))
+    return {op: (n, sorted(points)) for op, (n, points) in out.items()}
+
+
+def _share(name: str, n: int) -> float:
+    return BUS_SHARE.get(name, lambda k: (k - 1) / k)(n)
+
+
+def _measured_s(curve, name: str, nbytes: int, n: int) -> float:
+    """A message's time from task=comm's curve: interpolated in log-log between the sizes
+    measured, the smallest's latency below them, the largest's bandwidth above; scaled
+    from the measured world size's bus share to this group's."""
+    import math
+
+    world, points = curve
+    if nbytes <= points[0][0]:
+        t = points[0][1]
+    elif nbytes >= points[-1][0]:
+        t = points[-1][1] * nbytes / points[-1][0]
+    else:
+        (s0, t0), (s1, t1) = next((a, b) for a, b in zip(points, points[1:])
+                                  if a[0] <= nbytes <= b[0])
+        f = math.log(nbytes / s0) / math.log(s1 / s0) if s1 > s0 else 0.0
+        t = math.exp(math.log(t0) + f * math.log(t1 / t0))
+    return t * _share(name, n) / _share(name, world) if world > 1 else t
+
+
 def comm_ms(ops, hw) -> tuple[float | None, str | None]:
     """(the collectives' time in ms, or None and why)."""
+    curves = comm_curves(hw.comm_from) if hw.get("comm_from") else {}
     seconds = 0.0
     for name, nbytes, ranks in ops.calls:
         n = len(ranks)
         if n <= 1:
+            continue
+        if name in curves:
+            seconds += _measured_s(curves[name], name, nbytes, n)
             continue
         within = len({r // hw.devices_per_node for r in ranks}) == 1
         bw = hw.link_bandwidth if within else hw.network_bandwidth
@@ -50,5 +99,5 @@ def comm_ms(ops, hw) -> tuple[float | None, str | None]:
             return None, f"hardware={hw.name} gives no {key} (the {name} of {n} ranks " \
                          f"{'within a node' if within else 'across nodes'}): set " \
                          f"hardware.{key}=<bytes/s per device, each way>"
-        seconds += nbytes * BUS_SHARE.get(name, lambda k: (k - 1) / k)(n) / bw
+        seconds += nbytes * _share(name, n) / bw
     return seconds * 1e3, None

@@ -74,8 +74,9 @@ def _plan(cfg, rec: dict) -> None:
     fill_null_reasons(rec, WHY)
 
 
+# what a task=bench run records of its plan (train.plan)
 BENCH = ("plan_s", "planned_peak_gib", "planned_step_ms", "planned_compute_ms",
-         "planned_comm_ms", "planned_tokens_per_s", "planned_comm_gib")  # what a task=bench run records of its plan (train.plan)
+         "planned_comm_ms", "planned_tokens_per_s", "planned_comm_gib")
 
 
 def bench_plan(cfg) -> dict:

@@ -1,0 +1,107 @@
+"""A fake process group of the configured world size for a traced step (one rank, rank 0,
+traced in this process), and what DDP needs to run on it."""
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import torch
+
+
+@contextlib.contextmanager
+def fake_world(world: int):
+    """A fake process group of `world` ranks (torch's "fake" backend: collectives that move
+    nothing), for this process's trace of rank 0; device meshes made outside fake mode."""
+    import torch.distributed as dist
+    import torch.distributed.device_mesh as device_mesh
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    if world == 1:
+        yield
+        return
+    if dist.is_initialized():
+        raise RuntimeError("a plan of several ranks makes its own (fake) process group: "
+                           "run it outside one")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    real = device_mesh.init_device_mesh
+
+    def init_device_mesh(*args, **kwargs):  # (a mesh's ranks are a real tensor)
+        with unset_fake_temporarily():
+            return real(*args, **kwargs)
+
+    import torch.nn.parallel.distributed as ddp
+
+    from ..optimizations import parallel
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:  # (DDP's check that the ranks' shapes agree reads values: one rank traced)
+        with mock.patch.object(device_mesh, "init_device_mesh", init_device_mesh), \
+                mock.patch.object(ddp, "_verify_param_shape_across_processes", _skip), \
+                mock.patch.object(parallel, "register_comm_hook", _fake_comm_hook), \
+                _python_reducer():
+            yield
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp_buckets(got, ddp) -> None:
+    """What _python_reducer leaves out of DDP: its C++ reducer's buckets, which hold every
+    gradient (or, with gradient_as_bucket_view, are them) through the step, and its
+    all-reduces, one a bucket (torch's own assignment of the parameters, as rebuilt after
+    the first step: bucket_cap_mb each), not one a gradient."""
+    import torch.distributed as dist
+
+    params = [p for p in ddp.parameters() if p.requires_grad]
+    held = sum(p.numel() * p.element_size() for p in params)
+    got.peak_bytes += held
+    got.at_peak["grads"] = got.at_peak.get("grads", 0) + held
+    buckets, _ = dist._compute_bucket_assignment_by_size(params[::-1], [ddp.bucket_bytes_cap])
+    if reduce := got.comm.get("all_reduce"):  # (per synced backward: a parameter's call ->
+        reduce["calls"] = reduce["calls"] * len(buckets) // len(params)  # its bucket's)
+
+
+def _skip(*_) -> None:
+    """(one rank traced: no other ranks' shapes to compare)"""
+
+
+def _fake_comm_hook(model, cfg) -> None:
+    """parallel.comm_hook on the fake group (_python_reducer's hooks take a gradient)."""
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.parallel.comm_hook)
+    if dtype is not None:
+        model.register_comm_hook(dtype, _fake_reduce)
+
+
+def _fake_reduce(state, bucket):
+    """parallel.comm_hook=fp16|bf16 under the python reducer: the gradient cast, reduced,
+    cast back (torch's fp16/bf16_compress_hook on one parameter's gradient)."""
+    import torch.distributed as dist
+
+    grad = bucket[0]  # (grad, param)
+    low = grad.to(state).div_(dist.get_world_size())
+    dist.all_reduce(low)
+    grad.copy_(low)
+
+
+@contextlib.contextmanager
+def _python_reducer():
+    """DDP's python reducer (torch's, for compiled autograd): each gradient all-reduced by
+    a post-accumulate hook on the same process group. DDP's C++ reducer reads its buckets'
+    values as it rebuilds them, which fake tensors lack; the gradients, their sum and the
+    bytes reduced are the same (the calls: one a parameter, not one a bucket). The global
+    settings DDP changes for it are put back."""
+    import torch._dynamo.config as dynamo
+    import torch._inductor.config as inductor
+    from torch._dynamo import trace_rules
+
+    inline = trace_rules.LEGACY_MOD_INLINELIST
+    had = "torch.nn.parallel.distributed" in inline
+    try:
+        with dynamo.patch(optimize_ddp="python_reducer"), inductor.patch(
+                _fuse_ddp_communication=inductor._fuse_ddp_communication,
+                _fuse_ddp_bucket_size=inductor._fuse_ddp_bucket_size):
+            yield
+    finally:
+        if not had:
+            inline.discard("torch.nn.parallel.distributed")
+            trace_rules.get_legacy_mod_inlinelist.cache_clear()
