@@ -33,43 +33,76 @@ def main() -> None:
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--ac", default="none,full,selective")
     ap.add_argument("--micro-batch", type=at_least(1), default=4)
+    ap.add_argument("--parallel", default="none", help="e.g. none,ddp,fsdp,expert: the "
+                    "others on 2 gloo ranks (rank 0's real step against the plan of rank 0)")
     ap.add_argument("--bench", action="store_true", help="also run each as a bench run")
     ap.add_argument("--json", type=out_file)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     runs = [[f"model={m}", f"precision={p}", f"train.activation_checkpointing={c}",
-             "hardware=cpu", f"train.micro_batch_size={a.micro_batch}", *a.overrides]
-            for m, p, c in itertools.product(a.models.split(","), a.precisions.split(","),
-                                              a.ac.split(","))]
+             "hardware=cpu", f"train.micro_batch_size={a.micro_batch}",
+             *([f"parallel={par}", "hardware.devices=2"] if par != "none" else []),
+             *a.overrides]
+            for par, m, p, c in itertools.product(a.parallel.split(","), a.models.split(","),
+                                                  a.precisions.split(","), a.ac.split(","))]
     check_config(ap, runs)
-    from moe_exp.plan.trace import measure_step, trace_step
+    from moe_exp.plan.trace import trace_step
 
     print(device_name(torch.device("cpu")))
-    print("| model | precision | AC | planned MiB | measured MiB | error | plan s | run s |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| parallel | model | precision | AC | planned MiB | measured MiB | error | plan s | "
+          "run s |")
+    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
     rows = []
     for o in runs:
         cfg = compose(o)
         t0 = time.perf_counter()
         plan = trace_step(cfg)
         t1 = time.perf_counter()
-        real = measure_step(cfg)
+        real = _measured(cfg, o)
         t2 = time.perf_counter()
         err = plan.peak_bytes / real.peak_bytes - 1
-        row = dict(model=cfg.model.name, precision=cfg.precision.name,
-                   ac=cfg.train.activation_checkpointing, planned_mib=plan.peak_bytes / 2**20,
-                   measured_mib=real.peak_bytes / 2**20, error=err, plan_s=t1 - t0,
+        row = dict(parallel=cfg.parallel.name, model=cfg.model.name,
+                   precision=cfg.precision.name, ac=cfg.train.activation_checkpointing,
+                   planned_mib=plan.peak_bytes / 2**20, measured_mib=real.peak_bytes / 2**20,
+                   error=err, plan_s=t1 - t0,
                    run_s=t2 - t1, planned=plan.at_peak, measured=real.at_peak)
         rows.append(row)
-        print(f"| {row['model']} | {row['precision']} | {row['ac']} | "
+        print(f"| {row['parallel']} | {row['model']} | {row['precision']} | {row['ac']} | "
               f"{row['planned_mib']:,.1f} | {row['measured_mib']:,.1f} | {err:+.1%} | "
               f"{row['plan_s']:.1f} | {row['run_s']:.1f} |", flush=True)
     worst = max(abs(r["error"]) for r in rows)
     print(f"worst error {worst:.1%} over {len(rows)} configurations (goal: within 10%)")
     if a.bench:
-        _benches(runs, rows)
+        _benches([o for o, r in zip(runs, rows) if r["parallel"] == "none"],
+                 [r for r in rows if r["parallel"] == "none"])
     if a.json:
         save_json(a.json, device_name(torch.device("cpu")), rows)
+
+
+def _measured(cfg, overrides):
+    """The real step's tracked memory: here, or on 2 gloo ranks (rank 0's)."""
+    from moe_exp.plan.trace import measure_step
+
+    if cfg.parallel.name == "none":
+        return measure_step(cfg)
+    from moe_exp.distributed import launch, rank_entry
+
+    return launch(rank_entry, cfg.hardware.devices, _rank_step, overrides)
+
+
+def _rank_step(overrides):
+    """One rank: join the group, track the real step, leave (rank 0's StepMemory)."""
+    from moe_exp import distributed
+    from moe_exp.plan.trace import measure_step
+
+    cfg = compose(overrides)
+    distributed.init(cfg)
+    try:
+        got = measure_step(cfg)
+        got.ops = None  # (its ops stay here)
+        return got
+    finally:
+        distributed.finish()
 
 
 def cpu_peaks(reps: int = 5) -> dict:

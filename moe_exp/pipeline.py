@@ -210,7 +210,8 @@ def _known_before_the_run(rec: dict, cfg_dict: dict, planned: dict | None = None
 
     known = {**analytic(OmegaConf.create(cfg_dict["model"]), cfg_dict["train"]["seq_len"]),
              "torch_version": torch.__version__,
-             **{k: v for k, v in (planned or {}).items() if k != "null_reasons" and v is not None}}
+             **{k: v for k, v in (planned or {}).items()
+                if k != "null_reasons" and v is not None}}
     rec.update(known)
     for k in known:
         rec["null_reasons"].pop(k, None)

@@ -46,7 +46,10 @@ def _reduced(r) -> str:
 def _plan_check(r: dict) -> str:
     """The run's plan against what it measured (train.plan)."""
     why = r.get("null_reasons", {})
-    err = lambda k: f"{r[k]:+.1%}" if r.get(k) is not None else f"null: {why.get(k, '')}"  # noqa: E731
+
+    def err(k: str) -> str:
+        return f"{r[k]:+.1%}" if r.get(k) is not None else f"null: {why.get(k, '')}"
+
     got = "tracked" if r.get("tracked_peak_gib") is not None else "measured"
     text = f"peak {r['planned_peak_gib']:.3f} GiB planned, error {err('planned_peak_error')}"
     if r.get("planned_peak_error") is not None:

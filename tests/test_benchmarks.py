@@ -144,8 +144,9 @@ def test_pad_multiple_benchmark_rows(tmp_path):
     out = tmp_path / "pad.json"
     stdout = bench("pad_multiple.py", "--rounds", "1", "--compile", "off", "--json", str(out),
                    "precision=fp32", "train.steps=3", "train.warmup_steps=1", "logger=none",
-                   "train.micro_batch_size=2", "train.seq_len=32")  # (the script's bf16: ~1 s
-    # a default step on a CPU without bf16 matmuls; the rows and their losses are the point)
+                   "train.micro_batch_size=2", "train.seq_len=32", "train.plan=false")
+    # (fp32: the script's bf16 takes ~1 s a default step on a CPU without bf16 matmuls; the
+    # rows and their losses are the point)
     rows = json.loads(out.read_text())["rows"]
     assert [r["multiple"] for r in rows] == [1, 16] and "×" in stdout
     assert all(r["tokens_per_s"] > 0 and r["peak_mem_gib"] > 0 for r in rows)
@@ -158,7 +159,7 @@ def test_ab_runs_benchmark_rows(tmp_path):
     stdout = bench("ab_runs.py", "--rounds", "2", "--variant", "a:", "--variant",
                    "ckpt:train.activation_checkpointing=full", "--json", str(out),
                    "--", "train.steps=2", "train.warmup_steps=1", "logger=none",
-                   "train.micro_batch_size=2", "train.seq_len=32")
+                   "train.micro_batch_size=2", "train.seq_len=32", "train.plan=false")
     rows = json.loads(out.read_text())["rows"]
     assert [r["variant"] for r in rows] == ["a", "ckpt"] and "×" in stdout
     assert all(r["runs"] + r["dropped"] == 2 and r["tokens_per_s"] > 0 for r in rows)

@@ -11,7 +11,8 @@ from conftest import compose, run_cli, run_inproc
 
 from moe_exp.run import prepare
 
-TINY = ["logger=none", "train.steps=8", "train.warmup_steps=1", "train.micro_batch_size=2",
+TINY = ["logger=none", "train.plan=false",
+        "train.steps=8", "train.warmup_steps=1", "train.micro_batch_size=2",
         "model.max_seq_len=32"]
 SAME = ("losses", "grad_norms", "lrs", "eval_loss")  # (eval at the end: the same weights)
 

@@ -8,7 +8,8 @@ import torch
 from conftest import cli_inproc, compose, off_contract, run_cli, run_inproc
 
 pytestmark = pytest.mark.distributed
-TINY = ["hardware=cpu", "logger=none", "model.aux_loss_coef=0", "optim.grad_clip=0.05",
+TINY = ["hardware=cpu", "logger=none", "train.plan=false",
+        "model.aux_loss_coef=0", "optim.grad_clip=0.05",
         "train.micro_batch_size=2",
         "train.seq_len=32", "train.steps=4", "train.warmup_steps=0", "parallel.profile_steps=0"]
 

@@ -7,7 +7,8 @@ from moe_exp.data import build_loader, heldout
 
 from conftest import cli_inproc, compose, run_cli, run_inproc
 
-TINY = ["logger=none", "train.steps=4", "train.warmup_steps=1", "train.micro_batch_size=2",
+TINY = ["logger=none", "train.plan=false",
+        "train.steps=4", "train.warmup_steps=1", "train.micro_batch_size=2",
         "model.max_seq_len=32"]
 
 

@@ -15,7 +15,8 @@ import pytest
 
 from conftest import ROOT
 
-TINY = ["logger=none", "model=tiny_dense", "train.steps=1", "train.warmup_steps=0",
+TINY = ["logger=none", "train.plan=false",
+        "model=tiny_dense", "train.steps=1", "train.warmup_steps=0",
         "model.num_layers=1", "model.hidden_size=32", "model.ffn_hidden_size=32",
         "model.vocab_size=64", "model.max_seq_len=16", "train.micro_batch_size=2"]
 

@@ -6,7 +6,8 @@ import torch
 
 from conftest import run_inproc
 
-TINY = ["logger=none", "train.steps=3", "train.warmup_steps=1", "train.micro_batch_size=2",
+TINY = ["logger=none", "train.plan=false",
+        "train.steps=3", "train.warmup_steps=1", "train.micro_batch_size=2",
         "model.max_seq_len=32"]
 
 
@@ -20,8 +21,8 @@ def test_grad_norm_is_every_steps_norm_before_clipping(monkeypatch, tmp_path):
         return clip(params, max_norm, *a, **k)
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
-    # (train.plan=false: the plan's fake steps would call the spy too)
-    rec = run_inproc([*TINY, "optim.grad_clip=0.5", "train.plan=false"], tmp_path / "clip")
+    rec = run_inproc([*TINY, "optim.grad_clip=0.5"], tmp_path / "clip")  # (TINY: no plan,
+    # whose fake steps would call the spy too)
     assert rec["status"] == "ok" and len(rec["grad_norms"]) == len(direct) == 4
     assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(rec["grad_norms"], direct))
     assert math.isclose(rec["grad_norm"], statistics.median(direct), rel_tol=1e-5)

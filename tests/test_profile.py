@@ -5,7 +5,8 @@ from moe_exp.bench.profile import SHARES, category
 
 from conftest import cli_inproc, run_inproc
 
-TINY = ["logger=none", "train.steps=4", "train.warmup_steps=1", "train.micro_batch_size=2",
+TINY = ["logger=none", "train.plan=false",
+        "train.steps=4", "train.warmup_steps=1", "train.micro_batch_size=2",
         "model.max_seq_len=32"]
 
 

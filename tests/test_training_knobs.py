@@ -8,7 +8,8 @@ import torch
 
 from conftest import compose, run_inproc
 
-SHORT = ["logger=none", "model.num_layers=1", "train.micro_batch_size=2", "train.seq_len=32",
+SHORT = ["logger=none", "train.plan=false",
+         "model.num_layers=1", "train.micro_batch_size=2", "train.seq_len=32",
          "train.steps=6", "train.warmup_steps=1", "train.log_every=3"]
 
 
