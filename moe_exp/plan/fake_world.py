@@ -45,20 +45,43 @@ def fake_world(world: int):
         dist.destroy_process_group()
 
 
-def ddp_buckets(got, ddp) -> None:
-    """What _python_reducer leaves out of DDP: its C++ reducer's buckets, which hold every
-    gradient (or, with gradient_as_bucket_view, are them) through the step, and its
-    all-reduces, one a bucket (torch's own assignment of the parameters, as rebuilt after
-    the first step: bucket_cap_mb each), not one a gradient."""
+def ddp_buckets(ddp) -> None:
+    """What _python_reducer leaves out of DDP's memory: its C++ reducer's buckets, one flat
+    tensor a dtype, made as the first gradient is reduced (the step's, as DDP's are rebuilt
+    inside the run) and held through the step; each reduced gradient copied into its place
+    (gradient_as_bucket_view: the gradient then is that place), as DDP does on a synced
+    backward."""
+    params = [p for p in ddp.parameters() if p.requires_grad]
+    places: dict = {}
+
+    def into_bucket(p) -> None:
+        if not ddp.require_backward_grad_sync:  # (no_sync: gradients accumulate apart)
+            return
+        if not places:
+            for dtype in dict.fromkeys(q.dtype for q in params):
+                mine = [q for q in params if q.dtype == dtype]
+                flat = torch.empty(sum(q.numel() for q in mine), dtype=dtype, device=p.device)
+                for q, part in zip(mine, flat.split([q.numel() for q in mine])):
+                    places[id(q)] = part.view_as(q)
+        place = places[id(p)]
+        place.copy_(p.grad)
+        if ddp.gradient_as_bucket_view:
+            p.grad = place
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(into_bucket)
+
+
+def ddp_calls(got, ddp) -> None:
+    """DDP's all-reduces: one a bucket (torch's own assignment of the parameters, as
+    rebuilt after the first step: bucket_cap_mb each), not the python reducer's one a
+    gradient."""
     import torch.distributed as dist
 
     params = [p for p in ddp.parameters() if p.requires_grad]
-    held = sum(p.numel() * p.element_size() for p in params)
-    got.peak_bytes += held
-    got.at_peak["grads"] = got.at_peak.get("grads", 0) + held
     buckets, _ = dist._compute_bucket_assignment_by_size(params[::-1], [ddp.bucket_bytes_cap])
-    if reduce := got.comm.get("all_reduce"):  # (per synced backward: a parameter's call ->
-        reduce["calls"] = reduce["calls"] * len(buckets) // len(params)  # its bucket's)
+    if reduce := got.comm.get("all_reduce"):  # (per synced backward)
+        reduce["calls"] = reduce["calls"] * len(buckets) // len(params)
 
 
 def _skip(*_) -> None:

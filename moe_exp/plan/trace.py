@@ -15,7 +15,7 @@ from unittest import mock
 
 import torch
 
-from .fake_world import ddp_buckets, fake_world
+from .fake_world import ddp_buckets, ddp_calls, fake_world
 from .ops import StepOps
 from .tracker import step_tracker
 from .values import Shadows
@@ -161,10 +161,12 @@ def trace_step(cfg, micro_batch: int | None = None) -> StepMemory:
     with mock.patch.object(Transformer, "reset_parameters", _no_init), fake_world(world):
         with FakeTensorMode():
             built = _build(cfg, b, FAKE_DEVICE, world)
+            if cfg.parallel.name == "ddp":
+                ddp_buckets(built[0].model)
             got = _tracked(cfg, built, FAKE_DEVICE, [Shadows(rows, experts), ops], ops)
             got.flops, got.comm, got.ops = ops.flops, ops.comm, ops
             if cfg.parallel.name == "ddp":
-                ddp_buckets(got, built[0].model)
+                ddp_calls(got, built[0].model)
     return got
 
 
