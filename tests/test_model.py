@@ -559,7 +559,8 @@ def test_sequence_balance_loss_is_the_switch_loss_per_sequence(tmp_path):
                                              out.seq_balance + cfg.z_loss_coef * out.z).item())
     from conftest import run_inproc
 
-    short = ["logger=none", "train.steps=2", "train.warmup_steps=1", "train.micro_batch_size=2",
+    short = ["logger=none", "train.plan=false", "train.steps=2", "train.warmup_steps=1",
+             "train.micro_batch_size=2",
              "train.seq_len=16"]
     rec = run_inproc([*short, "model.seq_aux_loss_coef=0.001"], tmp_path / "on")
     assert rec["status"] == "ok" and rec["seq_aux_loss"] > 0

@@ -80,7 +80,8 @@ def test_moe_dispatch_compiles_without_graph_breaks(dispatch, dtype, routing, mo
 # One layer and a small batch: the fewest kernels to compile cold (most of a compile's time
 # on a CPU is the C++ compiler's, a kernel at a time). The padded dispatch: its kernels are
 # those test_padded_dispatch_compiles_and_matches_eager needs (inductor's cache holds them).
-COMPILED = ["logger=none", "model.dispatch=padded", "model.num_layers=1", "train.seq_len=32",
+COMPILED = ["logger=none", "train.plan=false", "model.dispatch=padded", "model.num_layers=1",
+            "train.seq_len=32",
             "train.micro_batch_size=2", "train.steps=3", "train.warmup_steps=1",
             "train.compile=default"]
 

@@ -368,7 +368,8 @@ def test_seed003_preset_runs_muon_and_prefetch_under_fsdp(tmp_path):
                  "sweep.baseline={optim:adamw,parallel.prefetch:1}",
                  "logger=none", "train.steps=2", "train.warmup_steps=1",
                  "train.micro_batch_size=2", "train.seq_len=32", "parallel.profile_steps=0",
-                 "optim.ns_steps=1", "sweep.isolate=false", f"hydra.sweep.dir={d}"], tmp_path,
+                 "optim.ns_steps=1", "train.plan=false", "sweep.isolate=false",
+                 f"hydra.sweep.dir={d}"], tmp_path,
                 timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     df = pd.read_csv(d / "results.csv")
