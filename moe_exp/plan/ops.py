@@ -3,6 +3,7 @@ collective's message and group: what plan/roofline.py turns into time."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -14,9 +15,20 @@ NO_DATA = {torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.aten.em
             torch.ops.aten.resize_, torch.ops.aten._unsafe_view}
 
 
+@functools.cache
+def _formulas() -> dict:
+    """torch's flop_registry with the project's formulas for what it lacks (grouped_mm, the
+    CPU and every SDPA kernel: bench/formulas.py), as FlopCounterMode's custom_mapping."""
+    from torch.utils.flop_counter import flop_registry, shape_wrapper
+
+    from ..bench.formulas import flop_formulas
+
+    return {**flop_registry, **{k: shape_wrapper(v) for k, v in flop_formulas().items()}}
+
+
 class StepOps(TorchDispatchMode):
     """The ops of the steps run while `on`: each compute op's FLOPs (torch's flop_registry,
-    as FlopCounterMode counts them), bytes read and written (its tensors', views none) and
+    as bench/flop_check.py counts them), bytes read and written (its tensors', views none) and
     dtype, for a roofline; each c10d collective's message (the largest tensor it takes: an
     all-gather's output, a reduce-scatter's input; an all-reduce's tensors) and the global
     ranks of its group."""
@@ -29,7 +41,6 @@ class StepOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.utils._pytree import tree_leaves
-        from torch.utils.flop_counter import flop_registry
 
         kwargs = kwargs or {}
         packet = func.overloadpacket
@@ -48,8 +59,8 @@ class StepOps(TorchDispatchMode):
             return out
         moved = sum(t.numel() * t.element_size() for t in tensors + [
             t for t in tree_leaves(out) if isinstance(t, torch.Tensor)])
-        flops = flop_registry[packet](*args, **kwargs, out_val=out) if packet in flop_registry \
-            else 0
+        formulas = _formulas()
+        flops = formulas[packet](*args, **kwargs, out_val=out) if packet in formulas else 0
         dtype = next((t.dtype for t in tensors if t.is_floating_point()), None)
         self.ops.append((float(flops), moved, dtype))
         return out

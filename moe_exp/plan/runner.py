@@ -1,7 +1,8 @@
 """task=plan: one training step of the configuration traced on fake tensors (plan/trace.py)
 for the hardware profile named, whether or not this machine has it: per-device peak memory
-by kind, whether it fits, and the step's FLOPs against the profile's peak (a compute-bound
-floor of the step time). Nothing is allocated and nothing is measured."""
+by kind, whether it fits, the step's collectives, and its time (plan/roofline.py). Nothing
+is allocated and nothing is measured. A bench run's own plan and pre-flight: bench_plan,
+too_big."""
 from __future__ import annotations
 
 import time
