@@ -34,7 +34,7 @@ from _timing import (add_device, at_least, check_config, compose, device_name,  
 
 
 def build(cfg, device, state=None):
-    from moe_exp.bench.runner import resolve_model_dispatch
+    from moe_exp.optimizations.dispatch import resolve_model_dispatch
     from moe_exp.model import build_model
     from moe_exp.optim import build_optimizer
     from moe_exp.optimizations import apply

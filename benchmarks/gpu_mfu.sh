@@ -8,7 +8,7 @@
 # sizes (an OOM is a row, not a stop), writes every record under
 # benchmarks/results/<gpu>-<date>/mfu/<run>/metrics.json and prints a table with the best
 # MFU. MFU = analytic model FLOPs/s / the dense bf16 peak of the hardware profile
-# (H100/H200 SXM: 989e12); the FLOPs agree with FlopCounterMode (moe_exp.bench.flop_check).
+# (H100/H200 SXM: 989e12); the FLOPs agree with FlopCounterMode (moe_exp.flop_check).
 #
 # Needs a CUDA GPU, torch >= 2.11, and hydra-core + omegaconf (+ antlr4-python3-runtime).
 # Where they are missing (the lent H100/H200 image has neither), put them in .whl/ first:

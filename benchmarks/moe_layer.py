@@ -350,7 +350,7 @@ def main(argv=None):
                     help="glibc keeps freed memory (hardware.malloc_retain=true), for all alike")
     a = ap.parse_args(argv)
     if a.malloc_retain:
-        from moe_exp.bench.memory import malloc_retain
+        from moe_exp.host import malloc_retain
         if not malloc_retain():
             ap.error("--malloc-retain: glibc's mallopt refused it")
     device = torch.device(a.device)

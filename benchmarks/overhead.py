@@ -63,8 +63,8 @@ def wrap(mod, attr, name, before=None):
 import moe_exp.run  # noqa: F401  (torch, hydra, moe_exp)
 mark("imports (torch, hydra, moe_exp)")
 wrap("moe_exp.pipeline", "prepare", "hardware resolve + validate", before="Hydra set-up + compose")
-import moe_exp.bench.runner as R, moe_exp.bench.loop as L
-wrap("moe_exp.bench.runner", "resolve_model_dispatch", "dispatch probe")
+import moe_exp.tasks.bench as R, moe_exp.train.loop as L
+wrap("moe_exp.optimizations.dispatch", "resolve_model_dispatch", "dispatch probe")
 wrap("moe_exp.model", "build_model", "model build")
 wrap("moe_exp.optimizations", "apply", "optimizations applied")
 wrap("moe_exp.optim", "build_optimizer", "optimizer (imports torch._dynamo)")
@@ -74,7 +74,7 @@ def first_measured():
     mark("warmup steps -> first measured step")
     return orig()
 L.process_age_s = first_measured
-wrap("moe_exp.bench.loop", "train_loop", "measured steps")
+wrap("moe_exp.train.loop", "train_loop", "measured steps")
 R.train_loop = L.train_loop
 import moe_exp.tracking as T
 fin = T.Tracker.finish
@@ -82,7 +82,7 @@ def finish(self, ok):
     fin(self, ok)
     mark("W&B (deferred start, replay, finish)")
 T.Tracker.finish = finish
-wrap("moe_exp.summary", "print_summary", "summary printed")
+wrap("moe_exp.tasks.summary", "print_summary", "summary printed")
 sys.argv = [moe_exp.run.__file__, *{args!r}]
 try:
     moe_exp.run.main()

@@ -42,7 +42,7 @@ def grid_rows(grid_dir: Path, names) -> dict:
     else its table (results.parquet, as committed under benchmarks/results/)."""
     import pandas as pd
 
-    from moe_exp.sweep.table import _num, collect, override_items
+    from moe_exp.sweep.table import collect, number_or_none, override_items
 
     recs = collect(grid_dir, warn=False)
     if not recs and (grid_dir / "results.parquet").is_file():
@@ -52,8 +52,8 @@ def grid_rows(grid_dir: Path, names) -> dict:
     for rec in recs:
         items = {k.lstrip("+"): v for k, v in override_items(rec).items()}
         key = tuple(str(items.get(n, "")) for n in names)
-        rows[key] = (rec.get("status"), _num(rec.get("tokens_per_s")),
-                     _num(rec.get("peak_mem_gib")))
+        rows[key] = (rec.get("status"), number_or_none(rec.get("tokens_per_s")),
+                     number_or_none(rec.get("peak_mem_gib")))
     return rows
 
 

@@ -1,5 +1,7 @@
-"""The command line (`python -m moe_exp.run`): checks of the arguments before Hydra, Hydra's
-errors as one line, exit codes. The run itself is pipeline.py's."""
+"""The command line, `python -m moe_exp.run`: argument checks, Hydra's errors, exit codes.
+
+The arguments are checked before Hydra reads them, and Hydra's errors come out as one line.
+The run itself is pipeline.py's."""
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +19,6 @@ from .hydra_internals import (flag_error, flags, hydra_args, hydra_error_line,
 from .pipeline import hydra_info, run
 from .results import stop_on_sigterm, stop_signal
 from .sweep.callback import no_job_ok
-from .sweep.searcher import register as register_search_sweeper
 
 
 EXIT_INVALID, EXIT_FAILED = 2, 1
@@ -48,7 +49,9 @@ def main(cfg: DictConfig) -> dict:
 NAME_MAX = 255  # bytes in a file name (Linux, macOS)
 
 def job_name_error(args) -> str | None:
-    """hydra.job.name names the run's log file (<name>.log in its dir): a path there would
+    """One line for a hydra.job.name that is not a plain file name.
+
+    hydra.job.name names the run's log file, <name>.log in its dir: a path there would
     write it elsewhere."""
     read = hydra_args(args)
     for o in read[0] if read else []:
@@ -61,14 +64,16 @@ def job_name_error(args) -> str | None:
     return None
 
 def _overrides(args) -> list[str]:
-    """The overrides of a command line, --cfg / --info / --help ones too (Hydra composes
-    the config for those as well); [] where Hydra's parser refuses it."""
+    """A command line's overrides, under --cfg, --info and --help too; [] where Hydra refuses it.
+
+    Hydra composes the config for those as well."""
     a = flags(args)
     return list(a.overrides) if a is not None and not a.shell_completion else []
 
 def group_value_error(args) -> str | None:
-    """A number or bool as a config group's option (model=5, hardware=true): Hydra raised a
-    ValueError for it (a 39-line traceback)."""
+    """One line for a number or bool as a config group's option, e.g. model=5, hardware=true.
+
+    Hydra raises a ValueError for it, with a traceback."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ChoiceSweep
 
@@ -91,16 +96,17 @@ def group_value_error(args) -> str | None:
     return None
 
 def group_options_all() -> list[str]:
-    """moe_exp's config groups (conf/hydra/ holds Hydra's own)."""
+    """moe_exp's config groups, less conf/hydra/, which holds Hydra's own."""
     from .config import CONF
 
     return sorted(p.name for p in CONF.iterdir()
                   if p.is_dir() and p.name[0] not in "_." and p.name != "hydra")
 
 def output_dir_error(args) -> str | None:
-    """An empty hydra.run.dir (hydra.sweep.dir, hydra.sweep.subdir) is the directory the
-    command runs in (each job of a sweep, the sweep's dir): the run would write over the
-    record there."""
+    """One line for an empty hydra.run.dir, hydra.sweep.dir or hydra.sweep.subdir.
+
+    Empty, it is the directory the command runs in, or for a sweep's jobs the sweep's dir:
+    the run would write over the record there."""
     read = hydra_args(args)
     for o in read[0] if read else []:
         key, _, value = o.lstrip("+").partition("=")
@@ -116,8 +122,9 @@ def output_dir_error(args) -> str | None:
     return None
 
 def big_int_error(args) -> str | None:
-    """An integer longer than Python converts (sys.get_int_max_str_digits(), 4300 digits):
-    Hydra's parser raised a ValueError for it (a traceback)."""
+    """One line for an integer longer than Python converts: sys.get_int_max_str_digits().
+
+    Hydra's parser raises a ValueError for it, with a traceback."""
     import re
 
     limit = sys.get_int_max_str_digits()
@@ -142,7 +149,7 @@ def big_int_error(args) -> str | None:
     return None
 
 def twice_warnings(args) -> list[str]:
-    """A key set more than once on the command line: Hydra silently takes the last value."""
+    """Warnings for a key set more than once on the command line: Hydra silently takes the last."""
     seen: dict[str, list[str]] = {}
     for o in _overrides(args):
         if o.startswith("~") or "=" not in o:
@@ -153,10 +160,11 @@ def twice_warnings(args) -> list[str]:
             f"{k}={vs[-1]}" for k, vs in seen.items() if len(vs) > 1]
 
 def group_override_error(args) -> str | None:
-    """Hydra takes a config group set to null (it then fails with a traceback), to a list
-    (it merges every listed config into one run) or deleted (`~model`: the schema's
-    defaults run), and a sweep preset or setting without -m (one default run): one line
-    for each instead."""
+    """One line for a config group override or sweep setting that Hydra takes but should not.
+
+    A group set to null, which then fails with a traceback; set to a list, which merges
+    every listed config into one run; or deleted, as `~model`, which runs the schema's
+    defaults. Also a sweep preset or setting without -m, which makes one default run."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ChoiceSweep
 
@@ -201,8 +209,10 @@ def group_override_error(args) -> str | None:
     return None
 
 def writable_std() -> None:
-    """A closed (`2>&-`) or read-only stdout / stderr becomes /dev/null: a progress bar or
-    the summary cannot then fail the run (its record and run.log still say what happened)."""
+    """Points a closed or read-only stdout or stderr, e.g. `2>&-`, at /dev/null.
+
+    A progress bar or the summary then cannot fail the run; its record and run.log still
+    say what happened."""
     import fcntl
 
     for fd, name in ((1, "stdout"), (2, "stderr")):
@@ -222,9 +232,10 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
 
 @contextlib.contextmanager
 def log_failures():
-    """A log file that cannot be written (a full disk): logging printed a traceback for
-    each line it could not write; here nothing, and the first such file and its problem go
-    into the yielded list (cli says it once, at the end, where nothing else failed)."""
+    """Silences failed log writes, as on a full disk; the first file and its problem are yielded.
+
+    logging's own handler prints a traceback for each line it cannot write; here nothing is
+    printed. cli says it once, at the end, where nothing else failed."""
     import logging
 
     failed: list[tuple[str, str]] = []
@@ -244,22 +255,35 @@ def log_failures():
         logging.FileHandler.handleError = own
 
 def _in_mkdir(e: BaseException) -> bool:
-    """Whether the error came from making a directory (Hydra's output dir)."""
+    """Whether the error came from making a directory, as Hydra's output dir."""
     tb = e.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     return tb is not None and tb.tb_frame.f_code.co_name in ("mkdir", "makedirs")
 
+def register_search_sweeper() -> None:
+    """Registers +sweep=search's sweeper, hydra_plugins/moe_exp_search, with Hydra.
+
+    Hydra's plugin scan misses a namespace package that an editable install maps through an
+    import hook. Optuna is imported only when the sweeper is made."""
+    from hydra.core.plugins import Plugins
+    from hydra_plugins.moe_exp_search.search_sweeper import SearchSweeper
+
+    Plugins.instance().register(SearchSweeper)
+
+
 def cli() -> None:
-    """`python -m moe_exp.run`. Hydra's own config errors (unknown key or option, wrong type,
-    bad override syntax) come out as one line and exit code 2, like moe_exp's checks;
+    """`python -m moe_exp.run`: checks the arguments, runs Hydra, sets the exit code.
+
+    Hydra's own config errors, such as an unknown key or option, a wrong type or bad
+    override syntax, come out as one line and exit code 2, like moe_exp's checks;
     HYDRA_FULL_ERROR=1 keeps Hydra's own report."""
     from hydra.errors import CompactHydraException
     from omegaconf.errors import InterpolationResolutionError
 
     writable_std()
     stop_on_sigterm()
-    register_search_sweeper()  # (+sweep=search's sweeper; Optuna itself only when used)
+    register_search_sweeper()
     full = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting 1
     args = sys.argv[1:]

@@ -2,13 +2,14 @@
 
     python -m moe_exp.compare BASE NEW [--threshold 5]
 
-BASE and NEW are sweep dirs or results.csv/.parquet files; rows are matched by config hash
-and `extra` labels (by the hash alone where it is one row on each side). Exit 1 when a
-configuration's tokens/s (task=comm: a collective's bus bandwidth) fell, or its peak
-memory grew, by more than the threshold percent plus the noise its repeats measured (half
-the min-max range of each side), when a run that was ok is no longer ok (or no longer
-measures one of them), or when an ok configuration is missing from NEW; exit 0 otherwise;
-exit 2 on bad input.
+BASE and NEW are sweep dirs or results.csv/.parquet files. Rows are matched by config hash
+and `extra` labels, or by the hash alone where it is one row on each side.
+
+Exit 1 when a configuration's tokens/s fell, or its peak memory grew, by more than the
+threshold percent plus the noise its repeats measured: half the min-max range of each
+side. For task=comm rows, a collective's bus bandwidth counts as tokens/s does. Exit 1
+also when a run that was ok is no longer ok or no longer measures one of them, or when an
+ok configuration is missing from NEW. Exit 0 otherwise; exit 2 on bad input.
 """
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ from .results import row_key
 
 
 def load(path: Path):
-    """A sweep dir's table, from its job records (results.* may be older than they are:
-    a sweep still running, an edited record), else its results.parquet; or a table file."""
+    """The table of a sweep dir or of a table file.
+
+    A sweep dir's table is built from its job records, else read from its results.parquet:
+    results.* may be older than the records, while a sweep still runs or after an edit."""
     import pandas as pd
 
     path = Path(path)
@@ -58,16 +61,18 @@ def load(path: Path):
 
 
 def _numbers(df, path: Path):
-    """A table file's number columns as numbers; a cell that is not one (a hand-edited
-    table) is a ValueError naming the file, the column and the cell."""
+    """A table file's number columns as numbers.
+
+    A cell that is not a number, as in a hand-edited table, is a ValueError naming the file,
+    the column and the cell."""
     import pandas as pd
 
     from .results import FIELDS
-    from .sweep.table import _TEXT
+    from .sweep.table import TEXT_FIELDS
 
     for col in df.columns:
         base = col[:-4] if col.endswith(("_min", "_max")) else col
-        if base in FIELDS and base not in _TEXT and not pd.api.types.is_numeric_dtype(df[col]):
+        if base in FIELDS and base not in TEXT_FIELDS and not pd.api.types.is_numeric_dtype(df[col]):
             num = pd.to_numeric(df[col], errors="coerce")
             bad = df[col][num.isna() & df[col].notna()]
             if len(bad):
@@ -77,17 +82,19 @@ def _numbers(df, path: Path):
 
 
 def compared(columns) -> list[str]:
-    """The measured columns compare reads: tokens/s, peak memory, a collective's bus
-    bandwidth (task=comm), their repeats' min and max, and the CPU load they ran under."""
+    """The measured columns compare reads: tokens/s, peak memory, task=comm's bus bandwidth.
+
+    Also their repeats' min and max, and the CPU load they ran under."""
     base = [c for c in columns if c in ("tokens_per_s", "peak_mem_gib", "cpu_other_load")
             or c.startswith("busbw_gbps_")]
     return [c for c in columns if c in base or (c.endswith(("_min", "_max")) and c[:-4] in base)]
 
 
 def _possible(df, path: Path, records: bool = False):
-    """A measured value no run can have (a hand-edited record or table: inf tokens/s, a
-    negative peak memory) is bad input: a ValueError naming the record (or the file and
-    row), the column and the value. Null (NaN) is not measured, not impossible."""
+    """Rejects a measured value that no run can have, such as inf tokens/s or a negative peak.
+
+    Such a value, from a hand-edited record or table, is a ValueError naming the record, or
+    the file and row, the column and the value. Null (NaN) is not measured, not impossible."""
     import math
     import numbers
 
@@ -109,7 +116,7 @@ def _val(row, key):
 
 
 def _noise_pct(b, n, key: str) -> float:
-    """Half the min-max range of each side, as a percent of the base median (0 if unknown)."""
+    """Half the min-max range of each side, as a percent of the base median; 0 if unknown."""
     med = _val(b, key)
     if not med:
         return 0.0
@@ -138,8 +145,9 @@ def _rows(df, side: str) -> dict:
 
 
 def compare(base, new, threshold: float = 5.0) -> tuple[list[dict], list[str]]:
-    """(one entry per matched configuration, configurations found on one side only; an ok
-    one that NEW lacks is a regression, marked "REGRESSION" there)."""
+    """Compares matched rows: an entry per matched configuration, and those on one side only.
+
+    An ok configuration that NEW lacks is a regression, marked "REGRESSION" in that list."""
     b_rows, n_rows = _rows(base, "BASE"), _rows(new, "NEW")
     metrics = [("tokens_per_s", -1, "tokens/s"), ("peak_mem_gib", 1, "peak mem")]
     # task=comm rows: bus bandwidth per collective (higher is better)
@@ -180,8 +188,10 @@ def compare(base, new, threshold: float = 5.0) -> tuple[list[dict], list[str]]:
 
 
 def _pairs(base: list[tuple], new: list[tuple]) -> list[tuple]:
-    """Rows matched by (config_hash, extra); then, of those left, by config_hash where it is
-    one row on each side (labels changed between the runs: +extra.note=before / after)."""
+    """Pairs of row keys (config_hash, extra) matched between BASE and NEW.
+
+    Of the rows left unmatched, those whose config_hash is one row on each side are matched
+    by it alone: their labels changed between the runs, as with +extra.note=before / after."""
     pairs = [(k, k) for k in base if k in new]
     left_b, left_n = [k for k in base if k not in new], [k for k in new if k not in base]
     for kb in left_b:

@@ -1,9 +1,9 @@
 """Typed schemas for every config group, registered in Hydra's ConfigStore.
 
-The root schema (`run_schema`) sits first in `conf/run.yaml`'s defaults list, so
+The root schema, `run_schema`, sits first in `conf/run.yaml`'s defaults list, so
 every group option and every command-line override is merged into these
 dataclasses: an unknown key or a wrong type is rejected by Hydra before any work.
-Choices among strings (e.g. `train.compile`) are checked in `validate.py`.
+Choices among strings, such as `train.compile`, are checked in `validate.py`.
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
-from .knobs import Knob, Reads, declarations, defaults, group, knob, unhashed_groups
+from .knobs import (Knob, Range, Reads, above, at_least, at_most, declarations, defaults, group,
+                    knob, unhashed_groups)
 
 CONF = Path(__file__).parent / "conf"  # the config groups' option files, and run.yaml
 
@@ -27,16 +28,17 @@ class ConfigError(Exception):
 
 
 class Unsupported(ConfigError):
-    """A valid request this hardware (or install) cannot do: a `skipped` row in a sweep."""
+    """A valid request this hardware or install cannot do: a `skipped` row in a sweep."""
 
 
 class NotReady(ConfigError):
-    """A valid request this environment is not set up for yet (e.g. no W&B login): an
-    `error` row, which a resumed sweep runs again."""
+    """A valid request this environment is not set up for yet, such as one needing a W&B login.
+
+    It is an `error` row, which a resumed sweep runs again."""
 
 
 def no_such_key(group: str, typ) -> str:
-    """What a key not in `group` (schema dataclass typ) gets told."""
+    """What a key not in `group`, whose schema dataclass is typ, gets told."""
     import dataclasses
 
     where = f"in {group}" if group else "at the top level"
@@ -45,20 +47,22 @@ def no_such_key(group: str, typ) -> str:
 
 
 def group_options(group: str) -> List[str]:
-    """The options of a config group (its files under conf/)."""
+    """The options of a config group: its files under conf/."""
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
 def override_texts(node) -> List[str]:
-    """Hydra's overrides (hydra.overrides.task) as written: a `${...}` in one is the value's,
-    for the job to resolve, not resolved (and maybe failing) where the list is read."""
+    """Hydra's overrides, hydra.overrides.task, as written, without resolving them.
+
+    A `${...}` in one is the value's, for the job to resolve; resolved where the list is
+    read, it might fail."""
     from omegaconf import OmegaConf
 
     return [str(o) for o in OmegaConf.to_container(node, resolve=False)]
 
 
 def env_source(cfg, key: str) -> str | None:
-    """The environment variable a key's value is read from (`${oc.env:NAME,...}`), or None."""
+    """The environment variable a key's value is read from by `${oc.env:NAME,...}`, or None."""
     import re
 
     from omegaconf import OmegaConf
@@ -78,6 +82,11 @@ def default_choices() -> Dict[str, str]:
     return {k: v for d in OmegaConf.load(CONF / "run.yaml").defaults if not isinstance(d, str)
             for k, v in d.items()}
 
+MAX_STEPS = 10_000_000  # steps, and micro-batches of a run: a benchmark, not a long training
+MAX_POSITIONS = 2**20  # model.max_seq_len (the model builds its RoPE table for each)
+SEEDS = 2**32  # (numpy's range, the narrowest a seed goes to)
+MAX_MEMORY_GIB = 2**20  # 1 PiB a device: a larger value could overflow a byte count mid-run
+MAX_BUCKET_MB = 2**20  # DDP takes the bytes as a C++ int64: a larger value could overflow it
 RANKED = ("ddp", "fsdp", "expert", "expert_fsdp", "hsdp")  # parallel options with several ranks
 MOE = Reads("model.num_experts", positive=True, what="a MoE model")
 ROUTINGS = ("learned", "balanced", "skewed")  # model.routing (model/moe.py: Router)
@@ -107,25 +116,31 @@ TASKS = BOTH + TUNE_TASK + INFER_TASK + PLAN_TASK
 
 @dataclass
 class ModelConfig:
-    name: str = knob("tiny_moe", "labels the model in every result")
-    hidden_size: int = knob(128, "model width")
-    num_layers: int = knob(2, "transformer blocks")
-    num_heads: int = knob(4, "attention heads")
-    num_kv_heads: int = knob(2, "key/value heads (grouped-query attention)")
-    ffn_hidden_size: int = knob(256, "per expert (or of the dense FFN when num_experts=0)")
-    num_experts: int = knob(8, "routed experts per layer; 0 = a dense SwiGLU FFN")
+    name: str = knob("tiny_moe", "labels the model in every result", column="model",
+                     summary="model")
+    hidden_size: int = knob(128, "model width", check=at_least(1))
+    num_layers: int = knob(2, "transformer blocks", check=at_least(1))
+    num_heads: int = knob(4, "attention heads", check=at_least(1))
+    num_kv_heads: int = knob(2, "key/value heads (grouped-query attention)", check=at_least(1))
+    ffn_hidden_size: int = knob(256, "per expert (or of the dense FFN when num_experts=0)",
+                                check=at_least(1))
+    num_experts: int = knob(8, "routed experts per layer; 0 = a dense SwiGLU FFN",
+                            check=at_least(0))
     top_k: int = knob(2, "experts per token", read_by=MOE, unread="keep")
-    vocab_size: int = knob(256, "vocabulary size")
-    max_seq_len: int = knob(128, "longest sequence (RoPE table length)")
-    rope_theta: float = knob(10000.0, "RoPE base")
-    norm_eps: float = knob(1e-5, "RMSNorm epsilon")
-    init_std: float = knob(0.02, "weights' initial standard deviation")
+    vocab_size: int = knob(256, "vocabulary size", check=at_least(2))
+    max_seq_len: int = knob(128, "longest sequence (RoPE table length)", check=(
+        at_least(1), at_most(MAX_POSITIONS, "(the model builds its RoPE table for every "
+                                            "position)")))
+    rope_theta: float = knob(10000.0, "RoPE base", check=above(0))
+    norm_eps: float = knob(1e-5, "RMSNorm epsilon", check=above(0))
+    init_std: float = knob(0.02, "weights' initial standard deviation", check=above(0))
     aux_loss_coef: float = knob(0.01, "Switch load-balancing loss weight", read_by=MOE,
-                                unread="keep")
+                                unread="keep", check=at_least(0))
     seq_aux_loss_coef: float = knob(0.0, "the balance loss per sequence's weight (DeepSeek-V3's "
                                     "sequence-wise loss: 0.0001); beside aux_loss_coef's batch "
-                                    "one", read_by=MOE, unread="keep", since=0.0)
-    z_loss_coef: float = knob(0.001, "router z-loss weight", read_by=MOE, unread="keep")
+                                    "one", read_by=MOE, unread="keep", since=0.0, check=at_least(0))
+    z_loss_coef: float = knob(0.001, "router z-loss weight", read_by=MOE, unread="keep",
+                              check=at_least(0))
     dispatch: str = knob("auto", "expert matmuls: grouped (grouped_mm) | padded (bmm) | loop | "
                          "auto (the fastest that runs here: model.moe.resolve_dispatch)",
                          choices=("auto", "grouped", "padded", "loop"), read_by=MOE,
@@ -146,40 +161,44 @@ class ModelConfig:
     qk_norm: bool = knob(False, "RMSNorm of each head's q and k before RoPE (Qwen3)", since=False,
                          read_by=GQA)
     q_lora_rank: Optional[int] = knob(None, "MLA: the rank of q's projection; null = full rank",
-                                      since=None, read_by=MLA)
+                                      since=None, read_by=MLA,
+                                      check=at_least(1, "or null (full rank)"))
     kv_lora_rank: int = knob(512, "MLA: the shared key/value latent's size", since=512,
-                             read_by=MLA)
+                             read_by=MLA, check=at_least(1))
     qk_nope_head_dim: int = knob(128, "MLA: per head, the q/k dims without RoPE", since=128,
-                                 read_by=MLA)
+                                 read_by=MLA, check=at_least(1))
     qk_rope_head_dim: int = knob(64, "MLA: per head, the q/k dims with RoPE (k's shared by all "
                                  "heads)", since=64, read_by=MLA)
-    v_head_dim: int = knob(128, "MLA: per head, the value dims", since=128, read_by=MLA)
+    v_head_dim: int = knob(128, "MLA: per head, the value dims", since=128, read_by=MLA,
+                           check=at_least(1))
     num_shared_experts: int = knob(0, "always-on experts beside the routed ones (DeepSeek)",
-                                   read_by=MOE, unread="keep", since=0)
+                                   read_by=MOE, unread="keep", since=0, check=at_least(0))
     shared_ffn_hidden_size: Optional[int] = knob(
         None, "each shared expert's FFN size; null = ffn_hidden_size", unread="keep", since=None,
-        read_by=Reads("model.num_shared_experts", positive=True, what="shared experts"))
+        read_by=Reads("model.num_shared_experts", positive=True,
+        what="shared experts"), check=at_least(1, "or null (ffn_hidden_size)"))
     first_k_dense: int = knob(0, "the first k blocks have a dense FFN (DeepSeek)", read_by=MOE,
-                              unread="keep", since=0)
+                              unread="keep", since=0, check=at_least(0))
     dense_ffn_hidden_size: Optional[int] = knob(
         None, "the FFN size of the first_k_dense blocks; null = ffn_hidden_size", unread="keep",
-        since=None, read_by=Reads("model.first_k_dense", positive=True, what="dense first layers"))
+        since=None, read_by=Reads("model.first_k_dense", positive=True,
+        what="dense first layers"), check=at_least(1, "or null (ffn_hidden_size)"))
     score_func: str = knob("softmax", "router scores: softmax over experts (Mixtral, Qwen3) | "
                            "sigmoid per expert (DeepSeek-V3)", choices=("softmax", "sigmoid"),
                            read_by=MOE, unread="keep", since="softmax")
     route_norm: bool = knob(True, "renormalise the chosen experts' weights to sum 1",
                             read_by=MOE, unread="keep", since=True)
     route_scale: float = knob(1.0, "multiplies the routed experts' weights (DeepSeek-V3: 2.5)",
-                              read_by=MOE, unread="keep", since=1.0)
+                              read_by=MOE, unread="keep", since=1.0, check=above(0))
     n_groups: int = knob(1, "group-limited routing: the experts in n_groups groups; each token "
                          "picks among its topk_groups best (DeepSeek-V3)", read_by=MOE,
-                         unread="keep", since=1)
+                         unread="keep", since=1, check=at_least(1))
     topk_groups: int = knob(1, "with model.n_groups > 1: the groups each token may use",
-                            read_by=MOE, unread="keep", since=1)
+                            read_by=MOE, unread="keep", since=1, check=at_least(1))
     bias_update_rate: float = knob(0.0, "auxiliary-loss-free balancing (DeepSeek-V3): after each "
                                    "step every expert's routing bias moves this much toward "
                                    "equal load; 0 = off (DeepSeek-V3: 0.001)", read_by=MOE,
-                                   unread="keep", since=0.0)
+                                   unread="keep", since=0.0, check=at_least(0, "(0: off)"))
     capacity_factor: Optional[float] = knob(
         None, "token capacity: an expert takes at most capacity_factor x tokens x top_k / "
         "num_experts of a micro-batch's choices, the rest are dropped (their tokens pass "
@@ -195,7 +214,8 @@ class ModelConfig:
 @dataclass
 class PrecisionConfig:
     name: str = knob("fp32", "the precision option (labels the run)",
-                     choices=("fp32", "tf32", "fp16", "bf16", "fp8"), off="fp32")
+                     choices=("fp32", "tf32", "fp16", "bf16", "fp8"), off="fp32",
+                     column="precision", summary="precision", summary_off=True)
     autocast_dtype: Optional[str] = knob(None, "bfloat16 | float16 | null (no autocast)")
     grad_scaler: bool = knob(False, "fp16 loss scaling")
     tf32: bool = knob(False, "TF32 tensor-core matmuls for fp32 (CUDA only)")
@@ -209,30 +229,36 @@ class PrecisionConfig:
 
 @dataclass
 class ParallelConfig:
-    name: str = knob("none", "the parallel option", choices=("none",) + RANKED, off="none")
+    name: str = knob("none", "the parallel option", choices=("none",) + RANKED, off="none",
+                     column="parallel", recorded_in=INFER_TASK)
     backend: str = knob("auto", "auto (nccl on CUDA, gloo on CPU) | nccl | gloo",
                         choices=("auto", "nccl", "gloo"), tasks=BOTH, unread_ok=True,
                         read_by=(Reads("parallel.name", RANKED), Reads("task", COMM_TASK)))
     timeout_s: float = knob(120.0, "a collective waiting longer fails the run (never a hang)",
                             tasks=BOTH, unread_ok=True,
-                            read_by=(Reads("parallel.name", RANKED), Reads("task", COMM_TASK)))
+                            read_by=(Reads("parallel.name", RANKED), Reads("task",
+                            COMM_TASK)), check=Range(1, 10**9, note="seconds"))
     expert_parallel_size: Optional[int] = knob(None, "ranks experts are sharded over; "
-                                               "null = all", read_by=EXPERT)
-    bucket_cap_mb: float = knob(25.0, "DDP's gradient bucket size", read_by=DDP)
+                                               "null = all", read_by=EXPERT, check=at_least(1,
+                                               "or null (all ranks)"))
+    bucket_cap_mb: float = knob(25.0, "DDP's gradient bucket size", read_by=DDP, check=Range(0,
+                                MAX_BUCKET_MB, lo_open=True, note="MB"))
     gradient_as_bucket_view: bool = knob(True, "DDP's gradients as views of its buckets",
                                          read_by=DDP)
     static_graph: bool = knob(False, "DDP's static graph", read_by=DDP)
     comm_hook: str = knob("none", "DDP's gradient all-reduce: none (fp32) | fp16 | bf16 "
                           "(compressed casts) | powersgd (low-rank)", choices=HOOKS,
-                          read_by=DDP, off="none", since="none")
+                          read_by=DDP, off="none", since="none", column="comm_hook")
     powersgd_rank: int = knob(1, "PowerSGD's matrix approximation rank", since=1,
                               read_by=Reads("parallel.comm_hook", ("powersgd",),
-                                            what="parallel.comm_hook=powersgd"))
+                                            what="parallel.comm_hook=powersgd"), check=at_least(1))
     # HSDP's 2-D mesh (replicate x shard): null = shard over one machine's hardware.devices
     # ranks, replicate across machines (FSDP1's HYBRID_SHARD; 1 replica on one machine)
     replicate: Optional[int] = knob(None, "HSDP replica groups (each shards over world / "
                                     "replicate ranks); null = one per machine",
-                                    read_by=Reads("parallel.name", ("hsdp",)), since=None)
+                                    read_by=Reads("parallel.name",
+                                    ("hsdp",)), since=None, check=at_least(1,
+                                    "or null (one replica per machine)"))
     # with train.grad_accum_steps > 1, reduce gradients on the last micro-step only (DDP
     # no_sync, FSDP2 set_requires_gradient_sync); false: on every micro-step
     accum_no_sync: bool = knob(True, "with grad accumulation, reduce on the last micro-step "
@@ -245,26 +271,30 @@ class ParallelConfig:
     # the CPU running ahead); N >= 1 = each block explicitly issues the all-gathers of the
     # next N blocks in forward and backward (more overlap, more memory)
     prefetch: int = knob(0, "FSDP2 blocks to prefetch explicitly; 0 = its default",
-                         read_by=FSDP, since=0)
+                         read_by=FSDP, since=0, check=at_least(0, "(0 = FSDP2's default)"))
     # (several ranks only; left out of the step-time figures)
     profile_steps: int = knob(2, "the last N steps run under torch.profiler (comm time)",
-                              read_by=Reads("parallel.name", RANKED), unread_ok=True)
+                              read_by=Reads("parallel.name",
+                              RANKED), unread_ok=True, check=at_least(0))
 
 
 def hsdp_mesh(p, devices: int, world: int) -> tuple[int, int]:
-    """parallel=hsdp's (replicate, shard) mesh shape: replicate as set, or one replica per
-    machine (world // hardware.devices)."""
+    """parallel=hsdp's (replicate, shard) mesh shape.
+
+    replicate is as set, or else one replica per machine: world // hardware.devices."""
     replicate = p.replicate or max(1, world // devices)
     return replicate, world // replicate
 
 
 @dataclass
 class HardwareConfig:
-    name: str = knob("auto", "the hardware profile (labels the run)")
+    name: str = knob("auto", "the hardware profile (labels the run)", column="hardware")
     device: str = knob("auto", "auto | cpu | cuda | hpu", choices=("auto", "cpu", "cuda", "hpu"),
                        tasks=BOTH)
-    devices: int = knob(1, "ranks launched on this machine", tasks=BOTH)
-    memory_gib: Optional[float] = knob(None, "per device; null = read from the device")
+    devices: int = knob(1, "ranks launched on this machine", tasks=BOTH, column="world_size")
+    memory_gib: Optional[float] = knob(None, "per device; null = read from the device",
+                                       check=Range(0, MAX_MEMORY_GIB, lo_open=True,
+                                       note="GiB (per device) or null"))
     # null = unknown (MFU is then null)
     peak_flops: Dict[str, Optional[float]] = knob(doc="dense peak FLOP/s per device for each "
                                                   "precision", factory=dict)
@@ -274,18 +304,20 @@ class HardwareConfig:
         None, "the part's memory per device as CUDA reports it: a plan's where memory_gib "
         "is null (the device is not here)", since=None, tasks=PLAN_TASK)
     memory_bandwidth: Optional[float] = knob(
-        None, "device memory bytes/s (the plan's roofline)", since=None, tasks=PLAN_TASK)
+        None, "device memory bytes/s (the plan's roofline)", since=None, tasks=PLAN_TASK,
+        check=above(0, "bytes/s or null"))
     link_bandwidth: Optional[float] = knob(
         None, "bytes/s each way per device between the devices of a node (NVLink)",
-        since=None, tasks=PLAN_TASK)
+        since=None, tasks=PLAN_TASK, check=above(0, "bytes/s or null"))
     network_bandwidth: Optional[float] = knob(
         None, "bytes/s each way per device between nodes (its NIC)", since=None,
-        tasks=PLAN_TASK)
+        tasks=PLAN_TASK, check=above(0, "bytes/s or null"))
     comm_from: Optional[str] = knob(
         None, "a task=comm record (its metrics.json or run dir): the plan's collectives "
         "take the times it measured, not the bandwidths'", since=None, tasks=PLAN_TASK)
     devices_per_node: int = knob(8, "devices that share a node's links (a plan's group "
-                                 "within one uses link_bandwidth)", since=8, tasks=PLAN_TASK)
+                                 "within one uses link_bandwidth)", since=8, tasks=PLAN_TASK,
+                                 check=at_least(1))
     precisions: List[str] = knob(doc="precisions this hardware runs",
                                  factory=lambda: ["fp32", "fp16", "bf16"])
     cudnn_benchmark: bool = knob(True, "cuDNN autotuning")
@@ -300,7 +332,7 @@ class HardwareConfig:
 
 @dataclass
 class DataConfig:
-    name: str = knob("markov", "labels the data (the group option)")
+    name: str = knob("markov", "labels the data (the group option)", column="data")
     source: str = knob("markov", "markov (synthetic, learnable) | tokens (memory-mapped file)",
                        choices=("markov", "tokens"))
     path: Optional[str] = knob(None, "token file made by `python -m moe_exp.data prepare`",
@@ -310,45 +342,51 @@ class DataConfig:
     heldout: bool = knob(False, "tokens: hold the file's last train.eval_sequences sequences "
                          "out of training, for eval_loss", read_by=Reads("data.source",
                                                                          ("tokens",)), since=False)
-    num_workers: int = knob(0, "loader worker processes per rank")
+    num_workers: int = knob(0, "loader worker processes per rank", check=at_least(0))
     pin_memory: bool = knob(True, "pinned host memory (CUDA only)")
     prefetch_factor: Optional[int] = knob(None, "batches each worker loads ahead "
-                                          "(needs num_workers > 0)")
+                                          "(needs num_workers > 0)", check=at_least(1, "or null"))
     persistent_workers: bool = knob(False, "workers kept between epochs (needs "
                                     "num_workers > 0)")
 
 
 @dataclass
 class OptimConfig:
-    name: str = knob("adamw", "the optimizer option", choices=("adamw", "muon"), off="adamw")
-    lr: float = knob(3e-3, "peak learning rate")
+    name: str = knob("adamw", "the optimizer option", choices=("adamw", "muon"), off="adamw",
+                     column="optim", summary="optim")
+    lr: float = knob(3e-3, "peak learning rate", check=above(0))
     schedule: str = knob("cosine", "lr after warmup: cosine | linear (down to lr * "
                          "min_lr_ratio) | constant | wsd (warmup, stable, decay) | onecycle "
-                         "(torch's OneCycleLR)", choices=SCHEDULES, since="cosine")
+                         "(torch's OneCycleLR)", choices=SCHEDULES, since="cosine",
+                         column="lr_schedule")
     min_lr_ratio: float = knob(0.1, "cosine, linear and wsd decay to lr * min_lr_ratio",
                                read_by=Reads("optim.schedule", ("cosine", "linear", "wsd"),
-                                             what="optim.schedule=cosine, linear or wsd"))
+                                             what="optim.schedule=cosine, linear or wsd"),
+                               check=Range(0, 1.0))
     lr_warmup_steps: int = knob(5, "linear warmup steps", read_by=Reads(
         "optim.schedule", tuple(s for s in SCHEDULES if s != "onecycle"),
-        what="optim.schedule=cosine, linear, constant or wsd"))
+        what="optim.schedule=cosine, linear, constant or wsd"), check=at_least(0))
     decay_ratio: float = knob(0.2, "wsd: the share of the steps after warmup that decay",
                               read_by=Reads("optim.schedule", ("wsd",), what="optim.schedule=wsd"),
-                              since=0.2)
+                              since=0.2, check=Range(0, 1.0, lo_open=True))
     pct_start: float = knob(0.3, "onecycle: the share of the steps rising to lr (from lr/25; "
                             "then down to lr/25e4)", since=0.3,
                             read_by=Reads("optim.schedule", ("onecycle",),
-                                          what="optim.schedule=onecycle"))
-    weight_decay: float = knob(0.1, "decoupled weight decay")
-    beta1: float = knob(0.9, "AdamW's beta1")
-    beta2: float = knob(0.95, "AdamW's beta2")
-    eps: float = knob(1e-8, "AdamW's epsilon")
-    grad_clip: float = knob(1.0, "gradient norm clip; 0 = none")
+                                          what="optim.schedule=onecycle"), check=Range(0, 1.0,
+                                          lo_open=True, hi_open=True))
+    weight_decay: float = knob(0.1, "decoupled weight decay", check=at_least(0))
+    beta1: float = knob(0.9, "AdamW's beta1", check=Range(0, 1.0, hi_open=True))
+    beta2: float = knob(0.95, "AdamW's beta2", check=Range(0, 1.0, hi_open=True))
+    eps: float = knob(1e-8, "AdamW's epsilon", check=above(0))
+    grad_clip: float = knob(1.0, "gradient norm clip; 0 = none", check=at_least(0, "(0 = off)"))
     impl: str = knob("auto", "AdamW's: auto | fused | foreach | for-loop",
                      choices=("auto", "fused", "foreach", "for-loop"))
     # muon only (AdamW keeps the embeddings, head and norms: beta1/beta2/eps/impl above)
-    momentum: float = knob(0.95, "Muon's momentum", read_by=MUON, unread="drop")
+    momentum: float = knob(0.95, "Muon's momentum", read_by=MUON, unread="drop", check=Range(0, 1.0,
+                           hi_open=True))
     nesterov: bool = knob(True, "Muon's Nesterov momentum", read_by=MUON, unread="drop")
-    ns_steps: int = knob(5, "Muon's Newton-Schulz iterations", read_by=MUON, unread="drop")
+    ns_steps: int = knob(5, "Muon's Newton-Schulz iterations", read_by=MUON, unread="drop",
+                         check=Range(1, 20))
 
 
 @dataclass
@@ -364,46 +402,57 @@ class LoggerConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = knob(20, "measured steps")
-    warmup_steps: int = knob(3, "run first, excluded from timing (compile, allocator growth)")
-    micro_batch_size: int = knob(8, "sequences per micro-batch per rank")
-    grad_accum_steps: int = knob(1, "micro-batches per optimizer step")
-    seq_len: int = knob(128, "tokens per sequence")
+    steps: int = knob(20, "measured steps", check=(at_least(1), at_most(MAX_STEPS)))
+    warmup_steps: int = knob(3, "run first, excluded from timing (compile, allocator growth)",
+                             check=(at_least(0), at_most(MAX_STEPS)))
+    micro_batch_size: int = knob(8, "sequences per micro-batch per rank", column="micro_batch_size",
+                                 check=at_least(1))
+    grad_accum_steps: int = knob(1, "micro-batches per optimizer step", column="grad_accum_steps",
+                                 check=at_least(1))
+    seq_len: int = knob(128, "tokens per sequence", column="seq_len", check=at_least(1))
     activation_checkpointing: str = knob("none", "none | full | selective",
-                                         choices=("none", "full", "selective"), off="none")
+                                         choices=("none", "full", "selective"), off="none",
+                                         column="activation_checkpointing", summary="ac")
     compile: str = knob("off", "torch.compile mode (task=infer: of the decode step)", off="off",
                         tasks=("bench",) + INFER_TASK,
                         choices=("off", "default", "reduce-overhead", "max-autotune",
-                                 "max-autotune-no-cudagraphs"))
+                                 "max-autotune-no-cudagraphs"), column="compile", summary="compile")
     attention: str = knob("auto", "attention kernel: auto (SDPA picks) | flash | efficient | "
                           "math | cudnn (that SDPA backend only) | flex (FlexAttention, "
-                          "compiled)", choices=ATTENTION, off="auto", since="auto")
+                          "compiled)", choices=ATTENTION, off="auto", since="auto",
+                          column="attention", summary="attention")
     # torchtitan's gc_freq: Python's automatic collections at random points of random steps
     # become one full collection every N steps
     gc_every: int = knob(0, "0 = Python's automatic GC; N = automatic GC off, generations "
-                         "0-1 collected every N steps", since=0)
-    seed: int = knob(0, "seed of the weights and the data", tasks=("bench",) + INFER_TASK)
-    log_every: int = knob(5, "steps between loss reads (each read waits for the device)")
+                         "0-1 collected every N steps", since=0, column="gc_every",
+                         check=at_least(0))
+    seed: int = knob(0, "seed of the weights and the data", tasks=("bench",) + INFER_TASK,
+                     check=Range(0, SEEDS - 1))
+    log_every: int = knob(5, "steps between loss reads (each read waits for the device)",
+                          check=at_least(1))
     eval_sequences: int = knob(16, "held-out sequences eval_loss is measured on (0: none)",
-                               since=16)
+                               since=16, check=Range(0, MAX_STEPS))
     eval_every: int = knob(0, "steps between eval_loss measurements (0: at the end only)",
-                           since=0)
+                           since=0, check=Range(0, MAX_STEPS))
     target_loss: Optional[float] = knob(None, "eval loss to reach: the record's steps and "
-                                        "seconds to it (needs train.eval_every)", since=None)
+                                        "seconds to it (needs train.eval_every)", since=None,
+                                        check=above(0, "(a loss)"))
     profile: bool = knob(False, "torch.profiler trace of the last train.profile_steps steps "
                          "(untimed): trace.json, profile.txt, profile_shares", since=False)
     profile_steps: int = knob(2, "steps train.profile traces (the run's last; untimed)",
-                              read_by=PROFILE, since=2)
+                              read_by=PROFILE, since=2, check=at_least(1))
     checkpoint_every: int = knob(0, "save a checkpoint (torch.distributed.checkpoint) every N "
-                                 "steps, and on SIGTERM (0: off)", off=0, since=0)
+                                 "steps, and on SIGTERM (0: off)", off=0, since=0,
+                                 column="checkpoint_every", check=at_least(0, "(0 = off)"))
     checkpoint_dir: Optional[str] = knob(None, "where checkpoints go (null: checkpoints/ in "
                                          "the run's dir; a path: <path>/<run>/)",
                                          read_by=CHECKPOINT, since=None)
     checkpoint_async: bool = knob(False, "save in the background (DCP's async_save): the "
                                   "step waits only for the copy to host memory",
-                                  read_by=CHECKPOINT, off=False, since=False)
+                                  read_by=CHECKPOINT, off=False, since=False,
+                                  column="checkpoint_async")
     checkpoint_keep: int = knob(1, "the latest checkpoints kept (0: all)", read_by=CHECKPOINT,
-                                since=1)
+                                since=1, check=at_least(0, "(0 = all)"))
     plan: bool = knob(True, "trace the step first (task=plan) and record its prediction "
                       "beside the measurement (planned_peak_gib, planned_peak_error); the "
                       "pre-flight skips a run whose planned peak exceeds the memory",
@@ -415,21 +464,24 @@ class TrainConfig:
 
 @dataclass
 class TuneConfig:
-    """task=tune_batch: the micro-batch search (probes from train.micro_batch_size)."""
+    """task=tune_batch: the micro-batch search, probing from train.micro_batch_size."""
     multiple: int = knob(1, "micro-batch sizes probed are multiples of this (the search's "
-                         "resolution)", tasks=TUNE_TASK, since=1)
+                         "resolution)", tasks=TUNE_TASK, since=1, check=at_least(1))
     max_micro_batch: int = knob(4096, "the doubling stops here", tasks=TUNE_TASK, since=4096)
 
 
 @dataclass
 class InferConfig:
-    """task=infer: greedy generation with a KV cache (docs/inference.md)."""
-    batch_size: int = knob(8, "requests generated together", tasks=INFER_TASK, since=8)
+    """task=infer: greedy generation with a KV cache; see docs/inference.md."""
+    batch_size: int = knob(8, "requests generated together", tasks=INFER_TASK, since=8,
+                           check=at_least(1))
     prompt_len: int = knob(64, "tokens per prompt (held-out walks of the data)",
-                           tasks=INFER_TASK, since=64)
-    new_tokens: int = knob(32, "tokens generated per request", tasks=INFER_TASK, since=32)
-    batches: int = knob(3, "measured batches (after infer.warmup)", tasks=INFER_TASK, since=3)
-    warmup: int = knob(1, "unmeasured batches first", tasks=INFER_TASK, since=1)
+                           tasks=INFER_TASK, since=64, check=at_least(1))
+    new_tokens: int = knob(32, "tokens generated per request", tasks=INFER_TASK, since=32,
+                           check=at_least(1))
+    batches: int = knob(3, "measured batches (after infer.warmup)", tasks=INFER_TASK, since=3,
+                        check=at_least(1))
+    warmup: int = knob(1, "unmeasured batches first", tasks=INFER_TASK, since=1, check=at_least(0))
     checkpoint: Optional[str] = knob(None, "weights from a checkpoint (train.checkpoint_every's"
                                      " step_* dir, a dir of them or a run dir); null: the "
                                      "seed's initialization", tasks=INFER_TASK, since=None)
@@ -439,12 +491,13 @@ class InferConfig:
     prefetch: int = knob(0, "experts loaded ahead for the next MoE layer, its router's guess "
                          "from this layer's input", tasks=INFER_TASK, since=0,
                          read_by=Reads("infer.experts_resident", positive=True,
-                                       what="expert residency"))
+                                       what="expert residency"), check=at_least(0))
     usage_threshold: float = knob(0.0, "drop experts whose share of a layer's tokens in the "
                                   "warmup batches is below this (selective loading)",
-                                  tasks=INFER_TASK, since=0.0)
+                                  tasks=INFER_TASK, since=0.0, check=Range(0, 1.0, hi_open=True))
     eval_sequences: int = knob(16, "held-out sequences (prompt_len + new_tokens long) the "
-                               "eval loss is measured on (0: none)", tasks=INFER_TASK, since=16)
+                               "eval loss is measured on (0: none)", tasks=INFER_TASK, since=16,
+                               check=at_least(0))
     quantize: str = knob("none", "weights through torchao: none | int8 (weight-only) | fp8 "
                          "(weights and activations; GPUs with fp8)", choices=("none", "int8",
                                                                              "fp8"),
@@ -454,18 +507,18 @@ class InferConfig:
                          " only)", choices=("none",) + BATCHING, tasks=INFER_TASK, off="none",
                          since="none")
     max_batch_size: int = knob(8, "the most requests a batch holds", read_by=SERVING,
-                               tasks=INFER_TASK, since=8)
+                               tasks=INFER_TASK, since=8, check=at_least(1))
     timeout_ms: float = knob(50.0, "dynamic batching: a batch leaves when its oldest request "
                              "waited this long", tasks=INFER_TASK, since=50.0,
                              read_by=Reads("infer.batching", ("dynamic",),
-                                           what="infer.batching=dynamic"))
+                                           what="infer.batching=dynamic"), check=at_least(0))
     arrival_rate: float = knob(20.0, "requests a second (Poisson arrivals)", read_by=SERVING,
-                               tasks=INFER_TASK, since=20.0)
+                               tasks=INFER_TASK, since=20.0, check=above(0))
     requests: int = knob(64, "requests in the stream", read_by=SERVING, tasks=INFER_TASK,
-                         since=64)
+                         since=64, check=at_least(1))
     length_spread: float = knob(0.5, "prompt and output lengths uniform in [L(1 - spread), L] "
                                 "(L: prompt_len, new_tokens)", read_by=SERVING,
-                                tasks=INFER_TASK, since=0.5)
+                                tasks=INFER_TASK, since=0.5, check=Range(0, 1.0, hi_open=True))
 
 
 @dataclass
@@ -473,28 +526,32 @@ class CommConfig:
     """task=comm: collective latency and bus bandwidth over message sizes."""
     ops: List[str] = knob(doc="collectives measured", tasks=COMM_TASK, factory=lambda: [
         "all_reduce", "all_gather", "reduce_scatter", "all_to_all"])
-    min_bytes: int = knob(1024, "smallest message", tasks=COMM_TASK)
+    min_bytes: int = knob(1024, "smallest message", tasks=COMM_TASK, check=at_least(4))
     max_bytes: int = knob(64 * 2**20, "largest message", tasks=COMM_TASK)
-    factor: int = knob(4, "each size is the previous one times this", tasks=COMM_TASK)
-    iters: int = knob(10, "timed repetitions per size (median reported)", tasks=COMM_TASK)
-    warmup: int = knob(3, "untimed repetitions first", tasks=COMM_TASK)
+    factor: int = knob(4, "each size is the previous one times this", tasks=COMM_TASK,
+                       check=at_least(2))
+    iters: int = knob(10, "timed repetitions per size (median reported)", tasks=COMM_TASK,
+                      check=at_least(1))
+    warmup: int = knob(3, "untimed repetitions first", tasks=COMM_TASK, check=at_least(0))
     dtype: str = knob("float32", "element type", choices=("float32", "bfloat16", "float16"),
                       tasks=COMM_TASK)
 
 
 @dataclass
 class SweepConfig:
-    """How a multirun (-m) runs its jobs and builds its table (not part of the config hash)."""
+    """How a multirun, -m, runs its jobs and builds its table; not part of the config hash."""
     name: Optional[str] = knob(None, "preset name; the W&B group defaults to it + the sweep dir")
     # e.g. {precision: bf16}; empty (or null) = the ok row with the fewest optimizations on.
     # (set it with ++sweep.baseline={...}; {} not null: Hydra cannot add keys to a null)
     baseline: Optional[Dict[str, Any]] = knob(doc="the baseline row's values", factory=dict)
     baseline_by: List[str] = knob(doc="one baseline per value of these columns",
                                   factory=lambda: ["model"])
-    repeats: int = knob(1, "runs per combination: the table reports median and spread")
+    repeats: int = knob(1, "runs per combination: the table reports median and spread",
+                        check=at_least(1))
     resume: bool = knob(False, "skip jobs whose records are already in the sweep dir")
     isolate: bool = knob(True, "each job in its own process (a crash becomes a crashed row)")
-    job_timeout_s: Optional[float] = knob(None, "kill a job after this long (a crashed row)")
+    job_timeout_s: Optional[float] = knob(None, "kill a job after this long (a crashed row)",
+                                          check=above(0, "seconds or null"))
     fresh_compile_cache: bool = knob(True, "each job compiles cold: compile_s is no cache hit")
     vary_init: bool = knob(False, "repeat i initializes the model from train.seed + i (the "
                            "data stays): the repeats' eval-loss spread is the noise loss_ok uses")
@@ -521,7 +578,7 @@ class RunConfig:
                      " | tune_batch (the largest and the fastest micro-batch that fit)"
                      " | infer (generate with a KV cache) | plan (a training step's memory"
                      " and time, traced on fake tensors: docs/plan.md)",
-                     choices=TASKS, tasks=TASKS)
+                     choices=TASKS, tasks=TASKS, column="task")
     extra: Dict[str, Any] = field(default_factory=dict, metadata={  # free-form notes
         "knob": Knob("free-form labels, kept in the record"), "hashed": False})
 
@@ -549,8 +606,10 @@ register()
 
 
 def override_word(key: str, value: str) -> str:
-    """key=VALUE as a shell word Hydra reads back as the string VALUE: plain where it is,
-    else in Hydra's double quotes (a backslash escapes only before a quote)."""
+    """key=VALUE as a shell word that Hydra reads back as the string VALUE.
+
+    It is plain where that reads back so, else in Hydra's double quotes, where a backslash
+    escapes only before a quote."""
     import re
     import shlex
 
@@ -566,3 +625,30 @@ def override_word(key: str, value: str) -> str:
     quoted = re.sub(r'(\\*)("|$)', lambda m: m.group(1) * 2 + ("\\" + m.group(2)
                                                                  if m.group(2) else ""), value)
     return shlex.quote(f'{key}="{quoted}"')
+
+
+def typed(cfg_dict: dict) -> RunConfig:
+    """A resolved config dict, from pipeline.container, as the schema's dataclasses.
+
+    That is what a task reads. Run after validation, which rejects what the schema does not
+    hold."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg_dict))
+
+
+def unrecorded(task: str) -> list[str]:
+    """The record columns of the knobs `task` does not read; they are null in its record."""
+    return [k.column for k in KNOBS.values() if k.column and not k.records(task)]
+
+
+def plain(node) -> dict:
+    """A config group as a plain dict, from a schema dataclass or an OmegaConf node."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    if dataclasses.is_dataclass(node):
+        return dataclasses.asdict(node)
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) \
+        else dict(node)

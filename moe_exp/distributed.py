@@ -1,5 +1,7 @@
-"""Ranks on torch.distributed: launched from inside the app with torch's elastic agent
-(one output dir, one record), or joined when started by torchrun / SLURM (already a rank).
+"""Ranks on torch.distributed: launched by the app, or joined where torchrun or SLURM started them.
+
+The app launches its ranks with torch's elastic agent and keeps one output dir and one
+record. A process that torchrun or SLURM started is already a rank, and joins.
 
     python -m moe_exp.run parallel=expert hardware.devices=2          # 2 ranks, launched here
     torchrun --nnodes=2 --nproc-per-node=8 -m moe_exp.run parallel=fsdp hardware.devices=8
@@ -29,7 +31,7 @@ class Dist:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
-    launched_here: bool = False  # by run.launch, which records a rank's failure itself
+    launched_here: bool = False  # by pipeline.launch, which records a rank's failure itself
 
     @property
     def main(self) -> bool:
@@ -37,7 +39,7 @@ class Dist:
 
 
 def is_rank() -> bool:
-    """Started by torchrun / the elastic agent / SLURM with torch env: don't launch again."""
+    """Whether a launcher started this process as a rank, with torch's env: don't launch again."""
     return rank_env() is not None
 
 
@@ -47,7 +49,7 @@ def backend(cfg) -> str:
 
 
 def init(cfg) -> Dist:
-    """Join the process group (env:// rendezvous set up by the launcher)."""
+    """Join the process group, by the env:// rendezvous that the launcher set up."""
     d = Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
              int(os.environ.get("LOCAL_RANK", 0)))
     if cfg.hardware.device == "cuda":
@@ -66,8 +68,10 @@ def finish() -> None:
 
 
 def _no_failure_dump(record: logging.LogRecord) -> bool:
-    """The agent logs a failed rank's whole traceback (tens of lines of stderr) and a line
-    per rank it then stops; the run prints one line (failure_message) and keeps every
+    """Log filter that drops the agent's failure dumps.
+
+    The agent logs a failed rank's whole traceback, tens of lines of stderr, and a line per
+    rank it then stops. The run prints one line instead, failure_message, and keeps every
     traceback in its error.log."""
     return not str(record.msg).startswith(("failed (exitcode", "Sending process",
                                            "Closing process", "Terminating process"))
@@ -77,8 +81,10 @@ AGENT_LOGS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiproce
 
 
 def launch(entry, n: int, *args, run_id: str | None = None):
-    """Run entry(*args) on n local ranks; returns rank 0's return value. A rank that fails
-    ends all of them (the agent stops the rest) and raises ChildFailedError naming it."""
+    """Run entry(*args) on n local ranks; returns rank 0's return value.
+
+    A rank that fails ends all of them, as the agent stops the rest, and raises
+    ChildFailedError naming it."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n,
@@ -125,15 +131,17 @@ def _text(f) -> str:
 
 
 def _first_failure(err) -> int:
-    """The rank that failed first in a ChildFailedError: the earliest failure that is not a
-    peer's lost connection (a rank can record that one first)."""
+    """The rank that failed first in a ChildFailedError.
+
+    It is the earliest failure that is not a peer's lost connection: a rank can record that
+    one before the cause."""
     order = sorted(err.failures, key=lambda r: err.failures[r].timestamp)
     causes = [r for r in order if not any(s in _text(err.failures[r]) for s in _SECONDARY)]
     return (causes or order)[0]
 
 
 def failure_message(err) -> str:
-    """One line naming the failed rank (_first_failure) and its error."""
+    """One line naming the rank that failed first and its error."""
     rank = _first_failure(err)
     f = err.failures[rank]
     lines = [ln for ln in _text(f).strip().splitlines() if ln.strip()]
@@ -141,13 +149,15 @@ def failure_message(err) -> str:
 
 
 def killed_by_signal(err) -> bool:
-    """The failed rank's process was killed (SIGKILL from the kernel's OOM killer, a
-    segfault): a `crashed` run, as a sweep job's dead process is."""
+    """Whether the failed rank's process was killed by a signal: a `crashed` run.
+
+    E.g. SIGKILL from the kernel's OOM killer, or a segfault; a sweep job's dead process is
+    a crash alike."""
     return (err.failures[_first_failure(err)].exitcode or 0) < 0
 
 
 def failure_report(err) -> str:
-    """Every failed rank's error with its traceback (for the run's error.log)."""
+    """Every failed rank's error with its traceback, for the run's error.log."""
     parts = []
     for rank in sorted(err.failures):
         f = err.failures[rank]
@@ -158,12 +168,14 @@ def failure_report(err) -> str:
 
 
 def parent_vanished(parent: int, wait_s: float = 0.0) -> str | None:
-    """Why a launched rank was interrupted, where its launcher is gone: torch's spawn sets
-    PR_SET_PDEATHSIG=SIGINT on each rank, so the launching process killed outright (kill
-    -9, the kernel's OOM killer: no signal it could pass on) reaches the ranks as a Ctrl-C.
-    None where `parent` (the rank's parent pid at its start) is still its parent after
-    wait_s: the signal comes when the launcher's thread that started the rank dies, and
-    the process's other threads (its pid, the rank's parent) can take a moment more."""
+    """Why a launched rank was interrupted, where its launcher is gone; else None.
+
+    torch's spawn sets PR_SET_PDEATHSIG=SIGINT on each rank, so a launching process killed
+    outright, by kill -9 or the kernel's OOM killer, reaches the ranks as a Ctrl-C.
+    `parent` is the rank's parent pid at its start; None where it is still the parent after
+    wait_s. The wait is needed: the signal comes when the launcher's thread that started
+    the rank dies, and the process's other threads, which hold the pid, can take a moment
+    more."""
     end = time.monotonic() + wait_s
     while os.getppid() == parent:
         if time.monotonic() >= end:
@@ -177,18 +189,21 @@ VANISH_WAIT_S = 2.0  # how long rank 0 gives a launcher being killed to be gone
 
 
 def vanish_wait(e: BaseException) -> float:
-    """How long rank 0, stopped by `e`, waits to see whether its launcher is gone: a
-    SIGINT, or a peer lost (the other ranks got the same SIGINT); no time for a failure of
-    its own (the launcher, alive, records it)."""
+    """Seconds rank 0, stopped by `e`, waits to see whether its launcher is gone.
+
+    It waits after a SIGINT or a lost peer, as the other ranks got the same SIGINT; not
+    after a failure of its own, which the launcher, alive, records."""
     secondary = isinstance(e, Exception) and any(s in str(e) for s in _SECONDARY)
     return VANISH_WAIT_S if isinstance(e, KeyboardInterrupt) or secondary else 0.0
 
 
 def reword_for_vanished_launcher(path, parent: int, wait_s: float = VANISH_WAIT_S) -> bool:
-    """Rank 0's record at `path`, where the launching process vanished (parent_vanished):
-    it said `interrupted (Ctrl-C / SIGINT)`, or the error a collective raised when the
-    other ranks stopped (Connection closed by peer); now `crashed: interrupted (<that the
-    launcher vanished>)`, with what it said after. Returns whether it did."""
+    """Rewrites rank 0's record at `path` as crashed, where the launching process vanished.
+
+    The record said `interrupted (Ctrl-C / SIGINT)`, or the error a collective raised when
+    the other ranks stopped, such as Connection closed by peer. It becomes `crashed`, its
+    error `interrupted (<why the launcher vanished>)` with what it said after. Returns
+    whether it did."""
     from .results import hold_sigint, release_sigint, write_json_atomic
 
     held = hold_sigint()  # (the SIGINT that stopped the ranks may still be pending here)
@@ -218,11 +233,12 @@ PEER_GRACE_S = 3.0  # a rank that lost a peer waits this long before it fails
 
 @record
 def rank_entry(fn, *args):
-    """What each launched rank runs: errors land in the agent's error file (then the
-    parent names the rank). A rank whose error is a peer's lost connection waits first, so
-    the agent sees the peer's own failure before this one: else, on a loaded machine, the
-    peer could still be exiting when the agent stops every rank, and the run would name
-    the connection, not the cause."""
+    """What each launched rank runs; its errors land in the agent's error file.
+
+    The parent then names the rank. A rank whose error is a peer's lost connection waits
+    first, so the agent sees the peer's own failure before this one. Else, on a loaded
+    machine, the peer could still be exiting when the agent stops every rank, and the run
+    would name the connection, not the cause."""
     from .results import stop_on_sigterm
 
     stop_on_sigterm()  # the agent passes a SIGTERM on to the ranks: rank 0 records it
@@ -235,14 +251,15 @@ def rank_entry(fn, *args):
 
 
 def collective_device(device: torch.device):
-    """Where the small tensors of the loop's own collectives live: the GPU on CUDA, else
-    the CPU (gloo)."""
+    """Where the loop's own collectives keep their small tensors: the GPU on CUDA, else CPU."""
     return device if device.type == "cuda" else "cpu"
 
 
 def all_max(values: list[float | None], device) -> list[float | None]:
-    """Each value's max over ranks; None (not measured on a rank) counts as none, and stays
-    None where no rank has a value. Every rank passes the same number of values."""
+    """Each value's max over ranks.
+
+    None, a value a rank did not measure, is left out; it stays None where no rank has a
+    value. Every rank passes the same number of values."""
     t = torch.tensor([-math.inf if v is None else v for v in values], dtype=torch.float64,
                      device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -250,7 +267,7 @@ def all_max(values: list[float | None], device) -> list[float | None]:
 
 
 def all_gather_stack(t: torch.Tensor) -> torch.Tensor:
-    """(world, *t.shape): every rank's t."""
+    """Every rank's t, stacked: shape (world, *t.shape)."""
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t.contiguous())
     return torch.stack(out)

@@ -10,6 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from .config import CONF, ConfigError, Unsupported
+from .host import glibc, malloc_retain, status_kib
 
 # CUDA device name -> profile, first match wins (the PCIe and NVL parts peak lower than SXM)
 GPU_PROFILES = {"H100 PCIe": "h100_pcie", "H100 NVL": "h100_nvl", "H200 NVL": "h200_nvl",
@@ -70,8 +71,9 @@ DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
 def env_for(hw) -> dict:
-    """The run's variables that the environment does not set already (it wins):
-    hardware.env, with hardware.deterministic on CUDA DETERMINISTIC_ENV, and on <= 4 cores
+    """The run's environment variables, less those the environment sets already: it wins.
+
+    hardware.env; with hardware.deterministic on CUDA, DETERMINISTIC_ENV; on <= 4 cores,
     TORCHINDUCTOR_COMPILE_THREADS=1."""
     env = dict(hw.get("env") or {})
     if hw.get("deterministic") and hw.get("device") == "cuda":
@@ -83,10 +85,11 @@ def env_for(hw) -> dict:
 
 @contextlib.contextmanager
 def hardware_env(hw):
-    """hardware.env for the duration of one run (its ranks, started inside, inherit it); an
-    in-process sweep's next job does not. Variables read when a library is imported
-    (OMP_NUM_THREADS by torch) act only in processes started with them: sweep jobs in their
-    own process (sweep.isolate=true) and the ranks."""
+    """hardware.env for the duration of one run; its ranks, started inside, inherit it.
+
+    An in-process sweep's next job does not. Variables read when a library is imported, such
+    as OMP_NUM_THREADS by torch, act only in processes started with them: the ranks, and
+    sweep jobs in their own process with sweep.isolate=true."""
     added = env_for(hw)
     os.environ.update(added)
     try:
@@ -97,20 +100,21 @@ def hardware_env(hw):
 
 
 def _relabelled(hw, shipped: dict) -> bool:
-    """hardware.name set to a shipped profile's name on another profile (hardware=cpu
-    hardware.name=h100): neither its peaks nor its precisions are that profile's."""
+    """Whether hw only borrows a shipped profile's name, e.g. hardware=cpu hardware.name=h100.
+
+    It does where neither its peaks nor its precisions are that profile's."""
     return shipped.get("peak_flops") != dict(hw.peak_flops) and \
         shipped.get("precisions") != list(hw.precisions)
 
 
 def _shipped_device(hw) -> str | None:
-    """The device of the shipped profile named hw.name (None: no such profile)."""
+    """The device of the shipped profile named hw.name; None where there is no such profile."""
     shipped = (CONF / "hardware" / f"{hw.name}.yaml").is_file()
     return load_profile(hw.name).get("device") if shipped else None
 
 
 def check_device(cfg) -> None:
-    """The hardware group's mistakes (invalid)."""
+    """Raises ConfigError on the hardware group's mistakes: the run is invalid."""
     hw = cfg.hardware
     own = _shipped_device(hw)
     if own not in (None, "cpu") and hw.device != own and _relabelled(hw, load_profile(hw.name)):
@@ -126,7 +130,7 @@ def check_device(cfg) -> None:
 
 
 def device_here(cfg) -> None:
-    """What this machine lacks for the hardware asked for (skipped)."""
+    """Raises Unsupported on what this machine lacks for the hardware asked: the run is skipped."""
     hw = cfg.hardware
     own = _shipped_device(hw)
     if hw.device == "cuda" and not torch.cuda.is_available():
@@ -157,25 +161,25 @@ def device_memory_gib(device: str) -> float | None:
     if device == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_properties(0).total_memory / 2**30
     if device == "cpu":
-        from .bench.memory import _status_kib
-
         try:
-            return _status_kib("MemTotal", "/proc/meminfo") / 2**20
+            return status_kib("MemTotal", "/proc/meminfo") / 2**20
         except (OSError, RuntimeError):
             return None
     return None
 
 
 def device_name(device: torch.device) -> str:
-    """The record's device_name: the GPU's name, or the CPU's model and the vector units
-    torch's CPU kernels use (bf16 matmuls run several times faster with AMX than without)."""
+    """The record's device_name: the GPU's name, or the CPU's model and its vector units.
+
+    The units are those torch's CPU kernels use: bf16 matmuls run several times faster with
+    AMX than without."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return cpu_name() if device.type == "cpu" else device.type
 
 
 def cpu_name() -> str:
-    """e.g. 'Intel(R) Xeon(R) Platinum 8480+ (AVX512, AMX)', 'AMD EPYC (AVX512)'."""
+    """The CPU's model and vector units, e.g. 'Intel(R) Xeon(R) Platinum 8480+ (AVX512, AMX)'."""
     model = ""
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as f:
@@ -193,14 +197,8 @@ def torch_device(cfg) -> torch.device:
     return torch.device(cfg.hardware.device, int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def glibc() -> bool:
-    return platform.libc_ver()[0] == "glibc"
-
-
 def setup_backends(cfg) -> None:
-    from .bench.memory import malloc_retain
-
-    if cfg.hardware.get("malloc_retain") and not malloc_retain():
+    if cfg.hardware.malloc_retain and not malloc_retain():
         raise Unsupported("hardware.malloc_retain", "glibc refused the mallopt settings")
     det = bool(cfg.hardware.deterministic)
     if cfg.hardware.device == "cuda":
@@ -223,13 +221,14 @@ def nondeterministic_error(e: BaseException) -> str | None:
 
 
 def set_deterministic(on: bool) -> None:
-    """hardware.deterministic: torch's deterministic algorithms, strict (an op that has no
-    deterministic kernel raises; warn_only would also leave the fused attention kernels'
-    backward on its atomic adds: on an H100 cuDNN attention's did, and losses differed),
-    which inductor reads when it lowers (eager's index_put instead of its atomic adds, e.g.
-    in the embedding's backward), and inductor's own deterministic mode (kernels picked
-    without timing them). Set both ways: a job in a shared process must not inherit the
-    last one's."""
+    """hardware.deterministic: torch's deterministic algorithms, strict, and inductor's own.
+
+    Strict: an op that has no deterministic kernel raises. warn_only would also leave the
+    fused attention kernels' backward, cuDNN's among them, on their atomic adds, and losses
+    would differ between runs. Inductor reads the setting when it lowers, using eager's
+    index_put instead of its atomic adds, e.g. in the embedding's backward; its own
+    deterministic mode picks kernels without timing them. Set both ways: a job in a shared
+    process must not inherit the last one's."""
     torch.use_deterministic_algorithms(on)
     inductor = sys.modules.get("torch._inductor.config")
     if on and inductor is None:

@@ -1,5 +1,7 @@
-"""`--help`'s groups and keys, from the config tree and each knob's declaration (as OmegaConf
-resolvers the help template in conf/run.yaml calls: Hydra renders the page)."""
+"""`--help`'s groups and keys, from the config tree and each knob's declaration.
+
+They are OmegaConf resolvers that the help template in conf/run.yaml calls; Hydra renders
+the page."""
 from __future__ import annotations
 
 from omegaconf import OmegaConf
@@ -8,8 +10,10 @@ from .config import CONF, DEFAULTS, KNOBS, default_choices, group_options
 
 
 def groups_text() -> str:
-    """One line per group: its options, the default first; preset groups a run does not
-    have by default are shown as they are added, with `+` (+sweep=optimizations)."""
+    """One line per config group: its options, the default first.
+
+    Preset groups a run does not have by default are shown as they are added, with `+`:
+    +sweep=optimizations."""
     picked = default_choices()
     lines = []
     for d in sorted(p for p in CONF.iterdir() if p.is_dir() and p.name != "hydra"):

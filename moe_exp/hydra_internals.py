@@ -1,5 +1,6 @@
-"""Hydra's private APIs, in this one module: its errors as one line, its argument parser,
-its basic sweeper's split of a sweep into jobs."""
+"""Hydra's private APIs, in this one module.
+
+Its errors as one line, its argument parser, its basic sweeper's split of a sweep into jobs."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +11,7 @@ from .config import override_texts
 
 
 def hydra_error_line(e: Exception) -> str:
-    """One line for Hydra's own config errors: the key (or group), then what went wrong."""
+    """One line for Hydra's own config errors: the key or group, then what went wrong."""
     from hydra.errors import MissingConfigException, OverrideParseException
 
     if isinstance(e, OverrideParseException):
@@ -36,8 +37,10 @@ def hydra_error_line(e: Exception) -> str:
     return f"{key}: {what}" if key else what
 
 def interpolation_error_line(e: Exception, argv) -> str:
-    """A ${...} Hydra resolves before the run (hydra.run.dir, hydra.job.name, --cfg --resolve):
-    the override that holds it where the command line has one, and OmegaConf's first line."""
+    """One line for a ${...} that Hydra fails to resolve before the run.
+
+    Such are hydra.run.dir, hydra.job.name and any under --cfg --resolve. The line names the
+    override that holds it where the command line has one, then OmegaConf's first line."""
     key = getattr(e, "full_key", None) or "config"
     what = (str(e).splitlines() or [""])[0]
     sets = [a.lstrip("+~").split("=", 1) for a in argv if "=" in a and not a.startswith("-")]
@@ -50,8 +53,10 @@ def interpolation_error_line(e: Exception, argv) -> str:
                                                       (k, "config") else "")
 
 def parse_error_line(override: str, message: str) -> str:
-    """An override Hydra's grammar cannot read: the character, and the fix where it is in the
-    value (a path with ~ or a space: quote it)."""
+    """One line for an override Hydra's grammar cannot read: the character, and the fix.
+
+    The fix is given where the character is in the value, e.g. a path with ~ or a space:
+    quote it."""
     lines = [x for x in message.splitlines() if x.strip()]
     url = next((x.split()[1] for x in lines if x.startswith("See ")), None)
     lines = [x for x in lines if not x.startswith(("See ", "Error parsing override"))]
@@ -68,9 +73,11 @@ def parse_error_line(override: str, message: str) -> str:
     return f"override '{override}': {what}" + (f" (the grammar: {url})" if url else "")
 
 def hydra_args(argv) -> tuple[list[str], bool] | None:
-    """The overrides of a command line as Hydra reads it, and whether it is a multirun (-m,
-    --multi, hydra.mode=MULTIRUN); None where it runs nothing (--cfg, --info, --help) or
-    Hydra's parser refuses it (its own usage line follows)."""
+    """The overrides of a command line as Hydra reads it, and whether it is a multirun.
+
+    A multirun is -m, --multirun or hydra.mode=MULTIRUN. None where the line runs nothing,
+    as with --cfg, --info or --help, or where Hydra's parser refuses it: Hydra's own usage
+    line follows."""
     a = flags(argv)
     if a is None:
         return None
@@ -81,8 +88,9 @@ def hydra_args(argv) -> tuple[list[str], bool] | None:
     return list(a.overrides), multirun
 
 def flags(argv):
-    """Hydra's parse of a command line; None where its parser refuses it or prints and
-    exits (a usage error, --version: Hydra's to print, once)."""
+    """Hydra's parse of a command line; None where its parser refuses it or prints and exits.
+
+    The parse's output is swallowed: a usage error or --version is Hydra's to print, once."""
     import contextlib
     import io
 
@@ -95,7 +103,7 @@ def flags(argv):
         return None
 
 def flag_error(argv) -> str | None:
-    """Hydra's own flag conflicts (it raises a ValueError for them: a traceback)."""
+    """Hydra's own flag conflicts as one line, where Hydra would raise a ValueError's traceback."""
     a = flags(argv)
     if a is None:
         return None
@@ -114,15 +122,15 @@ def flag_error(argv) -> str | None:
 
 
 def plan(config: DictConfig) -> tuple[list[list[str]] | None, dict]:
-    """(each job's overrides, {key that varies: its values as written, quotes kept}) for the
-    basic sweeper; for a search (the Optuna sweeper), None and its choice(...) values;
-    (None, {}) if unknown. A key swept twice (preset and command line): the command line's
-    values."""
+    """A sweep's jobs and the keys that vary, as the basic sweeper splits it.
+
+    Returns each job's overrides and {key that varies: its values as written, quotes kept}.
+    For a search, the Optuna sweeper, the jobs are None and the values its choice(...)
+    values; (None, {}) where the sweeper is unknown. A key swept twice, by a preset and the
+    command line, takes the command line's values."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    from .sweep.search import is_search
 
     search = is_search(config.hydra.sweeper)
     if "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", "")) and not search:
@@ -142,3 +150,11 @@ def plan(config: DictConfig) -> tuple[list[list[str]] | None, dict]:
                for o in parsed if o.is_sweep_override()  # stays quoted (a string)
                and (not search or type(o.value()).__name__ == "ChoiceSweep")}
     return jobs, varying
+
+
+def is_search(sweeper) -> bool:
+    """Whether hydra.sweeper is the Optuna sweeper: +sweep=search's, or the plugin's own.
+
+    Its trials return values, not records, and its number of trials is the sampler's."""
+    target = str(sweeper.get("_target_", ""))
+    return "optuna" in target.lower() or target.endswith(".SearchSweeper")

@@ -1,5 +1,7 @@
-"""One run, before and after Hydra: prepare (resolve the hardware, validate) -> run (in this
-process, or launch its ranks) -> record. No command line here (cli.py)."""
+"""One run, before and after Hydra: prepare, then run, then record.
+
+prepare resolves the hardware and validates; the run is in this process or on ranks it
+launches. The command line is in cli.py."""
 from __future__ import annotations
 
 import contextlib
@@ -10,13 +12,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from .config import ConfigError, override_texts
+from .config import ConfigError, override_texts, typed
 from .ranks import rank_env
-from .results import failed_record, new_record, write_json_atomic
+from .results import failed_record, write_json_atomic
 
 
 def hydra_info() -> tuple[Path | None, list[str], dict, bool]:
-    """(output dir, task overrides, group choices, is multirun) when run under Hydra."""
+    """Hydra's output dir, task overrides, group choices and multirun flag; empty without it."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -28,8 +30,10 @@ def hydra_info() -> tuple[Path | None, list[str], dict, bool]:
             hc.mode == RunMode.MULTIRUN)
 
 def from_launch_dir(path: str) -> str:
-    """A relative path from where the command was run: hydra.job.chdir=true moves the run into
-    its output dir (unchanged otherwise, so the config hash is too)."""
+    """A relative path given from where the command was run, made valid in the run's cwd.
+
+    hydra.job.chdir=true moves the run into its output dir. Otherwise the path is left
+    unchanged, and so is the config hash."""
     from hydra.core.hydra_config import HydraConfig
 
     if os.path.isabs(path) or not HydraConfig.initialized():
@@ -39,10 +43,12 @@ def from_launch_dir(path: str) -> str:
 
 def prepare(cfg: DictConfig, overrides: list[str],
             in_sweep: bool = False) -> tuple[DictConfig, dict | None]:
-    """Resolve the hardware and validate, before any work. Returns (cfg, None) when the run
-    can go ahead, else (cfg, record) with status `invalid` (a mistake), `skipped` (a valid
-    request this hardware cannot do) or `error` (this environment is not ready: NotReady).
-    in_sweep: a sweep's job (validate.check_unread)."""
+    """Resolve the hardware and validate, before any work.
+
+    Returns (cfg, None) when the run can go ahead, else (cfg, record). The record's status
+    is `invalid` for a mistake, `skipped` for a valid request this hardware cannot do, or
+    `error` for NotReady: this environment is not ready. in_sweep marks a sweep's job, for
+    validate.check_unread."""
     from .config import NotReady, Unsupported
     from .hardware import resolve
     from .validate import check_complete, check_resolves, validate
@@ -67,18 +73,20 @@ def prepare(cfg: DictConfig, overrides: list[str],
 def run(cfg: DictConfig, out_dir: Path | None = None, progress: bool = True,
         overrides: list[str] | None = None, choices: dict | None = None,
         shared_process: bool = False, in_sweep: bool = False) -> dict:
-    """Run one benchmark; never raises for a run's failure: the record's status says it.
-    shared_process: a later run of an in-process sweep (see bench.runner.shared_process).
-    in_sweep: a sweep's job (validate.check_unread)."""
+    """Run one configuration; a run's failure does not raise, the record's status says it.
+
+    shared_process marks a later run of an in-process sweep, as tasks.bench.shared_process
+    handles. in_sweep marks a sweep's job, for validate.check_unread."""
     hydra_dir, hydra_overrides, hydra_choices, _ = hydra_info()
     overrides = hydra_overrides if overrides is None else overrides
     choices = hydra_choices if choices is None else choices
     out_dir = Path(out_dir or hydra_dir or "outputs/run")
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg, rec = prepare(cfg, overrides, in_sweep)
-    planned = None
-    if rec is None and cfg.task == "bench":
-        planned, rec = preflight_plan(cfg, overrides)
+    cfg_dict, asked, known = container(cfg), None, {}
+    if rec is None:
+        asked = typed(cfg_dict)
+        known, rec = preflight(asked, cfg_dict, overrides)
     if rec is not None:
         if (env := rank_env()) and env.rank != 0:  # torchrun's other ranks: rank 0 reports
             return rec
@@ -91,7 +99,8 @@ def run(cfg: DictConfig, out_dir: Path | None = None, progress: bool = True,
 
     with hardware_env(cfg.hardware):
         try:
-            rec = _run(cfg, out_dir, overrides, choices, progress, shared_process, planned)
+            rec = _run(asked, cfg_dict, out_dir, overrides, choices, progress,
+                       shared_process, known)
         except KeyboardInterrupt:  # Ctrl-C / SIGTERM: the record it wrote, into run.log too
             with contextlib.suppress(OSError, ValueError, KeyError):
                 done = json.loads((out_dir / "metrics.json").read_text())
@@ -102,91 +111,98 @@ def run(cfg: DictConfig, out_dir: Path | None = None, progress: bool = True,
         log_record(rec)
     return rec
 
-def preflight_plan(cfg, overrides) -> tuple[dict, dict | None]:
-    """A bench run's plan (train.plan: its keys for the record), and a `skipped` record
-    where its planned peak cannot fit the memory (else None)."""
-    from .plan.runner import bench_plan, too_big
 
-    planned = bench_plan(cfg)
-    if not (why := too_big(cfg, planned)):
-        return planned, None
-    rec = failed_record(container(cfg), overrides, "skipped", why, "not run: skipped")
-    rec.update({k: v for k, v in planned.items() if k != "null_reasons"})
-    return planned, rec
+def preflight(cfg, cfg_dict: dict, overrides) -> tuple[dict, dict | None]:
+    """What the task knows before any work, and a `skipped` record where it cannot go ahead.
+
+    For task=bench, what it knows is its plan. The record is None where the run can go
+    ahead. cfg is typed, as asked."""
+    from .tasks import TASKS
+
+    known, why = TASKS[cfg.task].preflight(cfg)
+    if not why:
+        return known, None
+    rec = failed_record(cfg_dict, overrides, "skipped", why, "not run: skipped")
+    rec.update({k: v for k, v in known.items() if k != "null_reasons"})
+    return known, rec
 
 
 def log_record(rec: dict) -> None:
-    """The record's gist into the run's log (Hydra's run.log; the terminal has the table)."""
+    """Write the record's gist into Hydra's run.log; the terminal has the table."""
     import logging
+
+    from .tasks import TASKS
 
     log = logging.getLogger("moe_exp")
     log.info("overrides: %s", " ".join(rec.get("overrides") or []) or "(none)")
     log.info("status: %s%s", rec["status"], f": {rec['error']}" if rec.get("error") else "")
-    if rec["status"] == "ok" and (rec.get("tokens_per_s") is not None  # a bench (not comm)
-                                  or rec.get("task") == "plan"):
-        if rec.get("task") == "infer":
-            from .infer.runner import summary_rows
-        elif rec.get("task") == "plan":
-            from .plan.runner import summary_rows
-        else:
-            from .summary import summary_rows
-        for label, text in summary_rows(rec):
+    task = TASKS.get(rec.get("task") or "bench")
+    if rec["status"] == "ok" and task is not None:
+        for label, text in task.summary_rows(rec):
             log.info("%s: %s", label, text)
 
-def distributed_run(cfg) -> bool:
-    """Whether the run has ranks (launched here, or started by torchrun / SLURM)."""
-    return cfg.parallel.name != "none" or cfg.hardware.devices > 1 or cfg.task == "comm"
 
-def _run(cfg: DictConfig, out_dir: Path, overrides, choices, progress,
-         shared_process: bool = False, planned: dict | None = None) -> dict | None:
-    cfg_dict = container(cfg)
-    if cfg.task == "tune_batch":  # (its probes are runs of their own, with their ranks)
-        from .bench.tune import tune_batch
+def ranked(cfg) -> bool:
+    """Whether the run has ranks, launched here or started by torchrun / SLURM."""
+    from .tasks import TASKS
 
-        return tune_batch(cfg, cfg_dict, out_dir, overrides, progress)
-    if cfg.task == "infer":  # (one device: validate refuses ranks)
-        from .infer.runner import infer
+    return TASKS[cfg.task].ranked(cfg)
 
-        return infer(cfg, cfg_dict, new_record(cfg_dict, overrides), out_dir, choices, progress)
-    if cfg.task == "plan":  # (no ranks: a plan traces one device)
-        from .plan.runner import plan
 
-        return plan(cfg, cfg_dict, new_record(cfg_dict, overrides), out_dir, choices)
-    if distributed_run(cfg):
+def _run(cfg, cfg_dict: dict, out_dir: Path, overrides, choices, progress,
+         shared_process: bool = False, known: dict | None = None) -> dict | None:
+    from .tasks import TASKS
+    from .tasks.protocol import execute
+
+    if ranked(cfg):
         from .distributed import is_rank
 
         if is_rank():  # started by torchrun / SLURM: this process is one of the ranks
             return rank_main(cfg_dict, str(out_dir), overrides, choices, progress,
-                             planned=planned)
-        return launch(cfg_dict, out_dir, overrides, choices, progress, planned)
+                             known=known)
+        return launch(cfg_dict, out_dir, overrides, choices, progress, known)
+    ctx = context(cfg_dict, out_dir, overrides, choices, progress, cfg=cfg, known=known,
+                  shared_process=shared_process)
+    return execute(TASKS[ctx.cfg.task](ctx))
 
-    from .bench.runner import bench
 
-    rec = _planned_record(cfg_dict, overrides, planned)
-    return bench(cfg, cfg_dict, rec, out_dir, choices, progress, shared=shared_process)
+def context(cfg_dict: dict, out_dir: Path, overrides, choices, progress: bool = True,
+            cfg=None, **kw):
+    """The run's context for this process, with the MoE dispatch resolved for its device.
 
-def _planned_record(cfg_dict: dict, overrides, planned: dict | None) -> dict:
-    """A new record with the run's plan in it (preflight_plan)."""
-    rec = new_record(cfg_dict, overrides)
-    if planned:
-        rec.update({k: v for k, v in planned.items() if k != "null_reasons"})
-        rec["null_reasons"].update(planned["null_reasons"])
-    return rec
+    cfg is the typed config, made from cfg_dict where not given. The dispatch is resolved
+    only where the task builds the model here. A launcher of ranks makes no context, each
+    rank does: a probe on a GPU would hold a CUDA context in the launcher."""
+    from .tasks import TASKS
+    from .tasks.protocol import RunContext
+
+    cfg = cfg or typed(cfg_dict)
+    task = TASKS[cfg.task]
+    if task.here and task.model:
+        from .hardware import torch_device
+        from .optimizations.dispatch import resolve_model_dispatch
+
+        resolve_model_dispatch(cfg, torch_device(cfg))
+    return RunContext(cfg, cfg_dict, Path(out_dir), list(overrides), dict(choices),
+                      progress, **kw)
+
 
 def launch(cfg_dict: dict, out_dir: Path, overrides, choices, progress,
-           planned: dict | None = None) -> dict:
-    """hardware.devices ranks on this machine via torch's elastic agent; rank 0's record.
-    A rank that fails stops them all; the record names it (status error, oom, or crashed:
-    killed by a signal)."""
+           known: dict | None = None) -> dict:
+    """Launch hardware.devices ranks here with torch's elastic agent; returns rank 0's record.
+
+    A rank that fails stops them all, and the record names it with status error, oom, or
+    crashed where a signal killed it."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from .bench.memory import oom_line, oom_text
     from .distributed import (failure_message, failure_report, killed_by_signal,
                               launch as elastic, rank_entry)
+    from .tasks import TASKS
 
     try:
         rec = elastic(rank_entry, cfg_dict["hardware"]["devices"], rank_main, cfg_dict,
-                      str(out_dir), overrides, choices, progress, True, planned)
+                      str(out_dir), overrides, choices, progress, True, known)
     except ChildFailedError as e:
         (out_dir / "error.log").write_text(failure_report(e))
         msg = failure_message(e)
@@ -194,49 +210,33 @@ def launch(cfg_dict: dict, out_dir: Path, overrides, choices, progress,
         msg = f"{oom_line(msg) if oom else msg} (see {out_dir}/error.log)"
         status = "oom" if oom else "crashed" if killed_by_signal(e) else "error"
         rec = failed_record(cfg_dict, overrides, status, msg, f"not measured: run {status}")
-        if cfg_dict.get("task", "bench") == "bench":
-            _known_before_the_run(rec, cfg_dict, planned)
+        before = TASKS[cfg_dict["task"]].known_before(typed(cfg_dict), known or {})
+        rec.update(before)
+        for k in before:
+            rec["null_reasons"].pop(k, None)
         write_json_atomic(out_dir / "metrics.json", rec)
         print(f"error: run {rec['status']}: {msg}\nrecord: {out_dir / 'metrics.json'}",
               file=sys.stderr)
     return rec
 
-def _known_before_the_run(rec: dict, cfg_dict: dict, planned: dict | None = None) -> None:
-    """What a failed launch's record still knows (analytic, or of this process): parameter
-    counts, FLOPs per token, the torch version, the plan."""
-    import torch
-
-    from .bench.flops import analytic
-
-    known = {**analytic(OmegaConf.create(cfg_dict["model"]), cfg_dict["train"]["seq_len"]),
-             "torch_version": torch.__version__,
-             **{k: v for k, v in (planned or {}).items()
-                if k != "null_reasons" and v is not None}}
-    rec.update(known)
-    for k in known:
-        rec["null_reasons"].pop(k, None)
 
 def rank_main(cfg_dict: dict, out_dir: str, overrides, choices, progress,
-              launched_here: bool = False, planned: dict | None = None) -> dict | None:
+              launched_here: bool = False, known: dict | None = None) -> dict | None:
     """One rank: join the group, run the task, leave. Rank 0 returns the record.
-    launched_here: by `launch` (which records a failure), not by torchrun / SLURM.
-    planned: the run's plan (preflight_plan)."""
+
+    launched_here: started by `launch`, which records a failure, not by torchrun / SLURM.
+    known: what the task knew before the run, from preflight."""
     from . import distributed
+    from .tasks import TASKS
+    from .tasks.protocol import execute
 
     parent = os.getppid()  # (launched here: the process that runs launch)
-    cfg = OmegaConf.create(cfg_dict)
-    d = distributed.init(cfg)
+    d = distributed.init(typed(cfg_dict))
     d.launched_here = launched_here
     try:
-        rec = _planned_record(cfg_dict, overrides, planned)
-        if cfg.task == "comm":
-            from .bench.comm import comm_bench
-
-            rec = comm_bench(cfg, cfg_dict, rec, Path(out_dir), choices, d)
-        else:
-            from .bench.runner import bench
-
-            rec = bench(cfg, cfg_dict, rec, Path(out_dir), choices, progress, d)
+        ctx = context(cfg_dict, Path(out_dir), overrides, choices, progress, dist=d,
+                      known=known or {})
+        rec = execute(TASKS[ctx.cfg.task](ctx))
         return rec if d.main else None
     except BaseException as e:  # a SIGINT (Ctrl-C, or the launcher killed outright), or
         # what a collective raised when the other ranks stopped
@@ -246,6 +246,7 @@ def rank_main(cfg_dict: dict, out_dir: str, overrides, choices, progress,
         raise
     finally:
         distributed.finish()
+
 
 def container(cfg) -> dict:
     """The config as a dict, resolved; where a ${...} does not resolve, that value null."""

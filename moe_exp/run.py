@@ -2,8 +2,8 @@
 
     python -m moe_exp.run [group=option ...] [key=value ...]
 
-`run(cfg)` runs one composed config in this process (pipeline.py); `cli()` is the command
-line (cli.py).
+`run(cfg)`, from pipeline.py, runs one composed config in this process; `cli()`, from
+cli.py, is the command line.
 """
 from .cli import cli, main  # noqa: F401
 from .pipeline import prepare, run  # noqa: F401

@@ -8,7 +8,7 @@ from pathlib import Path
 from .config import ConfigError, NotReady, env_source
 
 
-def _settings():
+def wandb_settings():
     import wandb
 
     return wandb.Settings(silent=True, x_disable_stats=True, x_disable_machine_info=True,
@@ -16,23 +16,25 @@ def _settings():
 
 
 class Tracker:
-    """One W&B run. defer=True starts W&B only at finish(): the logged history and the
-    summary are replayed then, so W&B's start-up (about 2 s on a 2-core machine: imports and
-    its service process) is neither in the time to the first measured step nor, with its
-    service process, competing for the CPU during the measured steps. Replayed history rows
-    keep the wall time of their log() call (W&B's `_timestamp`: its "Wall Time" axis); W&B
-    computes `_runtime` from its own start, so "Relative Time" is the replay's."""
+    """One W&B run; with defer=True, started only at finish() and its logging replayed.
 
-    def __init__(self, cfg, cfg_dict: dict, out_dir: Path, tags: list[str], name: str | None,
+    Deferred, W&B's start-up, its imports and service process, is neither in the time to
+    the first measured step nor competing for the CPU during the measured steps. Replayed
+    history rows keep the wall time of their log() call as W&B's `_timestamp`, its "Wall
+    Time" axis; W&B computes `_runtime` from its own start, so "Relative Time" is the
+    replay's."""
+
+    def __init__(self, logger, config: dict, out_dir: Path, tags: list[str], name: str | None,
                  defer: bool = False):
+        """logger: the run's logger group; config: the run's config, W&B's copy of it."""
         self.run = None
         self._pending: list | None = None
-        if cfg.logger.name != "wandb" or cfg.logger.mode == "disabled":
+        if logger.name != "wandb" or logger.mode == "disabled":
             return
         self._kwargs = dict(
-            project=cfg.logger.project, entity=cfg.logger.entity, group=cfg.logger.group,
-            mode=cfg.logger.mode, dir=str(out_dir), config=cfg_dict, name=name, job_type="bench",
-            tags=sorted(set(tags) | set(cfg.logger.tags)))
+            project=logger.project, entity=logger.entity, group=logger.group, mode=logger.mode,
+            dir=str(out_dir), config=config, name=name, job_type="bench",
+            tags=sorted(set(tags) | set(logger.tags)))
         if defer:
             self._pending = []
         else:
@@ -41,7 +43,7 @@ class Tracker:
     def _start(self) -> None:
         import wandb
 
-        self.run = wandb.init(**self._kwargs, settings=_settings())
+        self.run = wandb.init(**self._kwargs, settings=wandb_settings())
 
     def log(self, metrics: dict, step: int) -> None:
         if self._pending is not None:
@@ -49,9 +51,19 @@ class Tracker:
         elif self.run:
             self.run.log(metrics, step=step)
 
+    def table(self, key: str, df) -> None:
+        """A pandas DataFrame as a W&B Table."""
+        if self._pending is not None:
+            self._pending.append(("table", (key, df), None))
+        elif self.run:
+            import wandb
+
+            self.run.log({key: wandb.Table(dataframe=df)})
+
     def summary(self, record: dict) -> None:
-        """The whole record (nulls, their reasons and the per-expert counts too); the loss
-        curve is the history."""
+        """The whole record as the run's summary, nulls, reasons and per-expert counts too.
+
+        The loss curve is left out: it is the history."""
         flat = {k: v for k, v in record.items() if k != "losses"}
         if self._pending is not None:
             self._pending.append(("summary", flat, None))
@@ -59,20 +71,27 @@ class Tracker:
             self.run.summary.update(flat)
 
     def discard(self) -> None:
-        """A deferred run that never starts (the run was interrupted); a started one ends."""
+        """Drops a deferred W&B run that never started, as on an interrupt; a started one ends."""
         self._pending = None
         if self.run:
             self.run.finish(exit_code=1)
             self.run = None
 
     def finish(self, ok: bool) -> None:
-        """A failure of W&B's is a warning: the run's record is written already."""
+        """Starts a deferred run and replays its logging, then finishes the W&B run.
+
+        A failure of W&B's is a warning: the run's record is written already."""
         try:
             if self._pending is not None:
                 pending, self._pending = self._pending, None
                 self._start()
                 for kind, data, step in pending:
-                    self.log(data, step) if kind == "log" else self.run.summary.update(data)
+                    if kind == "log":
+                        self.log(data, step)
+                    elif kind == "table":
+                        self.table(*data)
+                    else:
+                        self.run.summary.update(data)
             if self.run:
                 self.run.finish(exit_code=0 if ok else 1)
         except Exception as e:  # noqa: BLE001
@@ -83,46 +102,15 @@ class Tracker:
         self.run = None
 
 
-def log_sweep(df, sweep_dir: Path, logger_cfg, group: str, pngs: dict) -> None:
-    """One summary run for a sweep: the results table, bar charts and the PNG plots."""
-    import wandb
-
-    from .sweep.plots import ok_rows
-    from .sweep.table import flat
-
-    run = wandb.init(project=logger_cfg.project, entity=logger_cfg.entity, group=group,
-                     mode=logger_cfg.mode, dir=str(sweep_dir), name=f"{group}-summary",
-                     job_type="sweep-summary", config={"sweep_dir": str(sweep_dir)},
-                     settings=_settings())
-    try:
-        f = flat(df)
-        f = f.astype(object).where(f.notna(), None)
-        ok = ok_rows(df)
-        charts = {}
-        for key, col, title in (("throughput", "tokens_per_s", "tokens/s by combination"),
-                                ("peak_memory", "peak_mem_gib", "peak memory (GiB)")):
-            d = ok[ok[col].notna()]
-            t = wandb.Table(columns=["combination", col],
-                            data=[[n, float(v)] for n, v in zip(d["name"], d[col])])
-            charts[key] = wandb.plot.bar(t, "combination", col, title=title)
-        images = {f"plot/{k}": wandb.Image(str(p)) for k, p in pngs.items()}
-        run.log({"results": wandb.Table(dataframe=f, allow_mixed_types=True), **charts, **images})
-        best = ok.loc[ok["tokens_per_s"].idxmax()] if len(ok) else None
-        run.summary.update({"jobs": len(df), "jobs_ok": int((df["status"] == "ok").sum()),
-                            **({"best_combination": best["name"],
-                                "best_tokens_per_s": float(best["tokens_per_s"])}
-                               if best is not None else {})})
-    finally:
-        run.finish()
-
-
 # W&B's rules, checked before any work (validate.validate)
 
 def wandb_credentials() -> bool:
-    """Whether W&B will find credentials here: WANDB_API_KEY or WANDB_IDENTITY_TOKEN_FILE,
-    else a .netrc key for its server (WANDB_BASE_URL, the one `wandb login --host` saved, or
-    W&B's default) or the server's aliases. Read with W&B's own .netrc reader where this
-    W&B has it (no service process, no network), else by hand."""
+    """Whether W&B will find credentials here.
+
+    WANDB_API_KEY or WANDB_IDENTITY_TOKEN_FILE, else a .netrc key for its server or the
+    server's aliases. The server is WANDB_BASE_URL, else the one `wandb login --host` saved,
+    else W&B's default. The .netrc is read with W&B's own reader where this W&B has it,
+    which starts no service process and uses no network; else by hand."""
     import configparser
     from urllib.parse import urlsplit
 
@@ -172,7 +160,7 @@ WANDB_PROJECT_BAD = "/\\#?%:"
 
 
 def check_logger(cfg) -> None:
-    """A W&B project name and tags W&B takes (its init would fail after the run)."""
+    """Checks that W&B takes the project name and tags; else its init fails after the run."""
     lg = cfg.logger
     if lg.name != "wandb" or lg.mode == "disabled":
         return
@@ -187,8 +175,9 @@ def check_logger(cfg) -> None:
 
 
 def logger_ready(cfg) -> None:
-    """logger.mode=online needs W&B credentials: checked now, not when the run is logged
-    at its end. A NotReady (status error): a resumed sweep runs it again once logged in."""
+    """Checks that logger.mode=online has W&B credentials, now rather than at the run's end.
+
+    Raises NotReady, status error: a resumed sweep runs it again once logged in."""
     lg = cfg.logger
     if lg.name == "wandb" and lg.mode == "online" and not wandb_credentials():
         raise NotReady(env_source(cfg, "logger.mode") or "logger.mode", "online needs W&B "

@@ -1,5 +1,7 @@
-"""Checks before any work, in two passes (validate): every mistake (invalid), then what this
-machine cannot do (skipped) or is not ready for (error). Each failure is one line naming
+"""Checks before any work: every mistake, then what this machine cannot do or is not ready for.
+
+validate() runs them in those two passes. A mistake's status is invalid, what this machine
+cannot do is skipped, and what it is not ready for is error. Each failure is one line naming
 the key and what is allowed. Checks of one thing live with it: the device's in hardware.py,
 token files' in data/tokens.py, W&B's in tracking.py; memory bounds in bench/flops.py."""
 from __future__ import annotations
@@ -11,9 +13,9 @@ import os
 import torch
 from omegaconf import OmegaConf
 
-from .config import (CHOICES, CONF, FSDP2, ConfigError, NotReady, Unsupported,
+from .config import (CHOICES, CONF, FSDP2, MAX_STEPS, ConfigError, NotReady, Unsupported,
                      default_choices, env_source, group_options, no_such_key)
-from .ranks import rank_env
+from .ranks import rank_env, world_size
 
 
 def _get(cfg, dotted: str):
@@ -34,7 +36,7 @@ def check_choices(cfg) -> None:
 
 
 def check_resolves(cfg) -> None:
-    """Every ${...} resolves: what reads a value that does not would raise (a traceback)."""
+    """Check every ${...} resolves; whatever read one that does not would raise a traceback."""
     from omegaconf.errors import OmegaConfBaseException
 
     try:
@@ -49,8 +51,9 @@ def check_resolves(cfg) -> None:
 
 
 def check_complete(cfg) -> None:
-    """Every key of the schema is there (`~key` deletes any key; what reads it would
-    raise)."""
+    """Check every key of the schema is there.
+
+    `~key` deletes any key, and whatever read a deleted key would raise."""
     import dataclasses
 
     from omegaconf import DictConfig
@@ -67,8 +70,9 @@ def check_complete(cfg) -> None:
 
 
 def check_known_keys(cfg) -> None:
-    """Keys a `+` override added inside a typed group (`+train.foo=1`), where nothing reads
-    them: Hydra lets `+` add any key."""
+    """Refuse keys a `+` override added inside a typed group, such as `+train.foo=1`.
+
+    Hydra lets `+` add any key, and nothing would read them."""
     import dataclasses
 
     from omegaconf import DictConfig
@@ -84,8 +88,9 @@ def check_known_keys(cfg) -> None:
 
 
 def check_finite(cfg) -> None:
-    """No nan or inf anywhere (every range check below is a comparison, which nan passes),
-    no integer past int64."""
+    """Check there is no nan or inf anywhere and no integer past int64.
+
+    Every range check below is a comparison, which nan passes."""
     import math
 
     def walk(node, path):
@@ -102,28 +107,24 @@ def check_finite(cfg) -> None:
     walk(OmegaConf.to_container(cfg, resolve=True), "")
 
 
-def _at_least(cfg, key: str, low: int) -> None:
-    value = _get(cfg, key)
-    if value < low:
-        raise ConfigError(key, f"must be >= {low}, got {value}")
+def check_ranges(cfg, prefix: str = "") -> None:
+    """Check each key's declared range, its Knob.check in config.py, where an option reads it.
 
+    prefix limits the check to the keys that start with it; sweep. is a sweep's own settings."""
+    from .config import KNOBS
 
-MAX_STEPS = 10_000_000
-MAX_POSITIONS = 2**20
-SEEDS = 2**32  # (numpy's range, the narrowest a seed goes to)
-MAX_MEMORY_GIB = 2**20  # (1 PiB a device; 1e300 overflowed a byte count mid-run)
-MAX_BUCKET_MB = 2**20  # DDP takes the bytes as a C++ int64 (1e300 MB raised mid-launch)
+    get = lambda k: OmegaConf.select(cfg, k, throw_on_missing=False)  # noqa: E731
+    for key, knob in KNOBS.items():
+        if not key.startswith(prefix) or not knob.check or \
+                knob.read_by and not any(r.holds(get) for r in knob.read_by):
+            continue
+        value = get(key)
+        for r in knob.check:
+            if why := r.error(value):
+                raise ConfigError(key, why)
 
 
 def check_model(m) -> None:
-    _at_least_m = {"hidden_size": 1, "num_layers": 1, "num_heads": 1, "num_kv_heads": 1,
-                   "ffn_hidden_size": 1, "vocab_size": 2, "max_seq_len": 1, "num_experts": 0}
-    for key, low in _at_least_m.items():
-        if m[key] < low:
-            raise ConfigError(f"model.{key}", f"must be >= {low}, got {m[key]}")
-    if m.max_seq_len > MAX_POSITIONS:
-        raise ConfigError("model.max_seq_len", f"must be <= {MAX_POSITIONS:,} (the model "
-                          f"builds its RoPE table for every position), got {m.max_seq_len:,}")
     if not str(m.name).strip():
         raise ConfigError("model.name", "empty: it labels every result; name the model")
     if m.attention_type == "mla":
@@ -154,36 +155,16 @@ def check_model(m) -> None:
                               f"{m.routing_skew}")
     if m.num_experts > 0:
         check_moe_options(m)
-    for key in ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef"):
-        if m[key] < 0:
-            raise ConfigError(f"model.{key}", f"must be >= 0, got {m[key]}")
-    for key in ("init_std", "norm_eps", "rope_theta"):
-        if not m[key] > 0:
-            raise ConfigError(f"model.{key}", f"must be > 0, got {m[key]}")
 
 
 def check_mla(m) -> None:
-    for key in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
-        if m[key] < 1:
-            raise ConfigError(f"model.{key}", f"must be >= 1, got {m[key]}")
-    if m.q_lora_rank is not None and m.q_lora_rank < 1:
-        raise ConfigError("model.q_lora_rank", f"must be >= 1 or null (full rank), got "
-                          f"{m.q_lora_rank}")
     if m.qk_rope_head_dim < 2 or m.qk_rope_head_dim % 2:
         raise ConfigError("model.qk_rope_head_dim", f"must be an even number >= 2 (RoPE "
                           f"rotates pairs), got {m.qk_rope_head_dim}")
 
 
 def check_moe_options(m) -> None:
-    """The architecture options of a MoE model (model.num_experts > 0)."""
-    for key, low in (("num_shared_experts", 0), ("first_k_dense", 0), ("n_groups", 1),
-                     ("topk_groups", 1)):
-        if m[key] < low:
-            raise ConfigError(f"model.{key}", f"must be >= {low}, got {m[key]}")
-    for key in ("shared_ffn_hidden_size", "dense_ffn_hidden_size"):
-        if m[key] is not None and m[key] < 1:
-            raise ConfigError(f"model.{key}", f"must be >= 1 or null (ffn_hidden_size), got "
-                              f"{m[key]}")
+    """Check the architecture options of a MoE model, one with model.num_experts > 0."""
     if m.first_k_dense >= m.num_layers:
         raise ConfigError("model.first_k_dense", f"must be below model.num_layers="
                           f"{m.num_layers} (a model with no MoE block: model.num_experts=0), got "
@@ -195,11 +176,6 @@ def check_moe_options(m) -> None:
     if m.pad_to_capacity and m.dispatch != "padded":
         raise ConfigError("model.pad_to_capacity", f"runs the padded kernel; this run has "
                           f"model.dispatch={m.dispatch} (set model.dispatch=padded)")
-    if not 0 <= m.bias_update_rate < float("inf"):
-        raise ConfigError("model.bias_update_rate", f"must be >= 0 (0: off), got "
-                          f"{m.bias_update_rate}")
-    if not 0 < m.route_scale < float("inf"):
-        raise ConfigError("model.route_scale", f"must be > 0, got {m.route_scale}")
     g = m.n_groups
     if g > 1:
         if m.num_experts % g or m.num_experts // g < 2:
@@ -215,28 +191,17 @@ def check_moe_options(m) -> None:
 
 
 def check_train(cfg) -> None:
-    for key, low in (("train.steps", 1), ("train.warmup_steps", 0), ("train.micro_batch_size", 1),
-                     ("train.grad_accum_steps", 1), ("train.seq_len", 1), ("train.log_every", 1)):
-        _at_least(cfg, key, low)
-    for key in ("train.steps", "train.warmup_steps"):  # (a benchmark, not a long training run:
-        # past this the run's per-step buffers, and its duration, are no longer sensible)
-        if _get(cfg, key) > MAX_STEPS:
-            raise ConfigError(key, f"must be <= {MAX_STEPS:,}, got {_get(cfg, key):,}")
     micro = (cfg.train.steps + cfg.train.warmup_steps) * cfg.train.grad_accum_steps
     if micro > MAX_STEPS:  # (the data is sized for every micro-batch of the run)
         raise ConfigError("train.grad_accum_steps", f"{cfg.train.grad_accum_steps:,} x ("
                           "train.steps + train.warmup_steps) = "
                           f"{micro:,} micro-batches: at most {MAX_STEPS:,}")
-    _at_least(cfg, "train.gc_every", 0)
     _check_eval(cfg.train, cfg.data)
     if cfg.train.profile:
-        _at_least(cfg, "train.profile_steps", 1)
         if cfg.train.steps <= cfg.train.profile_steps:
             raise ConfigError("train.steps", f"must exceed train.profile_steps="
                               f"{cfg.train.profile_steps} (the profiled steps are untimed), "
                               f"got {cfg.train.steps}")
-    if not 0 <= cfg.train.seed < SEEDS:
-        raise ConfigError("train.seed", f"must be in 0..{SEEDS - 1}, got {cfg.train.seed}")
     if cfg.train.compile != "off" and cfg.train.warmup_steps < 1:
         raise ConfigError("train.warmup_steps", f"must be >= 1 with train.compile="
                           f"{cfg.train.compile} (the first step compiles: it must not be measured)")
@@ -253,13 +218,8 @@ def check_train(cfg) -> None:
 
 
 def _check_eval(t, data) -> None:
-    for key in ("eval_sequences", "eval_every"):
-        if not 0 <= t[key] <= MAX_STEPS:
-            raise ConfigError(f"train.{key}", f"must be in 0..{MAX_STEPS:,}, got {t[key]}")
     if t.target_loss is None:
         return
-    if t.target_loss <= 0:
-        raise ConfigError("train.target_loss", f"must be > 0 (a loss), got {t.target_loss}")
     if not (t.eval_every and t.eval_sequences and (data.source == "markov" or data.heldout)):
         raise ConfigError("train.target_loss", "is checked on the eval steps: it needs "
                           "train.eval_every > 0, train.eval_sequences > 0 and a held-out set "
@@ -274,16 +234,9 @@ def check_precision(cfg) -> None:
         if bad := [k for k in what if k not in names]:
             raise ConfigError(f"hardware.{key}", f"'{bad[0]}' is not a precision (allowed: "
                               f"{', '.join(names)})")
-    if hw.memory_gib is not None and not 0 < hw.memory_gib <= MAX_MEMORY_GIB:
-        raise ConfigError("hardware.memory_gib", f"must be > 0 and <= {MAX_MEMORY_GIB:,} GiB "
-                          f"(per device) or null, got {hw.memory_gib}")
     for key, peak in hw.peak_flops.items():
         if peak is not None and not peak > 0:
             raise ConfigError(f"hardware.peak_flops.{key}", f"must be > 0 FLOP/s or null, got {peak}")
-    for key in ("memory_bandwidth", "link_bandwidth", "network_bandwidth"):
-        if hw[key] is not None and not hw[key] > 0:
-            raise ConfigError(f"hardware.{key}", f"must be > 0 bytes/s or null, got {hw[key]}")
-    _at_least(cfg, "hardware.devices_per_node", 1)
     if cfg.precision.autocast_dtype not in (None, "bfloat16", "float16"):
         raise ConfigError("precision.autocast_dtype", "must be null, bfloat16 or float16")
     # The name labels every result: its autocast dtype (and, without autocast, its tf32) may
@@ -368,8 +321,10 @@ def check_dispatch(cfg) -> None:
 
 
 def dispatch_here(cfg) -> None:
-    """An explicit model.dispatch=grouped must run here (auto picks what does). Probed on
-    CPU only: a CUDA probe here would open a context on GPU 0 in every rank and launcher."""
+    """Check an explicit model.dispatch=grouped runs here; auto picks what does.
+
+    It is probed on CPU only: a CUDA probe here would open a context on GPU 0 in every rank
+    and launcher."""
     if cfg.model.dispatch != "grouped" or cfg.model.num_experts == 0:
         return
     from .model.moe import grouped_compiles, grouped_mm_supported
@@ -385,19 +340,13 @@ def dispatch_here(cfg) -> None:
                           "use model.dispatch=auto, loop or padded")
 
 
-def _world_size(devices: int) -> int:
-    """Ranks in the whole job: torchrun's WORLD_SIZE (several nodes) or this machine's."""
-    env = rank_env()
-    return max(devices, env.world) if env else devices
-
-
 def check_parallel(cfg) -> None:
     p, hw, m = cfg.parallel, cfg.hardware, cfg.model
     n = hw.devices
     if p.name == "none" and n != 1 and cfg.task != "comm":
         raise ConfigError("hardware.devices", f"parallel=none runs one rank; got hardware."
                           f"devices={n} (use parallel=ddp, fsdp, hsdp, expert or expert_fsdp)")
-    launched = _world_size(n)
+    launched = world_size(n)
     if p.name == "none" and launched > 1 and cfg.task != "comm":
         raise ConfigError("parallel", f"launched as {launched} ranks (torchrun), but "
                           "parallel=none runs one: set parallel=ddp, fsdp, hsdp, expert or "
@@ -407,9 +356,6 @@ def check_parallel(cfg) -> None:
     if local is not None and local != n:  # (the record's config and hash say devices)
         raise ConfigError("hardware.devices", f"torchrun's LOCAL_WORLD_SIZE is {local} (ranks "
                           f"on this node), but hardware.devices={n}: set hardware.devices={local}")
-    if not 1 <= p.timeout_s <= 1e9:  # (less fails the rendezvous; more overflows torch's)
-        raise ConfigError("parallel.timeout_s", f"must be 1 to 1e9 seconds, got {p.timeout_s}")
-    _at_least(cfg, "parallel.profile_steps", 0)
     if p.name in ("expert", "expert_fsdp"):
         if m.num_experts == 0:
             raise ConfigError("parallel", f"parallel={p.name} needs an MoE model "
@@ -417,9 +363,6 @@ def check_parallel(cfg) -> None:
         if m.pad_to_capacity and m.capacity_factor is not None:
             raise ConfigError("model.pad_to_capacity", f"not under parallel={p.name}: its "
                               "all-to-all sends the kept rows (no static shapes); leave it out")
-        if p.expert_parallel_size is not None and p.expert_parallel_size < 1:
-            raise ConfigError("parallel.expert_parallel_size", "must be >= 1 or null (all "
-                              f"ranks), got {p.expert_parallel_size}")
         ep = p.expert_parallel_size or launched
         if launched % ep:
             ranks = (f"hardware.devices={n}" if launched == n else
@@ -429,17 +372,11 @@ def check_parallel(cfg) -> None:
         if m.num_experts % ep:
             raise ConfigError("parallel.expert_parallel_size", f"model.num_experts="
                               f"{m.num_experts} is not divisible by the expert-parallel size {ep}")
-    if not 0 < p.bucket_cap_mb <= MAX_BUCKET_MB:
-        raise ConfigError("parallel.bucket_cap_mb", f"must be > 0 and <= {MAX_BUCKET_MB:,} MB, "
-                          f"got {p.bucket_cap_mb}")
     if p.name == "ddp" and p.static_graph and p.accum_no_sync and cfg.train.grad_accum_steps > 1:
         raise ConfigError("parallel.static_graph", "not with train.grad_accum_steps > 1 and "
                           "parallel.accum_no_sync=true: DDP's static graph breaks under no_sync "
                           "(pytorch/pytorch#143580: a crash, then gradients never reduced); "
                           "set parallel.accum_no_sync=false or static_graph=false")
-    if p.prefetch < 0:
-        raise ConfigError("parallel.prefetch", f"must be >= 0 (0 = FSDP2's default), got "
-                          f"{p.prefetch}")
     _check_hook(cfg)
     _check_hsdp(cfg, launched)
     if p.name in FSDP2:
@@ -455,10 +392,8 @@ def check_parallel(cfg) -> None:
 
 
 def _check_hook(cfg) -> None:
-    """parallel.comm_hook / powersgd_rank (DDP's; unread elsewhere: check_unread)."""
+    """Check DDP's parallel.comm_hook and powersgd_rank; check_unread refuses them elsewhere."""
     p = cfg.parallel
-    if p.powersgd_rank < 1:
-        raise ConfigError("parallel.powersgd_rank", f"must be >= 1, got {p.powersgd_rank}")
     if p.name == "ddp" and p.comm_hook == "powersgd" and cfg.precision.grad_scaler:
         raise ConfigError("parallel.comm_hook", "powersgd not with loss scaling "
                           "(precision.grad_scaler): an overflowed step's inf stays in "
@@ -467,13 +402,10 @@ def _check_hook(cfg) -> None:
 
 
 def _check_hsdp(cfg, world: int) -> None:
-    """parallel=hsdp's mesh: replicate x (world / replicate)."""
+    """Check parallel=hsdp's mesh, replicate x world / replicate: replicate divides the world."""
     from .config import hsdp_mesh
 
     p, n = cfg.parallel, cfg.hardware.devices
-    if p.replicate is not None and p.replicate < 1:
-        raise ConfigError("parallel.replicate", f"must be >= 1 or null (one replica per "
-                          f"machine), got {p.replicate}")
     if p.name != "hsdp":
         return
     ranks = f"hardware.devices={n}" if world == n else f"world size {world} (WORLD_SIZE)"
@@ -504,14 +436,11 @@ def parallel_here(cfg) -> None:
 
 def check_data(cfg, overrides=()) -> None:
     d = cfg.data
-    _at_least(cfg, "data.num_workers", 0)
     for key, on in (("prefetch_factor", d.prefetch_factor is not None),
                     ("persistent_workers", d.persistent_workers)):
         if on and d.num_workers == 0:
             raise ConfigError(f"data.{key}", "needs loader workers: data.num_workers > 0 (0 "
                               "loads in the training process)")
-    if d.prefetch_factor is not None and d.prefetch_factor < 1:
-        raise ConfigError("data.prefetch_factor", f"must be >= 1 or null, got {d.prefetch_factor}")
     if d.name in ("markov", "tokens") and d.name != d.source:  # a label, not the source
         if _chosen(overrides, "data.source"):
             raise ConfigError("data.source", f"set by the data group: pick data={d.source} "
@@ -533,11 +462,13 @@ def check_data(cfg, overrides=()) -> None:
 
 
 def unread_keys(cfg, overrides=()) -> dict[str, tuple[tuple[str, ...], str, ConfigError]]:
-    """Keys set that only another option reads (config.py: each key's Knob.read_by): key ->
-    (the keys whose choice picks that option, the group first; the option that reads it;
-    the error a run gives). Set: the command line sets it, or (unless a preset may have,
-    Knob.unread == "keep") it differs from its default; at the value its group's chosen
-    option gives it (logger=none's mode: disabled), it is no mistake."""
+    """Keys set that only another option reads, by each key's Knob.read_by in config.py.
+
+    Returns key -> (the keys whose choice picks that option, the group first; the option
+    that reads it; the error a run gives). A key is set where the command line sets it, or
+    where it differs from its default unless Knob.unread == "keep" says a preset may have
+    set it. At the value its group's chosen option gives it, such as logger=none's mode:
+    disabled, it is no mistake."""
     from .config import DEFAULTS, KNOBS, override_word
 
     out = {}
@@ -565,8 +496,9 @@ def unread_keys(cfg, overrides=()) -> dict[str, tuple[tuple[str, ...], str, Conf
 
 
 def _option_gives(cfg, key: str, value) -> bool:
-    """Whether the group's chosen option (its file under conf/, named by <group>.name) sets
-    the key to this value."""
+    """Whether the group's chosen option sets the key to this value.
+
+    The option is the file under conf/ that <group>.name names."""
     group, leaf = key.split(".", 1)
     name = OmegaConf.select(cfg, f"{group}.name", default=None)
     path = CONF / group / f"{name}.yaml"
@@ -577,62 +509,26 @@ def _option_gives(cfg, key: str, value) -> bool:
 
 
 def check_unread(cfg, overrides=(), in_sweep: bool = False) -> None:
-    """A key its group's option does not read: surely the other option was meant. In a
-    sweep job whose command line picks the group (a sweep over both options gives the key
-    to every job) it is left unread; sweep.checks refuses a sweep where no job reads it."""
+    """Refuse a key its group's chosen option does not read: surely another option was meant.
+
+    A sweep job whose command line picks the group may leave it unread, since a sweep over
+    both options gives the key to every job; sweep.checks refuses a sweep where no job reads
+    it."""
     for picks, _, err in unread_keys(cfg, overrides).values():
         if not (in_sweep and any(_chosen(overrides, k) for k in picks)):
             raise err
 
 
 def _chosen(overrides, group: str) -> bool:
-    """Whether the command line picks the group's option (group=...)."""
+    """Whether the command line picks the group's option with group=..."""
     return any(o.lstrip("+").split("=", 1)[0] == group for o in overrides)
 
 
-def check_optim(cfg) -> None:
-    o = cfg.optim
-    if o.lr <= 0:
-        raise ConfigError("optim.lr", f"must be > 0, got {o.lr}")
-    if o.grad_clip < 0:
-        raise ConfigError("optim.grad_clip", f"must be >= 0 (0 = off), got {o.grad_clip}")
-    if o.lr_warmup_steps < 0:
-        raise ConfigError("optim.lr_warmup_steps", f"must be >= 0, got {o.lr_warmup_steps}")
-    for key in ("beta1", "beta2"):
-        if not 0 <= o[key] < 1:
-            raise ConfigError(f"optim.{key}", f"must be in [0, 1), got {o[key]}")
-    if not 0 <= o.min_lr_ratio <= 1:
-        raise ConfigError("optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
-    if not 0 < o.decay_ratio <= 1:
-        raise ConfigError("optim.decay_ratio", f"must be in (0, 1], got {o.decay_ratio}")
-    if not 0 < o.pct_start < 1:
-        raise ConfigError("optim.pct_start", f"must be in (0, 1), got {o.pct_start}")
-    if not o.eps > 0:
-        raise ConfigError("optim.eps", f"must be > 0, got {o.eps}")
-    if o.weight_decay < 0:
-        raise ConfigError("optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
-    if o.name == "muon":
-        if not 0 <= o.momentum < 1:
-            raise ConfigError("optim.momentum", f"must be in [0, 1), got {o.momentum}")
-        if not 1 <= o.ns_steps <= 20:
-            raise ConfigError("optim.ns_steps", f"must be in [1, 20], got {o.ns_steps}")
-
-
-def check_checkpoint(cfg) -> None:
-    """train.checkpoint_* and resume_from (bench.checkpoint.check)."""
-    if cfg.task != "bench":
-        return
-    from .bench.checkpoint import check
-    from .bench.loop import profiled_steps
-
-    world = _world_size(cfg.hardware.devices)
-    check(cfg, world, profiled_steps(cfg, world > 1))
-
-
 def check_rendezvous(cfg) -> None:
-    """A rank (RANK and WORLD_SIZE set) of a run with ranks joins torch's env:// rendezvous,
-    which needs MASTER_ADDR and MASTER_PORT: this environment not ready (status error),
-    checked after the config's mistakes."""
+    """Check a rank of a run with ranks has MASTER_ADDR and MASTER_PORT for its rendezvous.
+
+    A process with RANK and WORLD_SIZE set joins torch's env:// rendezvous. Without them the
+    environment is not ready, status error; this is checked after the config's mistakes."""
     p = cfg.parallel
     if rank_env() is not None and (p.name != "none" or cfg.hardware.devices > 1
                                    or cfg.task == "comm"):
@@ -645,8 +541,9 @@ def check_rendezvous(cfg) -> None:
 
 
 def check_workers(cfg) -> None:
-    """More loader workers than cores: a limit of this machine (skipped), so checked after
-    the config's mistakes (invalid)."""
+    """Skip a run with more loader workers than this machine has cores.
+
+    That is a limit of this machine, so it is checked after the config's mistakes."""
     n, env = cfg.data.num_workers, rank_env()
     ranks = env.local_world if env and env.local_world else cfg.hardware.devices  # here
     if n * ranks > (os.cpu_count() or 1):
@@ -655,134 +552,11 @@ def check_workers(cfg) -> None:
                           f"machine has {os.cpu_count()} CPU cores (a worker per core at most)")
 
 
-def check_comm(cfg) -> None:
-    c = cfg.comm
-    bad = [op for op in c.ops if op not in ("all_reduce", "all_gather", "reduce_scatter",
-                                             "all_to_all")]
-    if len(set(c.ops)) < len(c.ops):
-        raise ConfigError("comm.ops", f"{list(c.ops)} names an op twice: each is one row")
-    if bad or not c.ops:
-        raise ConfigError("comm.ops", f"{bad or 'empty'}: allowed are all_reduce, all_gather, "
-                          "reduce_scatter, all_to_all")
-    for key, low in (("comm.min_bytes", 4), ("comm.factor", 2), ("comm.iters", 1),
-                     ("comm.warmup", 0)):
-        _at_least(cfg, key, low)
-    if c.max_bytes < c.min_bytes:
-        raise ConfigError("comm.max_bytes", f"must be >= comm.min_bytes={c.min_bytes}")
-
-
-def check_infer(cfg) -> None:
-    """task=infer: positive sizes, prompt and output within the model's positions, one
-    device, the options it does not apply yet, a checkpoint of this model."""
-    if cfg.task != "infer":
-        return
-    i = cfg.infer
-    for key, low in (("batch_size", 1), ("prompt_len", 1), ("new_tokens", 1), ("batches", 1),
-                     ("warmup", 0)):
-        _at_least(cfg, f"infer.{key}", low)
-    if i.prompt_len + i.new_tokens > cfg.model.max_seq_len:
-        raise ConfigError("infer.new_tokens", f"infer.prompt_len + new_tokens = "
-                          f"{i.prompt_len + i.new_tokens} exceeds model.max_seq_len="
-                          f"{cfg.model.max_seq_len}")
-    if cfg.parallel.name != "none" or _world_size(cfg.hardware.devices) != 1:
-        raise ConfigError("parallel", "task=infer runs on one device: parallel=none "
-                          "hardware.devices=1")
-    if cfg.train.compile != "off" and i.warmup < 1:
-        raise ConfigError("infer.warmup", f"must be >= 1 with train.compile="
-                          f"{cfg.train.compile} (the first batch compiles: it must not be "
-                          "measured)")
-    if cfg.precision.name == "fp8":
-        raise ConfigError("precision", "fp8 is a training recipe (torchao's float8 "
-                          "training); task=infer quantizes with infer.quantize=fp8")
-    if (i.experts_resident is not None or i.usage_threshold) and not cfg.model.num_experts:
-        raise ConfigError("infer.experts_resident" if i.experts_resident is not None else
-                          "infer.usage_threshold", "a MoE model's option (model.num_experts > 0)")
-    if i.experts_resident is not None and not 1 <= i.experts_resident <= cfg.model.num_experts:
-        raise ConfigError("infer.experts_resident", f"must be in 1..model.num_experts="
-                          f"{cfg.model.num_experts} or null, got {i.experts_resident}")
-    _at_least(cfg, "infer.prefetch", 0)
-    _at_least(cfg, "infer.eval_sequences", 0)
-    if not 0 <= i.usage_threshold < 1:
-        raise ConfigError("infer.usage_threshold", f"must be in [0, 1), got {i.usage_threshold}")
-    if i.batching != "none":
-        _at_least(cfg, "infer.max_batch_size", 1)
-        _at_least(cfg, "infer.requests", 1)
-        if i.new_tokens < 2:
-            raise ConfigError("infer.new_tokens", "must be >= 2 with infer.batching (a decode "
-                              "step's cost is measured)")
-        for key, ok, allowed in (("arrival_rate", i.arrival_rate > 0, "> 0"),
-                                 ("timeout_ms", i.timeout_ms >= 0, ">= 0"),
-                                 ("length_spread", 0 <= i.length_spread < 1, "in [0, 1)")):
-            if not ok:
-                raise ConfigError(f"infer.{key}", f"must be {allowed}, got {i[key]}")
-    if i.usage_threshold and i.warmup < 1:
-        raise ConfigError("infer.warmup", "must be >= 1 with infer.usage_threshold (the "
-                          "warmup batches' routing picks the experts to drop)")
-    if i.checkpoint is not None:
-        from .bench.checkpoint import check_weights
-
-        check_weights(cfg)
-
-
-def infer_here(cfg) -> None:
-    """task=infer's quantization: torchao installed; fp8 on a GPU with float8 matmuls."""
-    q = cfg.infer.quantize if cfg.task == "infer" else "none"
-    if q == "fp8" and not (cfg.hardware.device == "cuda" and torch.cuda.is_available() and
-                           torch.cuda.get_device_capability(0) >= (8, 9)):
-        raise Unsupported("infer.quantize", "fp8 needs a CUDA GPU with compute capability "
-                          ">= 8.9 (H100, H200, L4, RTX 40xx)")
-    if q != "none" and importlib.util.find_spec("torchao") is None:
-        raise Unsupported("infer.quantize", "needs torchao: pip install -e \".[fp8]\"")
-    if q != "none":  # (its FqnToConfig naming the stacked experts' 3-D weights: tested on
-        from importlib.metadata import version  # 0.18)
-
-        have = version("torchao")
-        if tuple(int(x) for x in have.split(".")[:2] if x.isdigit()) < (0, 18):
-            raise Unsupported("infer.quantize", f"needs torchao >= 0.18 (its FqnToConfig "
-                              f"quantizes the stacked experts), found {have}: pip install "
-                              "\"torchao>=0.18\"")
-
-
-def check_plan(cfg) -> None:
-    """task=plan: what the trace follows (plan.trace.unplannable)."""
-    if cfg.task != "plan":
-        return
-    from .plan.runner import plan_memory_gib
-    from .plan.trace import unplannable
-
-    if why := unplannable(cfg):
-        raise ConfigError(*why)
-    if cfg.hardware.comm_from:
-        from .plan.roofline import comm_curves
-
-        try:
-            comm_curves(cfg.hardware.comm_from)
-        except ValueError as e:
-            raise ConfigError("hardware.comm_from", str(e)) from None
-    if plan_memory_gib(cfg.hardware) is None:
-        raise ConfigError("hardware.memory_gib", f"hardware={cfg.hardware.name} reads its "
-                          "memory from the device, which is not here: a plan needs it (set "
-                          "hardware.memory_gib=<GiB per device>)")
-
-
-def check_tune(cfg) -> None:
-    _at_least(cfg, "tune.multiple", 1)
-    t = cfg.tune
-    if t.max_micro_batch < t.multiple:
-        raise ConfigError("tune.max_micro_batch", f"must be >= tune.multiple={t.multiple}, "
-                          f"got {t.max_micro_batch}")
-
-
-def check_sweep(cfg) -> None:
-    _at_least(cfg, "sweep.repeats", 1)
-    t = cfg.sweep.job_timeout_s
-    if t is not None and t <= 0:
-        raise ConfigError("sweep.job_timeout_s", f"must be > 0 seconds or null, got {t}")
-
-
 def check_model_label(overrides) -> None:
-    """model.name labels a custom model; another preset's name would label these sizes as
-    that preset's in every table."""
+    """Refuse a model.name that is another preset's name.
+
+    model.name labels a custom model; another preset's name would label these sizes as that
+    preset's in every table."""
     items = dict(o.lstrip("+").split("=", 1) for o in overrides if "=" in o)
     name = items.get("model.name")
     if name is None or name not in group_options("model"):
@@ -798,10 +572,12 @@ def _gib(x: float) -> str:
 
 
 def check_memory(cfg) -> None:
-    """What must fit in memory (bench.flops' lower bounds): fp32 weights, gradients and
-    optimizer state as sharded, then with them the activations no setting avoids; task=comm:
-    its largest message's buffers. A GPU holds one rank; a CPU's memory (memory_gib is all
-    of it) holds this machine's ranks together."""
+    """Skip a run whose memory lower bound exceeds hardware.memory_gib.
+
+    The bounds are bench.flops': fp32 weights, gradients and optimizer state as sharded,
+    then with them the activations no setting avoids. For task=comm it is the largest
+    message's buffers. A GPU holds one rank; a CPU's memory, all of which memory_gib counts,
+    holds this machine's ranks together."""
     from .bench.flops import activation_lower_bound, state_lower_bound
 
     mem, m, p, n = cfg.hardware.memory_gib, cfg.model, cfg.parallel, cfg.hardware.devices
@@ -813,7 +589,7 @@ def check_memory(cfg) -> None:
         return _comm_memory(cfg, mem)
     if cfg.task == "infer":  # (its weights at least: bench.flops' state bound is training's)
         return
-    world = _world_size(n) if p.name != "none" else 1
+    world = world_size(n) if p.name != "none" else 1
     need = state_lower_bound(cfg, world) * local / 2**30
     if need > mem:
         raise Unsupported("model", f"model={m.name} needs >= {_gib(need)} GiB on {where} for "
@@ -833,10 +609,10 @@ def check_memory(cfg) -> None:
 
 
 def _comm_memory(cfg, mem: float) -> None:
-    """task=comm: the largest size's buffers, per rank."""
-    from .bench.comm import sizes
+    """Skip task=comm where its largest size's buffers, per rank, do not fit."""
+    from .tasks.comm import sizes
 
-    c, n = cfg.comm, _world_size(cfg.hardware.devices)
+    c, n = cfg.comm, world_size(cfg.hardware.devices)
     local = n if cfg.hardware.device == "cpu" else 1
     largest = sizes(c, n)[0][-1]
     # all_reduce: in place; all_gather / reduce_scatter: + a rank's part; all_to_all: x2
@@ -851,17 +627,21 @@ def _comm_memory(cfg, mem: float) -> None:
 
 
 def validate(cfg, overrides=(), in_sweep: bool = False) -> None:
-    """Raise on the first problem, in two passes: every mistake first (ConfigError: invalid),
-    whatever else is wrong; then what this machine cannot do (Unsupported: skipped) or is
-    not ready for (NotReady: error). Run after hardware.resolve(). in_sweep: a sweep's job
-    (see check_unread)."""
+    """Raise on the first problem: every mistake first, then what this machine cannot do.
+
+    A mistake raises ConfigError, status invalid, whatever else is wrong. Then come what this
+    machine cannot do, Unsupported and skipped, and what it is not ready for, NotReady and
+    error. Run after hardware.resolve(). in_sweep marks a sweep's job, see check_unread. Each
+    task's own checks are its Task's, under tasks/."""
     from .hardware import check_device, device_here
+    from .tasks import TASKS
     from .tracking import check_logger, logger_ready
 
     check_known_keys(cfg)
     check_model_label(overrides)
     check_finite(cfg)
     check_choices(cfg)
+    check_ranges(cfg)
     check_device(cfg)
     check_model(cfg.model)
     check_train(cfg)
@@ -871,16 +651,11 @@ def validate(cfg, overrides=(), in_sweep: bool = False) -> None:
     check_parallel(cfg)
     check_unread(cfg, overrides, in_sweep)
     check_data(cfg, overrides)
-    check_optim(cfg)
-    check_checkpoint(cfg)
-    check_sweep(cfg)
-    check_comm(cfg)
-    check_tune(cfg)
-    check_infer(cfg)
-    check_plan(cfg)
+    task = TASKS[cfg.task]
+    task.check(cfg)
     check_logger(cfg)
-    if cfg.task == "plan":  # (planned for the hardware named, on fake tensors: this
-        return logger_ready(cfg)  # machine need not have it)
+    if not task.here:  # (planned for the hardware named, on fake tensors: this machine
+        return logger_ready(cfg)  # need not have it)
     # what this machine cannot do, or is not ready for (a sweep's row says which)
     device_here(cfg)
     precision_here(cfg)
@@ -888,7 +663,7 @@ def validate(cfg, overrides=(), in_sweep: bool = False) -> None:
     attention_here(cfg)
     dispatch_here(cfg)
     parallel_here(cfg)
-    infer_here(cfg)
+    task.check_here(cfg)
     check_workers(cfg)
     check_memory(cfg)
     check_rendezvous(cfg)

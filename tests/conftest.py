@@ -27,13 +27,11 @@ def compose(overrides=()):
 
 
 def off_contract(rec: dict) -> set:
-    """A record's keys the contract does not name (results.FIELDS, EXTRAS; task=comm's
-    busbw_gbps_<op>, a combined record's <field>_min / _max)."""
-    from moe_exp.results import EXTRAS, FIELDS
+    """A record's keys that its declaration (moe_exp/record.py) does not name, or whose
+    value is not of the declared type."""
+    from moe_exp.record import check
 
-    named = {*FIELDS, *EXTRAS}
-    return {k for k in rec if k not in named and not k.startswith("busbw_gbps_")
-            and not (k.endswith(("_min", "_max")) and k[:-4] in named)}
+    return {line.split(":")[0] for line in check(rec)}
 
 
 def run_inproc(overrides, out_dir):

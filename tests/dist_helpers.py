@@ -90,7 +90,7 @@ def ddp_reductions_per_step(overrides) -> int:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     from moe_exp import distributed
-    from moe_exp.bench.loop import micro_step
+    from moe_exp.train.loop import micro_step
     from moe_exp.model import build_model
     from moe_exp.optimizations import apply
 

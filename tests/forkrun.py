@@ -15,7 +15,7 @@ import tempfile
 import traceback
 
 PRELOAD = ["torch", "torch._dynamo", "torch._inductor.config", "hydra", "omegaconf",
-           "moe_exp.cli", "moe_exp.pipeline", "moe_exp.bench.runner"]
+           "moe_exp.cli", "moe_exp.pipeline", "moe_exp.tasks.bench"]
 # read when used, not at import: may differ from the server's
 RUNTIME = {"PYTEST_CURRENT_TEST", "PYTHONPATH", "WANDB_MODE", "WANDB_SILENT", "HYDRA_FULL_ERROR"}
 _server = {}

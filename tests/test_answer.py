@@ -2,7 +2,7 @@
 Pareto frontier among loss-ok rows; rows whose loss is not ok are named, never the answer."""
 import json
 
-from moe_exp.report import report
+from moe_exp.sweep.report import report
 from moe_exp.results import FIELDS
 from moe_exp.sweep.answer import answer_text
 from moe_exp.sweep.table import build_table

@@ -46,7 +46,7 @@ def test_a_resumed_run_continues_bit_for_bit(whole, tmp_path):
 
 def test_an_async_checkpoint_resumes_as_exactly_and_old_ones_go(whole, tmp_path,
                                                                 monkeypatch):
-    from moe_exp.bench.checkpoint import Checkpointer
+    from moe_exp.train.checkpoint import Checkpointer
 
     complete = Checkpointer._complete
 
@@ -70,7 +70,7 @@ def test_an_async_checkpoint_resumes_as_exactly_and_old_ones_go(whole, tmp_path,
 
 
 def test_sigterm_saves_a_checkpoint_that_resumes(whole, tmp_path, monkeypatch):
-    from moe_exp.bench import loop
+    from moe_exp.train import loop
 
     class Preempted(loop.BiasBalancer):  # SIGTERM during the 4th step
         calls = 0

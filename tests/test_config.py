@@ -192,9 +192,9 @@ def test_validation_rejects_before_any_work(override, key, tmp_path, monkeypatch
                                                   "precision=fp8", "hardware.device=cuda",
                                                   "train.compile=reduce-overhead"):
         pytest.skip("valid on a GPU")
-    import moe_exp.bench.runner as runner
+    import moe_exp.tasks.protocol as runner
 
-    monkeypatch.setattr(runner, "bench", lambda *a, **k: pytest.fail("work started"))
+    monkeypatch.setattr(runner, "execute", lambda *a, **k: pytest.fail("work started"))
     rec = run_inproc([*override.split(), "logger=none"], tmp_path)
     # a valid request this hardware cannot do is `skipped`; a mistake is `invalid`
     want = "skipped" if override in SKIPPED else "invalid"
@@ -215,7 +215,7 @@ def test_a_key_the_chosen_option_does_not_read_runs_only_in_a_sweep(args, tmp_pa
     every job gets the key, and the job whose option does not read it runs (the sweep's
     check refuses a sweep where no job reads it). A single run with the option chosen is
     refused like one with the default: surely the other option was meant."""
-    import moe_exp.bench.runner as runner
+    import moe_exp.tasks.protocol as runner
 
     class Started(Exception):
         pass
@@ -225,7 +225,7 @@ def test_a_key_the_chosen_option_does_not_read_runs_only_in_a_sweep(args, tmp_pa
 
     from moe_exp.run import run
 
-    monkeypatch.setattr(runner, "bench", bench)
+    monkeypatch.setattr(runner, "execute", bench)
     if any("{tokens}" in a for a in args):
         from moe_exp.data.tokens import prepare
 
@@ -252,11 +252,11 @@ def test_a_dense_models_routing_keys_are_refused_only_where_the_command_line_set
 
 def test_torchrun_ranks_need_a_parallel_strategy(tmp_path, monkeypatch):
     """Launched as several ranks with parallel=none, each would run (and record) alone."""
-    import moe_exp.bench.runner as runner
+    import moe_exp.tasks.protocol as runner
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setattr(runner, "bench", lambda *a, **k: pytest.fail("work started"))
+    monkeypatch.setattr(runner, "execute", lambda *a, **k: pytest.fail("work started"))
     rec = run_inproc(["logger=none"], tmp_path)
     assert rec["status"] == "invalid" and rec["error"].startswith("parallel: launched as 2 ranks")
 
@@ -264,10 +264,10 @@ def test_torchrun_ranks_need_a_parallel_strategy(tmp_path, monkeypatch):
 def test_torchrun_ranks_per_node_must_be_hardware_devices(tmp_path, monkeypatch):
     """torchrun --nproc_per_node 1 with hardware.devices=2 ran one rank under the config
     (and hash) of two; a 2-node job's hash is not a 1-node job's."""
-    import moe_exp.bench.runner as runner
+    import moe_exp.tasks.protocol as runner
     from moe_exp.results import new_record
 
-    monkeypatch.setattr(runner, "bench", lambda *a, **k: pytest.fail("work started"))
+    monkeypatch.setattr(runner, "execute", lambda *a, **k: pytest.fail("work started"))
     for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
         monkeypatch.setenv(k, v)
     rec = run_inproc(["logger=none", "parallel=ddp", "hardware.devices=2"], tmp_path)
@@ -550,11 +550,11 @@ def test_hardware_env_is_set_for_its_run_only(tmp_path, monkeypatch):
     the same process (an in-process sweep's next job); the environment's own value wins."""
     import os
 
-    import moe_exp.bench.runner as runner
+    import moe_exp.tasks.protocol as runner
 
     seen = []
-    monkeypatch.setattr(runner, "bench", lambda cfg, cfg_dict, rec, *a, **k: seen.append(
-        (os.environ.get("MOE_EXP_T1"), os.environ.get("MOE_EXP_T2"))) or rec)
+    monkeypatch.setattr(runner, "execute", lambda task: seen.append(
+        (os.environ.get("MOE_EXP_T1"), os.environ.get("MOE_EXP_T2"))) or task.ctx.new_record())
     monkeypatch.delenv("MOE_EXP_T1", raising=False)
     monkeypatch.setenv("MOE_EXP_T2", "mine")
     run_inproc(["logger=none", "++hardware.env.MOE_EXP_T1=on", "++hardware.env.MOE_EXP_T2=x"],
@@ -579,11 +579,11 @@ def test_compile_threads_are_checked_first_and_hardware_env_sets_them(env, hw, s
     cores (it was, before), and that default is the run's alone."""
     import os
 
-    import moe_exp.bench.runner as runner
+    import moe_exp.tasks.protocol as runner
 
     seen = []
-    monkeypatch.setattr(runner, "bench", lambda cfg, cfg_dict, rec, *a, **k: seen.append(
-        os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")) or rec)
+    monkeypatch.setattr(runner, "execute", lambda task: seen.append(
+        os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")) or task.ctx.new_record())
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     if env is not None:
         monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", env)
@@ -698,9 +698,9 @@ def test_auto_hardware_tells_the_gpu_parts_apart(device_name, profile, bf16_peak
     (["logger.tags=[a,[b]]"], "logger.tags")])
 def test_wandb_names_are_checked_before_the_run(args, key, tmp_path, monkeypatch):
     """W&B refuses these at wandb.init, which a deferred start reaches only after the run."""
-    import moe_exp.bench.runner as runner
+    import moe_exp.tasks.protocol as runner
 
-    monkeypatch.setattr(runner, "bench", lambda *a, **k: pytest.fail("work started"))
+    monkeypatch.setattr(runner, "execute", lambda *a, **k: pytest.fail("work started"))
     rec = run_inproc(["logger=wandb", *args], tmp_path)
     assert rec["status"] == "invalid" and rec["error"].startswith(f"{key}: ")
 
@@ -710,7 +710,7 @@ def test_rank_env_without_master_and_huge_timeout_fail_first(monkeypatch):
     no record) and a parallel.timeout_s torch cannot hold (it failed in the ranks): one line
     each, before any work."""
     from moe_exp.config import ConfigError, NotReady
-    from moe_exp.validate import check_parallel, check_rendezvous
+    from moe_exp.validate import check_ranges, check_rendezvous
 
     for k in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)
@@ -723,15 +723,16 @@ def test_rank_env_without_master_and_huge_timeout_fail_first(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "29500")
     check_rendezvous(cfg)
     cfg.parallel.timeout_s = 1e14
-    with pytest.raises(ConfigError, match="parallel.timeout_s: must be 1 to 1e9 seconds"):
-        check_parallel(cfg)
+    with pytest.raises(ConfigError, match="parallel.timeout_s: must be in "
+                                          "1..1,000,000,000 seconds"):
+        check_ranges(cfg)
 
 
 def test_a_choice_read_from_the_environment_names_the_variable(tmp_path, monkeypatch):
     """logger.mode is ${oc.env:WANDB_MODE,offline}: the user set WANDB_MODE, not the key."""
-    import moe_exp.bench.runner as runner
+    import moe_exp.tasks.protocol as runner
 
-    monkeypatch.setattr(runner, "bench", lambda *a, **k: pytest.fail("work started"))
+    monkeypatch.setattr(runner, "execute", lambda *a, **k: pytest.fail("work started"))
     monkeypatch.setenv("WANDB_MODE", "dryrun")
     rec = run_inproc(["train.steps=2"], tmp_path)
     assert (rec["status"], rec["error"]) == ("invalid", "WANDB_MODE: 'dryrun' is not one of: "
@@ -750,6 +751,6 @@ def test_a_choice_read_from_the_environment_names_the_variable(tmp_path, monkeyp
     def bench(*a, **k):
         raise Started
 
-    monkeypatch.setattr(runner, "bench", bench)
+    monkeypatch.setattr(runner, "execute", bench)
     with pytest.raises(Started):  # (nothing refused it)
         run_inproc(["logger=none", "logger.mode=disabled"], tmp_path)

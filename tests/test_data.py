@@ -95,11 +95,11 @@ def test_a_relative_token_path_is_read_from_the_launch_dir_under_chdir(tmp_path)
      "holds token id 99, outside its vocabulary 0..49 (t.bin.json)")])
 def test_a_sidecar_that_does_not_describe_its_token_file_fails_before_any_work(
         sidecar, says, tmp_path, monkeypatch):
-    import moe_exp.bench.runner as runner
+    import moe_exp.tasks.protocol as runner
 
     (tmp_path / "t.bin").write_bytes(bytes(range(100)) * 5)
     (tmp_path / "t.bin.json").write_text(sidecar)
-    monkeypatch.setattr(runner, "bench", lambda *a, **k: pytest.fail("work started"))
+    monkeypatch.setattr(runner, "execute", lambda *a, **k: pytest.fail("work started"))
     rec = run_inproc(["logger=none", "data=tokens", f"data.path={tmp_path / 't.bin'}"],
                      tmp_path / "run")
     assert rec["status"] == "invalid" and rec["error"].startswith("data.path: ")
@@ -108,7 +108,7 @@ def test_a_sidecar_that_does_not_describe_its_token_file_fails_before_any_work(
 
 def test_a_token_file_that_cannot_be_read_is_one_line(tmp_path, monkeypatch):
     """(An unreadable or unmappable file: a traceback and no record, before.)"""
-    import moe_exp.bench.runner as runner
+    import moe_exp.tasks.protocol as runner
     import moe_exp.data.tokens as tokens
 
     (tmp_path / "t.bin").write_bytes(bytes(range(100)) * 5)
@@ -119,7 +119,7 @@ def test_a_token_file_that_cannot_be_read_is_one_line(tmp_path, monkeypatch):
         raise OSError(19, "No such device")
 
     monkeypatch.setattr(tokens.np, "memmap", memmap)
-    monkeypatch.setattr(runner, "bench", lambda *a, **k: pytest.fail("work started"))
+    monkeypatch.setattr(runner, "execute", lambda *a, **k: pytest.fail("work started"))
     rec = run_inproc(["logger=none", "data=tokens", f"data.path={tmp_path / 't.bin'}"],
                      tmp_path / "run")
     assert rec["status"] == "invalid" and rec["error"].startswith("data.path: ")

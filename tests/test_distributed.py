@@ -244,7 +244,7 @@ def test_comm_hooks_train_close_to_plain_ddp_and_reduce_fewer_bytes(hook, single
     none's; the 4th follows a rank-1 step, which moves each weight as far as AdamW's step
     would (its update is normalized) but not in the gradient's own direction: to first
     order it changes the loss by at most twice none's step did, and still lowers it."""
-    from moe_exp.summary import summary_rows
+    from moe_exp.tasks.summary import summary_rows
 
     rec = launched[f"hook {hook}"][0]
     assert rec["status"] == "ok", rec["error"]
@@ -453,7 +453,7 @@ def test_comm_sizes_are_whole_elements_per_rank_without_repeats():
     of 8 bytes, before); the default 1 KiB on 3 ranks is 1020 bytes."""
     from omegaconf import OmegaConf
 
-    from moe_exp.bench.comm import sizes
+    from moe_exp.tasks.comm import sizes
     from moe_exp.config import CommConfig
 
     c = OmegaConf.structured(CommConfig(min_bytes=5, max_bytes=64, factor=2))

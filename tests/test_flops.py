@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from moe_exp.bench.flop_check import check, count_step_flops
+from moe_exp.flop_check import check, count_step_flops
 from moe_exp.model import MoE, grouped_mm_supported
 
 
@@ -90,7 +90,7 @@ def test_grouped_mm_formula_equals_mm_count_of_the_loop():
 
 
 def test_flop_check_cli_names_a_bad_override_in_one_line(capsys):
-    from moe_exp.bench.flop_check import main
+    from moe_exp.flop_check import main
 
     assert main(["model=tiny"]) == 2
     err = capsys.readouterr().err

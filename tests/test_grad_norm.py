@@ -35,8 +35,8 @@ def test_grad_norm_is_every_steps_norm_before_clipping(monkeypatch, tmp_path):
 def test_a_sudden_spike_is_named_and_the_summary_warns(tmp_path):
     from types import SimpleNamespace
 
-    from moe_exp.bench.observe import record_grad_norm
-    from moe_exp.summary import summary_rows
+    from moe_exp.tasks.bench_record import record_grad_norm
+    from moe_exp.tasks.summary import summary_rows
 
     rec = {"null_reasons": {}}
     cfg = SimpleNamespace(optim=SimpleNamespace(grad_clip=1.0))

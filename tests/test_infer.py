@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import cli_inproc, compose, run_cli, run_inproc
+from conftest import cli_inproc, compose, off_contract, run_cli, run_inproc
 
 from moe_exp.run import prepare
 
@@ -61,6 +61,7 @@ def test_the_kv_cache_gives_the_full_passes_logits_and_tokens(model):
 def test_infer_records_throughput_latency_memory_and_expert_load(tmp_path):
     rec = run_inproc(FAST, tmp_path)
     assert rec["status"] == "ok" and rec["task"] == "infer", rec["error"]
+    assert off_contract(rec) == set()
     assert rec["generated_tokens"] == 2 * 6 * 2 and rec["measured_batches"] == 2
     assert rec["prefill_tokens_per_s"] > 0 and rec["decode_tokens_per_s"] > 0
     assert 0 < rec["token_latency_ms_p50"] <= rec["token_latency_ms_p90"] \
@@ -267,7 +268,7 @@ def test_infer_serves_a_stream(tmp_path):
     rec = run_inproc([*FAST, "infer.batching=dynamic", "infer.requests=12",
                       "infer.max_batch_size=4", "infer.arrival_rate=100"], tmp_path)
     assert rec["status"] == "ok", rec["error"]
-    assert rec["requests"] == 12 and rec["batch_size_max"] <= 4
+    assert rec["requests"] == 12 and rec["batch_size_max"] <= 4 and off_contract(rec) == set()
     assert rec["tokens_per_s"] == rec["served_tokens_per_s"] > 0
     assert rec["request_latency_ms_p50"] <= rec["request_latency_ms_p99"]
     assert rec["serving_costs"]["batch_sizes"] == [1, 2, 4]

@@ -343,7 +343,7 @@ def test_auto_dispatch_on_cuda_takes_grouped_only_where_it_has_a_kernel(
     assert moe.resolve_dispatch("auto", "cuda", dtype, sizes=(1024, 1152)) == want
     assert moe.resolve_dispatch("grouped", "cuda", dtype, sizes=(1024, 1152)) == "grouped"
     # an explicit grouped runs as asked, with a warning where auto would not take it
-    from moe_exp.bench.runner import resolve_model_dispatch
+    from moe_exp.optimizations.dispatch import resolve_model_dispatch
 
     cfg = compose(["model.dispatch=grouped", "precision="
                    + {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")])
@@ -433,7 +433,7 @@ def _hints_seen(moe: MoE, xs: list[torch.Tensor], capture: bool) -> list[int]:
 @pytest.mark.parametrize("dispatch", ["padded", "loop"])
 def test_compiled_dispatch_hints_its_data_dependent_sizes(dispatch):
     """Without a hint inductor sizes these buffers at 0 bytes and fuses none of their loops
-    (benchmarks/README.md, "Size hints": 1.01-1.34x on the compiled layer)."""
+    (benchmarks/moe-layer.md#size-hints-for-compiled-code: 1.01-1.34x on the compiled layer)."""
     from moe_exp.model.moe import SIZE_HINT
 
     torch.manual_seed(0)
@@ -494,7 +494,7 @@ def test_aux_free_bias_balances_a_skewed_router_and_is_state_not_a_parameter(tmp
     keeps the mean); the bias is in the model's state dict, never among its parameters
     (nor so the optimizer's), centred at 0, and only the choice sees it (weights stay the
     router's scores). A run records its spread."""
-    from moe_exp.bench.balance import BiasBalancer, bias_spread
+    from moe_exp.train.balance import BiasBalancer, bias_spread
 
     for cap in (None, 1.0):
         torch.manual_seed(0)

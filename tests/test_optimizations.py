@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from moe_exp.bench.loop import micro_step
+from moe_exp.train.loop import micro_step
 from moe_exp.model import build_model
 
 from conftest import compose, run_cli, run_inproc
@@ -129,16 +129,16 @@ def test_compile_cache_off_is_null_with_its_reason(tmp_path, monkeypatch):
     of one kernel shows it: a model's run compiles two dozen)."""
     from omegaconf import OmegaConf
 
-    from moe_exp.bench.runner import _compile_cache, _graph_counts
+    from moe_exp.tasks.bench_record import graph_counts, record_compile_cache
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    before = _graph_counts()
+    before = graph_counts()
     with torch._inductor.config.patch(fx_graph_cache=False):
         torch._dynamo.reset()
         torch.compile(lambda x: (x.sin() + 1).sum())(torch.randn(8))
-    counts = [a - b for a, b in zip(_graph_counts(), before)]
+    counts = [a - b for a, b in zip(graph_counts(), before)]
     rec = {"null_reasons": {}}
-    _compile_cache(rec, OmegaConf.create({"train": {"compile": "default"}}), *counts[:4])
+    record_compile_cache(rec, OmegaConf.create({"train": {"compile": "default"}}), *counts[:4])
     assert counts[0] >= 1 and rec["compile_cache_hit_share"] is None
     assert "FX_GRAPH_CACHE=0" in rec["null_reasons"]["compile_cache_hit_share"]
 

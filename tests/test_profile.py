@@ -43,7 +43,7 @@ def test_profile_categories_and_bad_input(tmp_path):
 def test_report_links_each_traced_jobs_files(tmp_path):
     import pandas as pd
 
-    from moe_exp.report import profile_links
+    from moe_exp.sweep.report import profile_links
 
     (tmp_path / "1" / "rep0").mkdir(parents=True)
     (tmp_path / "1" / "rep0" / "trace.json").write_text("{}")

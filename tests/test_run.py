@@ -123,7 +123,7 @@ def test_record_says_how_often_padded_fell_back(limit, share, tmp_path, monkeypa
     """model.dispatch=padded: the record's moe_padded_fallback_share is the share of MoE
     calls that ran unpadded (a negative PAD_LIMIT makes every call fall back)."""
     import moe_exp.model.moe as moe
-    from moe_exp.summary import summary_rows
+    from moe_exp.tasks.summary import summary_rows
 
     monkeypatch.setattr(moe, "PAD_LIMIT", limit)
     rec = run_inproc(["model.dispatch=padded", "logger=none", "train.steps=4"], tmp_path)
@@ -135,7 +135,7 @@ def test_record_says_how_often_padded_fell_back(limit, share, tmp_path, monkeypa
     other = run_inproc(["model.dispatch=loop", "logger=none", "train.steps=2"], tmp_path / "l")
     assert other["moe_padded_fallback_share"] is None
     assert "only padded falls back" in other["null_reasons"]["moe_padded_fallback_share"]
-    from moe_exp.summary import _fallbacks
+    from moe_exp.tasks.summary import _fallbacks
 
     assert "<1%" in _fallbacks(0.004) and _fallbacks(0.0) == "" and _fallbacks(None) == ""
 
@@ -262,7 +262,7 @@ def test_cgroup_room_is_the_least_over_the_cgroup_and_its_parents(tmp_path):
 
 
 def test_oom_lines_read_the_same_from_every_allocator():
-    from moe_exp.bench.runner import oom_line
+    from moe_exp.bench.memory import oom_line
 
     cpu = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
            "memory: you tried to allocate 64 bytes. Error code 12 (Cannot allocate memory)")
@@ -347,7 +347,7 @@ def test_wandb_offline_run_holds_config_and_metrics_and_is_finished(tmp_path, mo
 
 
 def test_wandb_run_is_finished_when_the_run_fails(tmp_path, monkeypatch):
-    import moe_exp.bench.runner as runner
+    import moe_exp.tasks.bench as runner
 
     def boom(*a, **k):
         raise RuntimeError("planted failure")
@@ -399,7 +399,7 @@ def test_default_cli_run_writes_record_under_outputs(tmp_path):
 
 FAULTS = """
 import resource, sys, torch
-from moe_exp.bench.memory import malloc_retain
+from moe_exp.host import malloc_retain
 if sys.argv[1] == "1":
     assert malloc_retain()
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -447,7 +447,7 @@ def test_kineto_marks_are_caught_other_stderr_passes(capfd):
     fd 2 are dropped, anything else written there meanwhile still reaches stderr."""
     import os
 
-    from moe_exp.bench.loop import _kineto_quiet
+    from moe_exp.train.loop import _kineto_quiet
 
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
     with _kineto_quiet():
@@ -465,7 +465,7 @@ def test_kineto_marks_are_caught_other_stderr_passes(capfd):
 def test_distributed_breakdown_is_the_slowest_ranks_own():
     """Each step's phases come from the rank whose step was slowest, so they add up to the
     step time (a max per phase over ranks summed to 107% of it)."""
-    from moe_exp.bench.runner import slowest_rank_steps
+    from moe_exp.tasks.bench_record import slowest_rank_steps
 
     keys = ["step_ms", "forward_ms", "backward_ms"]
     # rank 0: slow forward; rank 1: slow backward; step 1's slowest is rank 1, step 0's rank 0
@@ -611,7 +611,7 @@ def test_other_load_counts_other_processes_not_our_own_tree():
     import time
 
     from moe_exp.bench.load import _tree_ticks, other_load, snapshot
-    from moe_exp.summary import summary_rows
+    from moe_exp.tasks.summary import summary_rows
 
     spin = "import time\nt = time.time()\nwhile time.time() - t < {}: pass"
     t0 = _tree_ticks(os.getpid())
@@ -658,7 +658,7 @@ def test_summary_breakdown_shares_add_up():
     contention: forward 73%, backward 48%); one rank is '1 rank'."""
     import re
 
-    from moe_exp.summary import summary_rows
+    from moe_exp.tasks.summary import summary_rows
 
     rows = dict(_summary_stub(summary_rows, {"null_reasons": {}, "step_time_ms": 0.8,
                                              "parallel": "ddp", "world_size": 1}))
@@ -667,7 +667,7 @@ def test_summary_breakdown_shares_add_up():
 
 
 def test_summary_gives_the_reason_for_unmeasured_collectives():
-    from moe_exp.summary import summary_rows
+    from moe_exp.tasks.summary import summary_rows
 
     why = "parallel.profile_steps=0 or train.steps <= profile_steps"
     rows = dict(_summary_stub(summary_rows, {"parallel": "ddp", "world_size": 2,
@@ -681,7 +681,7 @@ def test_summary_gives_the_reason_for_unmeasured_collectives():
 def test_per_step_expert_imbalance_is_recorded_and_noted_for_compiled_padded(tmp_path):
     """expert_load_step_max_over_mean: per micro-step, the busiest expert / the mean; with
     one layer, a sum of maxima is at least the maximum of the sums (the summed figure)."""
-    from moe_exp.summary import summary_rows
+    from moe_exp.tasks.summary import summary_rows
 
     rec = run_inproc(["model.num_layers=1", "logger=none", "train.steps=5",
                       "train.grad_accum_steps=2"], tmp_path)
@@ -717,15 +717,15 @@ def test_cudagraph_skips_counted_where_cuda_graphs_were_asked_for():
     """reduce-overhead / max-autotune on CUDA: graphs inductor ran without CUDA graphs are
     counted (the loop dispatch's data-dependent shapes skip them) and the summary says so;
     elsewhere the field is null with the reason."""
-    from moe_exp.bench.runner import _cudagraph_skips
-    from moe_exp.summary import summary_rows
+    from moe_exp.tasks.bench_record import record_cudagraph_skips
+    from moe_exp.tasks.summary import summary_rows
 
     cases = {("reduce-overhead", "cuda"): 3, ("max-autotune", "cuda"): 0,
              ("reduce-overhead", "cpu"): None, ("default", "cuda"): None}
     for (mode, dev), want in cases.items():
         cfg = compose([f"train.compile={mode}"])
         rec = {"null_reasons": {}}
-        _cudagraph_skips(rec, cfg, torch.device(dev), 3 if want is None else want)
+        record_cudagraph_skips(rec, cfg, torch.device(dev), 3 if want is None else want)
         assert rec["cudagraph_skips"] == want, (mode, dev)
         assert ("cudagraph_skips" in rec["null_reasons"]) == (want is None), (mode, dev)
     rows = _summary_stub(summary_rows, {"compile": "reduce-overhead", "compile_s": 20.0,

@@ -460,7 +460,7 @@ def test_sweep_report_with_an_unknown_baseline_key_falls_back(tmp_path, capsys):
     report, with the default baseline and a one-line warning (`report --baseline` fails)."""
     import json
 
-    from moe_exp.report import report
+    from moe_exp.sweep.report import report
 
     for r in (rec(0, 100.0, 1.0), rec(1, 200.0, 1.0, precision="bf16")):
         (tmp_path / str(r["job"])).mkdir()
@@ -565,7 +565,7 @@ def test_notebook_table_finds_relative_dirs_and_rejects_what_matches_nothing(tmp
                                                                               monkeypatch):
     import os
 
-    from moe_exp.report import find_sweep_dir, notebook_table
+    from moe_exp.sweep.report import find_sweep_dir, notebook_table
 
     sweep = tmp_path / "multirun" / "2026-01-01" / "10-00-00"
     _write_jobs(sweep, [rec(0, 1.0, 1.0), rec(1, 2.0, 1.0, precision="bf16")])
@@ -675,7 +675,7 @@ def test_compare_reads_records_warns_on_broken_ones_and_flags_contention(tmp_pat
 
 def test_report_wandb_group_is_the_sweeps_own(tmp_path):
     """`report --wandb` logs its summary beside the sweep's runs (it was `report-<dir>`)."""
-    from moe_exp.report import own_group
+    from moe_exp.sweep.report import own_group
 
     d = tmp_path / "2026-01-01" / "10-00-00"
     d.mkdir(parents=True)
@@ -691,7 +691,7 @@ def test_report_wandb_group_is_the_sweeps_own(tmp_path):
 
 
 def test_report_wandb_project_is_the_sweeps_own_and_mode_is_checked(tmp_path, monkeypatch):
-    from moe_exp.report import own_logger
+    from moe_exp.sweep.report import own_logger
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
     assert (own_logger(tmp_path).project, own_logger(tmp_path).mode) == ("moe_exp", "offline")

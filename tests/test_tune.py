@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from moe_exp.bench.tune import search
+from moe_exp.tasks.tune import search
 
 from conftest import run_inproc
 

@@ -1,6 +1,7 @@
-"""moe_exp's `+sweep=search` sweeper: Hydra's Optuna sweeper, its study's first trial the
-baseline, the precisions this machine cannot run left out (moe_exp.sweep.searcher). Hydra
-takes sweepers only from this namespace; Optuna is imported when the sweeper is made, so
+"""moe_exp's `+sweep=search` sweeper: Hydra's Optuna sweeper, the baseline its first trial.
+
+The precisions this machine cannot run are left out; see moe_exp.sweep.searcher. Hydra
+takes sweepers only from this namespace. Optuna is imported when the sweeper is made, so
 Hydra's plugin scan needs no Optuna."""
 from hydra.plugins.sweeper import Sweeper
 

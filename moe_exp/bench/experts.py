@@ -8,12 +8,14 @@ QUANTILES = (0.0, 0.25, 0.5, 0.75, 0.9, 1.0)
 
 
 def load_stats(counts: torch.Tensor, choices: int | None = None) -> dict:
-    """counts: (layers, experts) computed, summed over the window; choices: the (token,
-    choice) pairs each layer routed there (kept or dropped). CV = std/mean (population);
-    max/mean: the hottest expert.
+    """The record's expert-load figures: spread, hottest expert, dead experts, drop rate.
 
-    Overall: expert_load_cv is the mean of the layers' CVs; expert_load_max_over_mean
-    the largest layer's (the slowest expert sets an expert-parallel step's pace); drop_rate
+    counts: (layers, experts), the tokens computed, summed over the window. choices: the
+    (token, choice) pairs each layer routed over the window, kept or dropped. CV is the
+    population std over the mean; max/mean is the hottest expert's.
+
+    Overall: expert_load_cv is the mean of the layers' CVs; expert_load_max_over_mean the
+    largest layer's, as the slowest expert sets an expert-parallel step's pace; drop_rate
     the share of choices over an expert's capacity; dead_experts those no token reached.
     """
     c = counts.double()

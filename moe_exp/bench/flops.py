@@ -1,31 +1,31 @@
-"""Parameter counts and analytic training FLOPs per token (PaLM / torchtitan convention).
+"""Parameter counts and analytic training FLOPs per token, in the PaLM/torchtitan convention.
 
 flops_per_token = 6 * N_matmul_active + 6 * L * n_heads * (d_qk + d_v) * S
-N_matmul_active: the weights a token multiplies (attention, router, top_k routed experts
-and the shared ones, or the dense FFN, LM head); embeddings (a lookup) and norm weights
-excluded. Causal attention is counted in full, as the convention does; activation
-recomputation is not counted (MFU, not HFU).
+N_matmul_active: the weights a token multiplies: attention, router, the top_k routed
+experts and the shared ones or the dense FFN, and the LM head. Embeddings, being a lookup,
+and norm weights are excluded. Causal attention is counted in full, as the convention does;
+activation recomputation is not, so this gives MFU, not HFU.
 
-Checked against torch.utils.flop_counter.FlopCounterMode on real steps (with formulas for
-grouped_mm and CPU attention): moe_exp.bench.flop_check and tests/test_flops.py.
+moe_exp.flop_check checks it against torch's FlopCounterMode on real steps, with
+bench/formulas.py for grouped_mm and CPU attention.
 """
 from __future__ import annotations
 
 
 def head_dim(m) -> int:
-    """GQA's per-head dims (q, k and v alike)."""
+    """GQA's dims per head, the same for q, k and v."""
     return m.head_dim or m.hidden_size // m.num_heads
 
 
 def qk_v_dims(m) -> tuple[int, int]:
-    """Per head: the dims q.k and the values span (attention's FLOPs)."""
+    """The dims per head that q.k and the values span, for attention's FLOPs."""
     if m.attention_type == "mla":
         return m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
     return head_dim(m), head_dim(m)
 
 
 def attention_params(m) -> tuple[int, int]:
-    """One block's attention (matmul weights, norm weights)."""
+    """One block's attention parameters: matmul weights, then norm weights."""
     h, n = m.hidden_size, m.num_heads
     if m.attention_type == "mla":
         qk, r = m.qk_nope_head_dim + m.qk_rope_head_dim, m.q_lora_rank
@@ -38,12 +38,12 @@ def attention_params(m) -> tuple[int, int]:
 
 
 def moe_layers(m) -> int:
-    """Blocks with a MoE FFN (all but the first_k_dense; none in a dense model)."""
+    """The number of blocks with a MoE FFN: all but the first_k_dense; none if dense."""
     return m.num_layers - m.first_k_dense if m.num_experts > 0 else 0
 
 
 def expert_params(m) -> int:
-    """The routed experts' weights, all layers (what expert parallel shards)."""
+    """The routed experts' weights over all layers: what expert parallel shards."""
     return moe_layers(m) * m.num_experts * 3 * m.hidden_size * m.ffn_hidden_size
 
 
@@ -68,8 +68,11 @@ def param_counts(m) -> dict:
 
 
 def flops_per_token(m, seq_len: int, drop_rate: float = 0.0) -> float:
-    """drop_rate: the share of routed choices dropped over capacity (they compute nothing:
-    the useful FLOPs leave them out)."""
+    """Training FLOPs per token, by the module's formula, less those of dropped choices.
+
+    drop_rate: the share of routed choices dropped over capacity. They compute nothing, so
+    the useful FLOPs leave them out.
+    """
     qk, v = qk_v_dims(m)
     n = param_counts(m)["params_matmul_active"]
     return 6.0 * n + 6.0 * m.num_layers * m.num_heads * (qk + v) * seq_len \
@@ -89,21 +92,25 @@ def analytic(m, seq_len: int) -> dict:
             "flops_per_token": flops_per_token(m, seq_len)}
 
 
-# Memory lower bounds (validate.check_memory skips a run that cannot fit before any work).
+# Memory lower bounds: validate.check_memory skips, before any work, a run that cannot fit.
 
 def muon_params(m) -> int:
-    """Parameters optim=muon updates (optim.muon.hidden_matrices): all but the embeddings,
-    the head and the norms (2 per block + the final one), which AdamW updates."""
+    """The number of parameters optim=muon updates, as optim.muon.hidden_matrices picks them.
+
+    All but the embeddings, the head and the norms, which AdamW updates.
+    """
     h = m.hidden_size
     norms = (2 * m.num_layers + 1) * h + m.num_layers * attention_params(m)[1]
     return param_counts(m)["params_total"] - 2 * m.vocab_size * h - norms
 
 
 def state_lower_bound(cfg, world: int) -> float:
-    """Bytes one rank holds of fp32 weights, gradients and optimizer state (16 B/param with
-    AdamW: weight, grad, 2 moments; 12 for Muon's matrices, 1 buffer each), sharded as the
-    parallel option shards them (FSDP over all `world` ranks, HSDP over a replica group,
-    expert parallel's experts over its group)."""
+    """A lower bound on one rank's bytes of fp32 weights, gradients and optimizer state.
+
+    16 B/param with AdamW: weight, grad and 2 moments; 12 for Muon's matrices, with 1 buffer
+    each. Sharded as the parallel option shards them: FSDP over all `world` ranks, HSDP over
+    a replica group, expert parallel's experts over its group.
+    """
     m, p = cfg.model, cfg.parallel
     total = param_counts(m)["params_total"]
     experts = expert_params(m)
@@ -125,9 +132,11 @@ def state_lower_bound(cfg, world: int) -> float:
 
 
 def activation_lower_bound(cfg) -> float:
-    """Bytes of activations one rank holds at its step's peak whatever the settings: the
-    fp32 log-probabilities the loss saves (micro-batch x seq x vocab) and each layer's input
-    (kept under any activation checkpointing)."""
+    """A lower bound on the activation bytes one rank holds at its step's peak, any settings.
+
+    The fp32 log-probabilities the loss saves, micro-batch x seq x vocab, and each layer's
+    input, which any activation checkpointing keeps.
+    """
     m, t = cfg.model, cfg.train
     tokens = t.micro_batch_size * t.seq_len
     width = 2 if cfg.precision.autocast_dtype else 4

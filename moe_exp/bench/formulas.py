@@ -1,8 +1,10 @@
-"""FLOP formulas for the ops torch's flop_registry lacks or counts otherwise: grouped_mm,
-and every SDPA kernel (the CPU's too), forward and backward, with the model-FLOPs
-convention of bench/flops.py (attention: QK^T and PV, causal counted in full; backward the
-4 matmuls of the gradients, no recomputation). Used by bench/flop_check.py and the plan's
-ops (plan/ops.py)."""
+"""FLOP formulas for the ops torch's flop_registry lacks or counts otherwise.
+
+grouped_mm, and every SDPA kernel including the CPU's, forward and backward, with the
+model-FLOPs convention of bench/flops.py: attention counts QK^T and PV, causal in full, and
+its backward the 4 matmuls of the gradients, no recomputation. Used by moe_exp/flop_check.py
+and the plan's ops, plan/ops.py.
+"""
 from __future__ import annotations
 
 import torch
@@ -11,8 +13,11 @@ aten = torch.ops.aten
 
 
 def _grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
-    """2D x 3D -> 2D (rows grouped), 3D x 3D (batched), 3D x 2D: 2 * out * K;
-    2D x 2D -> 3D (the weight gradient: the contraction is split into groups): 2 * K*N*M."""
+    """FLOPs of one grouped_mm call, by its operands' ranks.
+
+    2D x 3D -> 2D with rows grouped, 3D x 3D batched, 3D x 2D: 2 * out * K.
+    2D x 2D -> 3D, the weight gradient, whose contraction is split into groups: 2 * K*N*M.
+    """
     if len(a_shape) == 2 and len(b_shape) == 2:
         return 2 * a_shape[0] * a_shape[1] * b_shape[1]
     out = 1
@@ -37,7 +42,7 @@ def _sdpa_backward_flop(grad_out_shape, q_shape, k_shape, v_shape, *args, out_sh
 
 
 def flop_formulas() -> dict:
-    """custom_mapping for FlopCounterMode (ops missing in this torch build are skipped)."""
+    """FlopCounterMode's custom_mapping for these ops; those this torch build lacks are skipped."""
     fwd = ["_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"]
     out = {getattr(aten, n): _sdpa_flop for n in fwd if hasattr(aten, n)}

@@ -1,11 +1,11 @@
-"""Other processes' share of the CPU during the measured window (Linux /proc).
+"""Other processes' share of the CPU during the measured window, from Linux /proc.
 
-A 2-core box shared with a test suite can make a step 20x slower: a run measured then is
-not evidence. The record keeps the share (`cpu_other_load`) and the summary warns above
-OTHER_LOAD_WARN. "Ours" is this process's tree (its data-loader workers, children it has
-waited for); a rank's sibling ranks are added by the caller (runner: summed per host).
-The CPUs are those this process may run on (a container's cpuset), busy = every state but
-idle and iowait (guest time is inside user time already).
+On a small shared machine other work can make a step many times slower, and a run measured
+then is not evidence. The record keeps the share, `cpu_other_load`, and the summary warns
+above OTHER_LOAD_WARN. "Ours" is this process's tree: its data-loader workers and the
+children it has waited for; the caller adds a rank's sibling ranks, summed per host
+(tasks/bench_record.py). The CPUs are those this process may run on, such as a container's
+cpuset. Busy is every state but idle and iowait; guest time is inside user time already.
 """
 from __future__ import annotations
 
@@ -17,7 +17,10 @@ OTHER_LOAD_WARN = 0.15  # the share benchmarks/_timing.py drops a round at
 
 
 def busy(load) -> bool:
-    """A cpu_other_load (None, NaN from a table) above OTHER_LOAD_WARN: timings not reliable."""
+    """Whether a cpu_other_load is above OTHER_LOAD_WARN, making timings unreliable.
+
+    load may be None, or NaN from a table: neither is busy.
+    """
     return isinstance(load, (int, float)) and load == load and load > OTHER_LOAD_WARN
 
 
@@ -29,7 +32,7 @@ def _cpus() -> set[int]:
 
 
 def _busy_ticks(cpus: set[int]) -> int:
-    """Busy ticks of the given CPUs since boot (/proc/stat's cpuN lines)."""
+    """Busy ticks of the given CPUs since boot, from /proc/stat's cpuN lines."""
     total = 0
     with open("/proc/stat") as f:
         for line in f:
@@ -41,8 +44,11 @@ def _busy_ticks(cpus: set[int]) -> int:
 
 
 def _tree_ticks(root: int) -> int:
-    """CPU ticks of root and every live process below it: their own (threads included)
-    and their waited-for children's (a finished child's time moves to its parent's)."""
+    """CPU ticks of root and every live process below it.
+
+    Each process's own ticks, threads included, and its waited-for children's: a finished
+    child's time moves to its parent.
+    """
     ticks, parent = {}, {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -64,8 +70,10 @@ def _tree_ticks(root: int) -> int:
 
 
 def snapshot() -> tuple | None:
-    """(busy ticks of our CPUs, our tree's ticks, monotonic time, number of our CPUs);
-    None without /proc."""
+    """The CPU counters now, for window(); None without /proc.
+
+    A tuple: busy ticks of our CPUs, our tree's ticks, monotonic time, the number of our CPUs.
+    """
     try:
         cpus = _cpus()
         return _busy_ticks(cpus), _tree_ticks(os.getpid()), time.monotonic(), len(cpus)
@@ -74,14 +82,17 @@ def snapshot() -> tuple | None:
 
 
 def window(a, b) -> tuple | None:
-    """(busy ticks, our ticks, seconds, CPUs) between snapshots a and b; None if unknown."""
+    """The counters' change between snapshots a and b: busy ticks, our ticks, seconds, CPUs.
+
+    None if either snapshot is unknown or no time passed.
+    """
     if a is None or b is None or b[2] <= a[2]:
         return None
     return b[0] - a[0], b[1] - a[1], b[2] - a[2], b[3]
 
 
 def other_share(busy: float, ours: float, secs: float, cpus: int) -> float:
-    """Share of cpus x secs of CPU time that others used (busy minus ours), in [0, 1]."""
+    """The share of cpus x secs of CPU time that others used, busy minus ours, in [0, 1]."""
     return min(1.0, max(0.0, busy - ours) / _TICK / (secs * max(1, cpus)))
 
 

@@ -1,53 +1,36 @@
-"""Peak memory: the accelerator allocator's peaks (torch.cuda, or torch.hpu/xpu alike); on CPU
-the process's peak RSS above a baseline."""
+"""Peak memory, a CPU run's memory cap, and out-of-memory errors.
+
+Peaks are the accelerator allocator's, through torch.cuda or torch.hpu and torch.xpu
+alike; on CPU, the process's peak RSS above a baseline.
+"""
 from __future__ import annotations
 
 import contextlib
 
 import torch
 
+from ..host import release_free_heap, status_kib
 from .timer import device_module
 
 GIB = 2**30
 
 
-def _status_kib(field: str, path: str = "/proc/self/status") -> int:
-    """A `Field: N kB` line of /proc/self/status (or /proc/meminfo), in KiB."""
-    with open(path) as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in {path}")
-
-
-def _libc():
-    import ctypes
-
-    return ctypes.CDLL("libc.so.6")
-
-
-def _release_free_heap() -> None:
-    """glibc keeps freed heap memory for reuse; hand it back to the OS (malloc_trim), so
-    that a run after bigger work in the same process still grows the RSS it measures."""
-    try:
-        _libc().malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
 def mem_available_bytes() -> int | None:
-    """Linux's estimate of the memory that can be had without swapping (MemAvailable)."""
+    """Linux's MemAvailable: the memory that can be had without swapping; None if unreadable."""
     try:
-        return _status_kib("MemAvailable", "/proc/meminfo") * 1024
+        return status_kib("MemAvailable", "/proc/meminfo") * 1024
     except (OSError, RuntimeError):
         return None
 
 
 def cgroup_free_bytes(proc_cgroup: str = "/proc/self/cgroup",
                       root: str = "/sys/fs/cgroup") -> int | None:
-    """What this process's memory cgroup (a container's, a SLURM job's) and its parents
-    still allow: the least of limit - usage + inactive file cache (reclaimable); None
-    without a limit. cgroup v2 (memory.max) and v1 (memory/memory.limit_in_bytes)."""
+    """The memory this process's cgroup and its parents still allow; None without a limit.
+
+    The cgroup may be a container's or a SLURM job's. Each allows its limit less its usage,
+    plus its inactive file cache, which is reclaimable; the least counts. Reads cgroup v2's
+    memory.max and v1's memory/memory.limit_in_bytes.
+    """
     from pathlib import Path
 
     try:
@@ -91,13 +74,16 @@ def _cgroup_dir_free(d, limit_name: str, usage_name: str, inactive_key: str) -> 
 
 @contextlib.contextmanager
 def cpu_memory_cap(memory_gib: float | None, ranks: int = 1):
-    """A CPU run's process may allocate at most the memory free at its start (the least of
-    MemAvailable, its cgroup's room and hardware.memory_gib; shared evenly among this
-    machine's `ranks`): past it an allocation fails, and the run ends `oom` with a record,
-    as on a GPU, instead of the kernel's OOM killer ending the process (or another one)
-    without a word. RLIMIT_DATA (Linux >= 4.7 counts anonymous mappings too: reserved as
-    well as touched); a lower limit already set stays. Yields the bytes the process may
-    allocate beyond what it holds at its start (None: no cap)."""
+    """Cap a CPU run's process at the memory free at its start, so running out is recorded.
+
+    Free memory is the least of MemAvailable, the cgroup's room and hardware.memory_gib,
+    shared evenly among this machine's `ranks`. Past the cap an allocation fails and the run
+    ends `oom` with a record, as on a GPU, rather than the kernel's OOM killer silently
+    ending this or another process. The cap is RLIMIT_DATA, which Linux >= 4.7 applies to
+    anonymous mappings too, reserved as well as touched; a lower limit already set stays.
+    Yields the bytes the process may allocate beyond what it holds at its start; None for
+    no cap.
+    """
     import resource
 
     free = mem_available_bytes()
@@ -109,7 +95,7 @@ def cpu_memory_cap(memory_gib: float | None, ranks: int = 1):
     if memory_gib:
         free = min(free, int(memory_gib * GIB))
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    held = _status_kib("VmData") * 1024
+    held = status_kib("VmData") * 1024
     cap = held + free // max(ranks, 1)
     if soft != resource.RLIM_INFINITY and soft <= cap:
         yield max(soft - held, 0)
@@ -124,21 +110,27 @@ def cpu_memory_cap(memory_gib: float | None, ranks: int = 1):
 
 
 def is_oom(e: BaseException) -> bool:
-    """An allocation that failed: the accelerator's OutOfMemoryError, torch's CPU
-    allocator or Python's refusing (past cpu_memory_cap, or the machine's memory)."""
+    """Whether e is a failed allocation.
+
+    The accelerator's OutOfMemoryError, or torch's CPU allocator or Python refusing, past
+    cpu_memory_cap or the machine's memory.
+    """
     return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (
         isinstance(e, RuntimeError) and oom_text(str(e)))
 
 
 def oom_text(text: str) -> bool:
-    """An error's text (a rank's, under the launcher) that says an allocation failed."""
+    """Whether an error's text, such as a rank's under the launcher, says an allocation failed."""
     return "MemoryError" in text or ("DefaultCPUAllocator: " in text and (
         "can't allocate memory" in text or "not enough memory" in text))
 
 
 def oom_line(text: str, cap: int | None = None) -> str:
-    """An allocation failure in one line: torch's CPU allocator's without its C++ assertion
-    text, a bare MemoryError named; with the CPU process's cap (cpu_memory_cap)."""
+    """An allocation failure in one line, with the CPU process's cap where one is given.
+
+    torch's CPU allocator's message loses its C++ assertion text; a bare MemoryError is
+    named. cap: the bytes cpu_memory_cap allowed.
+    """
     import re
 
     what = re.sub(r"\[enforce fail at [^\]]*\] [^.]*\. ", "", text)
@@ -151,28 +143,14 @@ def oom_line(text: str, cap: int | None = None) -> str:
             "memory free at its start, its cgroup's room, hardware.memory_gib and ulimit -d)")
 
 
-# mallopt parameters (malloc.h); thresholds get 2 GiB, the most a C int holds
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX, _RETAIN = -1, -3, -4, 2**31 - 1
-
-
-def malloc_retain() -> bool:
-    """glibc: serve big allocations from the heap and keep freed memory there (no mmap per
-    tensor above 32 MiB, no trimming), so a step's big tensors reuse resident pages instead
-    of faulting fresh ones in. Process-wide and for good (an in-process sweep,
-    sweep.isolate=false, keeps it for later jobs). Returns whether glibc took it. (Under
-    an LD_PRELOADed jemalloc/tcmalloc glibc's settings change nothing.)"""
-    libc = _libc()
-    if libc.mallopt(_M_TRIM_THRESHOLD, _RETAIN) != 1:
-        return False
-    # older glibc caps the mmap threshold at 32 MiB: then no mmap at all (M_MMAP_MAX 0)
-    return libc.mallopt(_M_MMAP_THRESHOLD, _RETAIN) == 1 or libc.mallopt(_M_MMAP_MAX, 0) == 1
-
-
 HEALTH = ("alloc_retries", "alloc_ooms")  # the allocator's counts over the window
 
 
 class MemoryMeter:
-    """baseline() before the model is built; reset() before the window; read() after it."""
+    """A run's peak memory over the measured window.
+
+    Call baseline() before the model is built, reset() before the window, read() after it.
+    """
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -193,11 +171,11 @@ class MemoryMeter:
             self.base_alloc = api.memory_allocated() if hasattr(api, "memory_allocated") else 0
             self.base_reserved = api.memory_reserved() if hasattr(api, "memory_reserved") else 0
         elif self.device.type == "cpu":
-            _release_free_heap()
-            self.base_rss = _status_kib("VmRSS") * 1024
+            release_free_heap()
+            self.base_rss = status_kib("VmRSS") * 1024
 
     def _api(self):
-        """The device's torch module where it has the peak-memory calls (see device_module)."""
+        """The device's torch module where it has the peak-memory calls, from device_module."""
         return device_module(self.device, "synchronize", "reset_peak_memory_stats",
                              "max_memory_allocated")
 
@@ -215,7 +193,7 @@ class MemoryMeter:
                 self.reset_ok = False
 
     def read(self) -> tuple[dict, dict]:
-        """(values, reasons for null values)."""
+        """The window's figures: returns (values, reasons for null values)."""
         api = self._api()
         if api is not None:
             api.synchronize()
@@ -229,7 +207,7 @@ class MemoryMeter:
                     "peak_reserved_gib": (reserved() - self.base_reserved) / GIB
                     if reserved else None, **dict.fromkeys(HEALTH), **health}, why
         if self.device.type == "cpu":
-            peak = (_status_kib("VmHWM") * 1024 - self.base_rss) / GIB
+            peak = (status_kib("VmHWM") * 1024 - self.base_rss) / GIB
             why = {"peak_reserved_gib": "CPU has no caching allocator: peak_mem_gib is peak RSS "
                    "above the RSS before the model was built"}
             if not self.reset_ok:
@@ -248,8 +226,11 @@ class MemoryMeter:
 
     @staticmethod
     def _health(api) -> dict:
-        """The caching allocator's cumulative retries (cudaMalloc failed, cache freed, tried
-        again: torchtitan's health figure) and OOMs, where the device reports them."""
+        """The caching allocator's cumulative retries and OOMs, where the device reports them.
+
+        A retry is a cudaMalloc that failed, the cache freed and the call tried again:
+        torchtitan's health figure.
+        """
         stats = getattr(api, "memory_stats", None)
         s = stats() if stats else {}
         return {k: s[n] for k, n in zip(HEALTH, ("num_alloc_retries", "num_ooms")) if n in s}

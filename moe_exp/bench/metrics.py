@@ -1,5 +1,4 @@
-"""The record's derived figures: a pure function of the loop's raw timings and the run's
-constants (unit-tested in tests/test_metrics.py)."""
+"""The record's derived figures: a pure function of the loop's raw timings and run constants."""
 from __future__ import annotations
 
 from .timer import iqr, median
@@ -11,10 +10,12 @@ def step_metrics(step_ms: list, phase_ms: dict, *, tokens_per_step: int, world: 
                  wall_s: float, first_step_s: float | None, compiled: bool,
                  startup_s: float | None, flops_per_token: float,
                  peak_flops: float | None) -> dict:
-    """From each measured step's time (ms, the slowest rank's), each phase's, the measured
-    window's wall time and the first step's: throughput, the breakdown, compile and startup
-    time, TFLOP/s and MFU. A figure that cannot be derived is None (its reason is the
-    caller's: it knows the config)."""
+    """Throughput, the phase breakdown, compile and startup time, TFLOP/s and MFU.
+
+    step_ms: each measured step's time in ms, the slowest rank's; phase_ms: each phase's.
+    wall_s: the measured window's wall time; first_step_s: the first step's. A figure that
+    cannot be derived is None; the caller, which knows the config, gives the reason.
+    """
     step = median(step_ms)
     per_device = tokens_per_step / (step / 1e3)
     out = {

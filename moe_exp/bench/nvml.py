@@ -1,6 +1,8 @@
-"""The accelerator's own figures over the measured window: utilization, memory used and
-power, sampled by a thread every 0.1 s through NVML (nvidia-ml-py) on NVIDIA GPUs and HLML
-(Habana's pyhlml, the same calls) on Gaudi; both optional."""
+"""The accelerator's own figures over the measured window: utilization, memory used, power.
+
+A thread samples them every 0.1 s, through NVML (nvidia-ml-py) on NVIDIA GPUs and through
+HLML, Habana's pyhlml with the same calls, on Gaudi. Both libraries are optional.
+"""
 from __future__ import annotations
 
 import threading
@@ -24,7 +26,7 @@ def _nvml(device: torch.device):
 
 
 def _hlml(device: torch.device):
-    """Gaudi: HLML's device of the run's hpu index (its utilization: the AIP's)."""
+    """The same reader on Gaudi, through HLML, for the run's hpu index; utilization is the AIP's."""
     import pyhlml
 
     pyhlml.hlmlInit()
@@ -40,8 +42,12 @@ LIBRARIES = {"cuda": (_nvml, "nvidia-ml-py is not installed (pip install nvidia-
 
 
 class GpuSampler:
-    """start() at the window's opening, stop() at its end -> the record's fields; `why`
-    says why there are none (a device with no such library, not installed, it refused)."""
+    """Samples the accelerator's figures over the measured window.
+
+    start() at the window's opening; stop() at its end returns the record's fields. `why`
+    says why there are none: no such library for the device, the library not installed, or
+    the library refused.
+    """
 
     def __init__(self, device: torch.device):
         self.why, self.read, self.samples = None, None, []
@@ -71,7 +77,10 @@ class GpuSampler:
             self._thread.start()
 
     def stop(self) -> dict:
-        """The fields (mean utilization %, most memory used, mean power W) and their reasons."""
+        """Stop sampling; returns the fields and, where they are null, the reasons.
+
+        The fields: mean utilization %, most memory used in GiB, mean power in W.
+        """
         if self.read is not None and hasattr(self, "_thread"):
             self._stop.set()
             self._thread.join()

@@ -1,8 +1,10 @@
-"""train.profile: a torch.profiler trace of the run's last train.profile_steps steps (kept
-out of the timing figures, as the communication window is): trace.json (Chrome/Perfetto
-format), profile.txt (the top operators by self time), the record's profile_shares; on
-CUDA a memory snapshot of the first of those steps (memory_snapshot.pickle, for
-https://pytorch.org/memory_viz)."""
+"""train.profile: a torch.profiler trace of the run's last train.profile_steps steps.
+
+Those steps are kept out of the timing figures, as the communication window is. Writes
+trace.json in Chrome/Perfetto format, profile.txt with the top operators by self time and
+the record's profile_shares; on CUDA also memory_snapshot.pickle, a memory snapshot of the
+first of those steps for https://pytorch.org/memory_viz.
+"""
 from __future__ import annotations
 
 import pickle
@@ -30,9 +32,12 @@ def category(name: str) -> str:
 
 
 def shares(prof, on_device: bool) -> dict[str, float]:
-    """Each category's share of the profiled steps' time, by the op that spent it: on a GPU
-    the kernels each op launched (its self device time: every kernel counted once, to the
-    op that launched it), on a CPU each op's self time. They sum to 1 (0 where none ran)."""
+    """Each category's share of the profiled steps' time, by the op that spent it.
+
+    On a GPU, each op's self device time: every kernel counted once, to the op that
+    launched it. On a CPU, each op's self time. The shares sum to 1, or are all 0 where
+    nothing ran.
+    """
     from torch.autograd import DeviceType
 
     attr = "self_device_time_total" if on_device else "self_cpu_time_total"
@@ -45,7 +50,7 @@ def shares(prof, on_device: bool) -> dict[str, float]:
 
 
 def top_shares(shares: dict) -> str:
-    """'matmul 48%, other 40%, ...': the shares, largest first (those under 0.5% left out)."""
+    """The shares on one line, largest first, as 'matmul 48%, other 40%'; under 0.5% left out."""
     return ", ".join(f"{k} {v:.0%}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1])
                      if v >= 0.005)
 

@@ -1,9 +1,9 @@
 """Per-step phase timing without syncs inside a step.
 
-On CUDA each boundary records an event (no host sync; read after the window), so the
-figures are GPU time between boundaries. On CPU, wall time between boundaries. On other
-accelerators (Gaudi's hpu) each boundary waits for the device first (device_sync), so the
-phases hold the device's work, at the cost of those syncs.
+On CUDA each boundary records an event, with no host sync, and the events are read after
+the window, so the figures are GPU time between boundaries. On CPU, wall time between
+boundaries. On other accelerators, such as Gaudi's hpu, each boundary waits for the device
+first (device_sync), so the phases hold the device's work, at the cost of those syncs.
 """
 from __future__ import annotations
 
@@ -17,17 +17,21 @@ PHASES = ("data", "forward", "backward", "optimizer")
 
 
 def device_sync(device: torch.device) -> None:
-    """Wait for the device's queued work: torch.<type>.synchronize() (cuda, hpu once its
-    bridge is imported, xpu, mps); nothing on CPU or where torch has no such module (the
-    run's device check refuses those first)."""
+    """Wait for the device's queued work through torch.<type>.synchronize().
+
+    That covers cuda, xpu, mps, and hpu once its bridge is imported. Nothing on CPU or where
+    torch has no such module; the run's device check refuses those first.
+    """
     mod = device_module(device, "synchronize")
     if mod is not None:
         mod.synchronize()
 
 
 def device_module(device: torch.device, *calls: str):
-    """torch.<device type> (torch.cuda, torch.hpu once Gaudi's bridge is imported, torch.xpu)
-    where it has all these calls; None on CPU or without them."""
+    """torch's module for the device type, such as torch.cuda, where it has all these calls.
+
+    None on CPU or without them. torch.hpu exists once Gaudi's bridge is imported.
+    """
     mod = getattr(torch, device.type, None) if device.type != "cpu" else None
     return mod if mod is not None and all(hasattr(mod, c) for c in calls) else None
 
@@ -61,7 +65,7 @@ class StepTimer:
         return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
 
     def results(self) -> dict:
-        """Per-step totals and per-phase sums in ms (syncs once on CUDA)."""
+        """Per-step totals and per-phase sums in ms; syncs once on CUDA."""
         if self.cuda:
             torch.cuda.synchronize()
         totals, phases = [], {p: [] for p in PHASES}
@@ -88,7 +92,7 @@ def iqr(xs):
 
 
 def process_age_s() -> float | None:
-    """Seconds since this process started (Linux /proc; None elsewhere)."""
+    """Seconds since this process started, from Linux /proc; None elsewhere."""
     try:
         with open("/proc/self/stat") as f:
             start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
@@ -100,8 +104,10 @@ def process_age_s() -> float | None:
 
 
 def own_process() -> bool:
-    """Whether this process was started for one run (`python -m moe_exp.run`, the moe-exp
-    script, a sweep job's child), so that its start is the run's start."""
+    """Whether this process was started for one run, so that its start is the run's start.
+
+    True under `python -m moe_exp.run`, the moe-exp script, or a sweep job's child.
+    """
     import sys
 
     main = sys.modules.get("__main__")

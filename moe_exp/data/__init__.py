@@ -1,4 +1,4 @@
-"""Data sources (markov, tokens) and the DataLoader built from the data group."""
+"""Data sources, markov and tokens, and the DataLoader built from the data group."""
 from __future__ import annotations
 
 import torch
@@ -12,7 +12,7 @@ __all__ = ["MarkovTokens", "TokenFile", "build_loader", "heldout", "markov_floor
 
 
 def markov_floor(cfg) -> float | None:
-    """The run's loss_floor (data=markov: MarkovTokens.loss_floor); None for a corpus."""
+    """The run's loss_floor: MarkovTokens.loss_floor for data=markov, None for a corpus."""
     return _markov(cfg, 0).loss_floor() if cfg.data.source == "markov" else None
 
 
@@ -22,10 +22,12 @@ def _markov(cfg, num_samples: int, heldout: bool = False) -> MarkovTokens:
 
 
 def heldout(cfg) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The eval set: train.eval_sequences sequences no run trains on, the same for every
-    configuration of a model and data source (data=markov: walks of the same chain, from
-    generators no training chunk uses: MarkovTokens.chunk; a token file with data.heldout:
-    its last windows, which no training window reaches); None where there is none."""
+    """The eval set: train.eval_sequences sequences no run trains on; None where there is none.
+
+    The same for every configuration of a model and data source. data=markov: walks of the
+    same chain from generators no training chunk uses (MarkovTokens.chunk). A token file
+    with data.heldout: its last windows, which no training window reaches.
+    """
     n = cfg.train.eval_sequences
     if not n or cfg.data.source != "markov" and not cfg.data.heldout:
         return None
@@ -34,8 +36,11 @@ def heldout(cfg) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 def held_rows(cfg, n: int, seq_len: int) -> torch.Tensor:
-    """n held-out rows of seq_len + 1 tokens: walks of the chain no training chunk uses
-    (data=markov), or a token file's last windows."""
+    """n held-out rows of seq_len + 1 tokens.
+
+    For data=markov, walks of the chain from generators no training chunk uses; otherwise a
+    token file's last windows.
+    """
     if cfg.data.source == "markov":
         ds = MarkovTokens(cfg.model.vocab_size, seq_len, n, cfg.data.branching, cfg.train.seed,
                           heldout=True)
@@ -45,17 +50,19 @@ def held_rows(cfg, n: int, seq_len: int) -> torch.Tensor:
 
 
 def prompts(cfg, n: int, length: int) -> torch.Tensor:
-    """task=infer's n prompts of `length` tokens (n, length): held_rows' first tokens."""
+    """task=infer's n prompts of `length` tokens: the first tokens of held-out rows."""
     return held_rows(cfg, n, length)[:, :length]
 
 
 def build_loader(cfg, device: torch.device, num_samples: int, rank: int = 0,
                  world: int = 1, start: int = 0) -> DataLoader:
-    """Exactly num_samples sequences of train.seq_len tokens for this rank, in order, no
-    repeats. With several ranks, global micro-batch m is samples [m*B*world, (m+1)*B*world)
-    and rank r takes its r-th block of B: together the ranks see what one process with
-    micro_batch_size B*world would (tests compare the two). start: this rank's first
-    sequences already trained on (a resumed run) are left out."""
+    """The training loader: exactly num_samples sequences of train.seq_len tokens for this rank.
+
+    In order, no repeats. With several ranks, global micro-batch m is samples
+    [m*B*world, (m+1)*B*world) and rank r takes its r-th block of B, so together the ranks
+    see what one process with micro_batch_size B*world would. start: how many of this rank's
+    first sequences to leave out, those a resumed run has already trained on.
+    """
     d, t = cfg.data, cfg.train
     n = num_samples * world
     if d.source == "markov":

@@ -34,8 +34,11 @@ def _short(path: str) -> str:
 
 
 def _name_error(args) -> str | None:
-    """A file name longer than the system takes (the output's with its .json): it raised
-    OSError (File name too long) with a traceback, in the checks."""
+    """The error line for a file name longer than the system takes; None if all fit.
+
+    The output's name counts with its .json suffix. Checked first: the later checks would
+    raise OSError on such a name.
+    """
     out = Path(args.out)
     if len(meta_path(out).name.encode()) > NAME_MAX:
         return (f"the output {_short(args.out)}: a file name of {len(out.name.encode())} bytes; "

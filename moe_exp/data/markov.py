@@ -1,8 +1,8 @@
 """Synthetic tokens with learnable structure: a fixed random Markov chain.
 
-Each token has `branching` successors chosen at random (from the seed); a sequence
-walks the chain. The best achievable loss (loss_floor) is about ln(branching) nats, far
-below the ln(vocab) of a fresh model, so a short run shows the loss falling.
+Each token has `branching` successors, chosen at random from the seed; a sequence walks
+the chain. The best achievable loss, loss_floor, is about ln(branching) nats, far below
+the ln(vocab) of a fresh model, so a short run shows the loss falling.
 """
 from __future__ import annotations
 
@@ -14,8 +14,11 @@ CHUNK = 64  # samples drawn from one generator: sample i does not depend on num_
 
 
 class MarkovTokens(Dataset):
-    """num_samples sequences of seq_len + 1 tokens, made CHUNK at a time when first read (the
-    loader reads in order): memory does not grow with the run's length."""
+    """num_samples walks of the chain, each seq_len + 1 tokens long.
+
+    Made CHUNK at a time when first read, as the loader reads in order, so memory does not
+    grow with the run's length.
+    """
 
     def __init__(self, vocab_size: int, seq_len: int, num_samples: int, branching: int = 4,
                  seed: int = 0, heldout: bool = False):
@@ -41,7 +44,7 @@ class MarkovTokens(Dataset):
         return self._cached[1]
 
     def loss_floor(self) -> float:
-        """The lowest expected loss any model can reach on these samples (loss_floor)."""
+        """The lowest expected loss any model can reach on these samples."""
         return loss_floor(self.succ, self.seq_len)
 
     def __len__(self) -> int:
@@ -55,12 +58,14 @@ class MarkovTokens(Dataset):
 
 
 def loss_floor(succ: torch.Tensor, seq_len: int) -> float:
-    """The lowest expected cross-entropy (nats per token) of any model on sequences of the
-    chain `succ` (vocab, branching): at each of the seq_len positions, the entropy of the
-    next token given the current one (a successor listed twice is twice as likely), weighted
-    by where the chain stands there (the first token uniform), averaged over the positions.
-    Where the chain settles (its distribution stops moving), the rest of the positions are
-    the settled one's."""
+    """The lowest expected cross-entropy of any model on the chain's sequences, in nats/token.
+
+    succ: (vocab, branching), each token's successors; one listed twice is twice as likely.
+    At each of the seq_len positions, the entropy of the next token given the current one,
+    weighted by where the chain stands there, averaged over the positions. The first token
+    is uniform. Once the chain's distribution stops moving, the remaining positions take
+    the settled value.
+    """
     v, b = succ.shape
     same = (succ[:, :, None] == succ[:, None, :]).sum(-1).double()  # each listing's count
     entropy = -(same / b).log().sum(1) / b  # (vocab,): H(next | current)

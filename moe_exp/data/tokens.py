@@ -1,7 +1,7 @@
-"""A memory-mapped token file (`<name>.bin` + `<name>.bin.json`), and how to make one.
+"""Memory-mapped token files, `<name>.bin` with a `<name>.bin.json` sidecar, and making one.
 
-`python -m moe_exp.data prepare a.txt b.txt out.bin` writes the files' bytes as
-tokens (byte-level: vocabulary 256, no tokenizer, no downloads).
+`python -m moe_exp.data prepare a.txt b.txt out.bin` writes the files' bytes as tokens:
+byte-level, vocabulary 256, no tokenizer, no downloads.
 """
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ def meta_path(path: str | Path) -> Path:
 
 
 def read_meta(path: str | Path) -> dict:
-    """The token file's sidecar, checked against the file: ValueError (one line) if it does
-    not describe it."""
+    """Read a token file's sidecar and check it against the file.
+
+    Raises a one-line ValueError where the sidecar does not describe the file.
+    """
     mp = meta_path(path)
     try:
         meta = json.loads(mp.read_text())
@@ -60,7 +62,7 @@ def read_meta(path: str | Path) -> dict:
 
 @functools.lru_cache(maxsize=8)
 def _id_range(path: str, dtype: str, size: int, mtime_ns: int) -> tuple[int, int]:
-    """The smallest and largest token id in the file (scanned once per file version)."""
+    """The smallest and largest token id in the file, scanned once per file version."""
     tokens = np.memmap(path, dtype=dtype, mode="r")
     lo, hi = None, None
     for s in range(0, len(tokens), 1 << 26):
@@ -78,7 +80,7 @@ def path_override(path: str) -> str:
 
 
 def prepare(inputs: Iterable[str | Path], out: str | Path) -> dict:
-    """Concatenate the inputs' bytes (each followed by a 0 separator) into a uint8 token file."""
+    """Concatenate the inputs' bytes, each followed by a 0 separator, into a uint8 token file."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     n = 0
@@ -110,7 +112,7 @@ class TokenFile(Dataset):
         self.starts = torch.randint(0, high, (num_samples,), generator=g).tolist()
 
     def tail(self, n: int) -> torch.Tensor:
-        """The file's last n whole windows of seq_len+1 tokens, in order (the held-out set)."""
+        """The held-out set: the file's last n whole windows of seq_len+1 tokens, in order."""
         w = self.seq_len + 1
         rows = self.tokens[len(self.tokens) - n * w:].astype(np.int64)
         return torch.from_numpy(rows).view(n, w)
@@ -131,8 +133,11 @@ def held_tokens(cfg) -> int:
 
 
 def check_token_file(cfg) -> None:
-    """data=tokens: data.path names a token file with its sidecar, whose vocabulary fits the
-    model and which holds a sequence (ConfigError: invalid, before any work)."""
+    """Check, before any work, that data=tokens has a usable token file at data.path.
+
+    It needs its sidecar, a vocabulary that fits the model and at least one sequence;
+    raises ConfigError otherwise.
+    """
     from omegaconf import OmegaConf
 
     from ..config import ConfigError

@@ -1,1 +1,1 @@
-"""task=infer: generation with a KV cache, measured (docs/inference.md)."""
+"""task=infer: measured generation with a KV cache; see docs/inference.md."""

@@ -1,7 +1,8 @@
-"""infer.batching: a simulated stream of requests served by static, dynamic or continuous
-batching, on a clock advanced by measured costs (Cost: the prefill and a decode step at
-each batch size, timed on the real model). Same seed, same stream: the policies differ
-only in how they batch it."""
+"""infer.batching: a simulated request stream served by static, dynamic or continuous batching.
+
+The clock advances by costs timed on the real model: Cost, the prefill and a decode step at
+each batch size. The same seed gives the same stream, so the policies differ only in how
+they batch it."""
 from __future__ import annotations
 
 import bisect
@@ -22,8 +23,10 @@ class Request:
 
 def stream(n: int, rate: float, prompt_len: int, new_tokens: int, spread: float,
            seed: int) -> list[Request]:
-    """n requests: Poisson arrivals at `rate` a second; prompt and output lengths uniform
-    in [ceil(L * (1 - spread)), L]."""
+    """A stream of n requests with Poisson arrivals at `rate` a second.
+
+    Prompt and output lengths are uniform in [ceil(L * (1 - spread)), L], L being prompt_len
+    or new_tokens."""
     g = torch.Generator().manual_seed(seed)
     gaps = -torch.log1p(-torch.rand(n, generator=g, dtype=torch.float64)) / rate
     arrivals = gaps.cumsum(0).tolist()
@@ -38,9 +41,11 @@ def stream(n: int, rate: float, prompt_len: int, new_tokens: int, spread: float,
 
 @dataclass
 class Cost:
-    """Measured seconds: a prefill of `batch` prompts of prompt_len tokens, and one decode
-    step of `batch` sequences, at the batch sizes measured (interpolated between them; a
-    prefill scales with its tokens)."""
+    """Measured seconds of a prefill and of a decode step, by batch size.
+
+    prefill_s: a prefill of `batch` prompts of prompt_len tokens; step_s: one decode step of
+    `batch` sequences; both at the batch sizes in `sizes`, interpolated between them. A
+    prefill scales with its tokens."""
     sizes: list
     prefill_s: list
     step_s: list
@@ -58,7 +63,7 @@ class Cost:
         return values[i - 1] + (values[i] - values[i - 1]) * (b - lo) / (hi - lo)
 
     def prefill(self, batch: int, tokens: int) -> float:
-        """`batch` prompts padded to `tokens`."""
+        """Seconds to prefill `batch` prompts padded to `tokens`."""
         return self._at(self.prefill_s, batch) * tokens / self.prompt_len
 
     def step(self, batch: int) -> float:
@@ -76,8 +81,10 @@ class Served:
 
 
 def _to_completion(batch: list, now: float, cost: Cost, steps: list) -> float:
-    """A static or dynamic batch: prompts padded to the longest, decoded until the longest
-    output is done (finished sequences still fill their slots)."""
+    """Runs a static or dynamic batch to completion; returns the clock after it.
+
+    Prompts are padded to the longest and decoded until the longest output is done; finished
+    sequences still fill their slots."""
     now += cost.prefill(len(batch), max(r.prompt for r in batch))
     for r in batch:
         r.first = now
@@ -92,7 +99,7 @@ def _to_completion(batch: list, now: float, cost: Cost, steps: list) -> float:
 
 
 def _admit(pending: list, i: int, now: float, queue: list) -> int:
-    """Queue the requests arrived by `now` (pending[i:] in arrival order); the next index."""
+    """Queue the requests of pending[i:], in arrival order, that arrived by `now`; next index."""
     while i < len(pending) and pending[i].arrival <= now:
         queue.append(pending[i])
         i += 1
@@ -100,11 +107,12 @@ def _admit(pending: list, i: int, now: float, queue: list) -> int:
 
 
 def serve(requests: list, policy: str, max_batch: int, timeout_s: float, cost: Cost) -> Served:
-    """Serve the stream on one device. static: a batch waits for max_batch requests (or
-    the stream's end); dynamic: for max_batch, or until its oldest request waited
-    timeout_s (the seed's); both run a batch to completion. continuous: at every decode
-    step finished sequences leave and waiting ones join (their prefill a step of its own),
-    up to max_batch."""
+    """Serve the stream on one device with the batching `policy`.
+
+    static: a batch waits for max_batch requests or the stream's end. dynamic: for
+    max_batch, or until its oldest request has waited timeout_s. Both run a batch to
+    completion. continuous: at every decode step finished sequences leave and waiting ones
+    join, up to max_batch; the joiners' prefill is a step of its own."""
     out = Served(requests)
     queue, now, i = [], 0.0, 0
     pending = sorted(requests, key=lambda r: r.arrival)
@@ -162,7 +170,7 @@ def _continuous(pending: list, max_batch: int, cost: Cost, out: Served) -> Serve
 
 
 def figures(s: Served) -> dict:
-    """The record's figures of a served stream (ms; tokens per second of the clock)."""
+    """The record's figures of a served stream: latencies in ms, tokens per clock second."""
     def q(xs):
         return torch.quantile(torch.tensor(xs, dtype=torch.float64),
                               torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()

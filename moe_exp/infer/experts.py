@@ -1,7 +1,8 @@
-"""Expert residency and selective loading for generation (infer.experts_resident, prefetch,
-usage_threshold): which experts sit in device memory, what moving the others costs, and
-what dropping the rarely used ones saves. Moves are accounted, not made: the figures are
-exact (hits, misses, bytes); their time is not measured."""
+"""Expert residency and selective loading for generation, accounted rather than made.
+
+infer.experts_resident, infer.prefetch and infer.usage_threshold: which experts sit in
+device memory, what moving the others costs, and what dropping the rarely used ones saves.
+Hits, misses and bytes moved are exact; the moves' time is not measured."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -12,8 +13,9 @@ from ..model.moe import MoE
 
 
 class ExpertCache:
-    """One MoE layer's resident experts, least recently used evicted first; it starts
-    empty. fetch: experts a step computes with; prefetch: experts loaded ahead of it."""
+    """One MoE layer's resident experts, least recently used evicted first; it starts empty.
+
+    fetch: experts a step computes with; prefetch: experts loaded ahead of it."""
 
     def __init__(self, capacity: int, expert_bytes: int):
         self.capacity, self.expert_bytes = capacity, expert_bytes
@@ -56,18 +58,19 @@ def moe_layers(model) -> list[MoE]:
 
 
 def expert_bytes(moe: MoE) -> int:
-    """One expert's weights (w1, w3, w2 slices), as stored (quantized: data and scales)."""
+    """Bytes of one expert's w1, w3 and w2 slices as stored; quantized, data and scales."""
     from ..optimizations.quantize import stored_bytes
 
     return sum(stored_bytes(p) for p in moe.experts.parameters()) // moe.num_experts
 
 
 class Residency:
-    """infer.experts_resident experts per MoE layer in device memory. Each step's experts
-    (the MoE layers' counts) are fetched in layer order; with prefetch > 0, before layer
-    l + 1 the `prefetch` experts its router picks most often from layer l's input are
-    loaded ahead (a hook on each MoE layer computes that guess: its time is in the
-    step's)."""
+    """Keeps infer.experts_resident experts per MoE layer in device memory, a cache a layer.
+
+    Each step's experts, from the MoE layers' counts, are fetched in layer order. With
+    prefetch > 0, before layer l + 1 the `prefetch` experts its router picks most often from
+    layer l's input are loaded ahead. A hook on each MoE layer computes that guess, so its
+    time is in the step's."""
 
     def __init__(self, model, resident: int, prefetch: int):
         self.layers = moe_layers(model)
@@ -86,8 +89,9 @@ class Residency:
         return hook
 
     def step(self, counts: torch.Tensor) -> None:
-        """A step's (MoE layers, experts) counts: each layer's experts fetched, the next
-        layer's guessed ones loaded ahead first."""
+        """Accounts one step from its counts, shaped (MoE layers, experts).
+
+        Each layer's guessed experts are loaded ahead first, then the ones it used fetched."""
         for i, (cache, row) in enumerate(zip(self.caches, counts.tolist())):
             if i in self.guesses:
                 cache.prefetch(self.guesses[i])
@@ -103,7 +107,7 @@ class Residency:
             h.remove()
 
     def figures(self, tokens: int) -> dict:
-        """The record's figures over the steps since reset_counts (tokens: generated)."""
+        """The record's figures over the steps since reset_counts; `tokens`: those generated."""
         hits = sum(c.hits for c in self.caches)
         fetched = hits + sum(c.misses for c in self.caches)
         pre = sum(c.prefetched for c in self.caches)
@@ -115,11 +119,12 @@ class Residency:
 
 
 def drop_rare(model, usage: torch.Tensor, threshold: float) -> tuple[list, int, list]:
-    """Selective loading: each MoE layer's experts whose share of its routed tokens
-    (usage: (MoE layers, experts) counts) is below threshold are never loaded (at least
-    top_k kept, the most used): their router logits, and balancing biases, become -inf
-    (a hook on the gate). Returns (experts dropped per MoE layer, their bytes, the hooks'
-    handles)."""
+    """Selective loading: drops each MoE layer's experts whose share of tokens is below threshold.
+
+    `usage` holds the routed tokens' counts, shaped (MoE layers, experts). A dropped expert
+    is never loaded; the top_k most used are always kept. The dropped experts' router logits
+    become -inf through a hook on the gate, and their balancing biases are set to -inf.
+    Returns the experts dropped per MoE layer, their bytes, and the hooks' handles."""
     dropped, saved, handles = [], 0, []
     for moe, row in zip(moe_layers(model), usage.float()):
         share = row / row.sum().clamp(min=1)

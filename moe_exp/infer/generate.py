@@ -1,5 +1,6 @@
-"""Greedy generation with a KV cache, timed: the prompt's prefill (it gives the first new
-token), then each further token."""
+"""Greedy generation with a KV cache, timed: the prompt's prefill, then each further token.
+
+The prefill gives the first new token."""
 from __future__ import annotations
 
 import time
@@ -28,10 +29,12 @@ def _next(logits: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def generate(model, prompts: torch.Tensor, new_tokens: int, autocast, device,
              on_step=None, step=decode) -> Generated:
-    """new_tokens greedy tokens after each prompt (batch, prompt_len), the KV cache sized for
-    them. Each step waits for the device (a token's latency is its own). on_step: called
-    with each step's (MoE layers, experts) counts, the prefill's first, after its time.
-    step: the decode function (a compiled one: optimizations.compile_decode)."""
+    """Generates new_tokens greedy tokens after each prompt, timing each step.
+
+    prompts: (batch, prompt_len); the KV cache is sized for them and the new tokens. Each
+    step waits for the device, so a token's latency is its own. on_step is called with each
+    step's (MoE layers, experts) counts, the prefill's first, after the step is timed.
+    step: the decode function, or a compiled one from optimizations.compile_decode."""
     cache = KVCache(len(model.layers), prompts.shape[1] + new_tokens)
     device_sync(device)
     t0 = time.perf_counter()

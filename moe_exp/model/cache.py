@@ -1,5 +1,7 @@
-"""The keys and values of the positions a generation has decoded so far (a KV cache), one
-buffer per layer, allocated on first use in the dtype the layer's keys come in."""
+"""KV cache: the keys and values of the positions a generation has decoded so far.
+
+One buffer per layer, allocated on first use in the dtype the layer's keys come in.
+"""
 from __future__ import annotations
 
 import torch
@@ -27,8 +29,11 @@ class LayerCache:
 
 
 class KVCache:
-    """Every layer's cache; `pos`: the positions decoded so far (the same in every layer and
-    every sequence of the batch)."""
+    """Every layer's cache, advanced together.
+
+    pos: the positions decoded so far, the same in every layer and every sequence of the
+    batch.
+    """
 
     def __init__(self, num_layers: int, max_len: int):
         self.layers = [LayerCache(max_len) for _ in range(num_layers)]

@@ -1,7 +1,10 @@
-"""Token capacity (model.capacity_factor): each expert takes at most `capacity` of a
-forward's (token, choice) pairs; the rest are dropped, their tokens passing through the
-residual alone. Which pairs an over-full expert drops: the lowest routing weights first
-("score"), or the latest in the micro-batch's token order ("position")."""
+"""Expert capacity, model.capacity_factor: a cap on the pairs each expert takes per forward.
+
+Each expert takes at most `capacity` of a forward's (token, choice) pairs; the rest are
+dropped, their tokens passing through the residual alone. An over-full expert drops the
+lowest routing weights first with policy "score", or the latest in the micro-batch's token
+order with "position".
+"""
 from __future__ import annotations
 
 import math
@@ -9,15 +12,21 @@ import math
 import torch
 
 def capacity(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
-    """ceil(factor * tokens * top_k / num_experts): factor 1.0 is the balanced share."""
+    """Pairs each expert may take: ceil(factor * tokens * top_k / num_experts), at least 1.
+
+    factor 1.0 is the balanced share.
+    """
     return max(1, math.ceil(factor * tokens * top_k / num_experts))
 
 
 def drop_over_capacity(experts: torch.Tensor, weights: torch.Tensor, num_experts: int,
                        cap: int, policy: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(T*k,) each pair's expert, in (token, choice) order, with the dropped pairs' set to
-    num_experts (a null expert that sorts last and computes nothing); and (E,) the pairs
-    each expert was chosen by (before any drop)."""
+    """Drop the pairs over each expert's capacity; returns each pair's expert and the counts.
+
+    The first result, (T*k,) in (token, choice) order, holds each pair's expert, or
+    num_experts for a dropped pair: a null expert that sorts last and computes nothing.
+    The second, (E,), counts the pairs that chose each expert before any drop.
+    """
     flat = experts.reshape(-1)
     if policy == "score":  # by expert, the highest weight first (ties: token order)
         best = torch.argsort(weights.detach().reshape(-1), descending=True, stable=True)

@@ -1,10 +1,10 @@
-"""Mixture-of-Experts FFN: top-k router, SwiGLU experts (routed and shared), dropless dispatch.
+"""Mixture-of-Experts FFN: a top-k router, routed and shared SwiGLU experts, and the dispatch.
 
-Dispatch: every (token, choice) pair is sorted by expert, each expert multiplies its
-contiguous slice (grouped: one grouped matmul per weight; padded: one bmm over groups
-padded to the largest; loop: a matmul per expert), the outputs are gathered back to
-(token, choice) order and summed with the routing weights. No token is ever dropped.
-Every row move is a gather whose backward is a gather too (no scatter-add: slow on CPU).
+Dispatch sorts every (token, choice) pair by expert, runs each expert on its contiguous
+slice and gathers the outputs back to (token, choice) order, summed with the routing
+weights. Kernels: grouped, one grouped matmul per weight; padded, one bmm over groups padded
+to the largest; loop, a matmul per expert. No token is dropped unless capacity_factor is set.
+Every row move is a gather whose backward is a gather too: scatter-add is slow on CPU.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 
 
 def _mm_dtype(x: torch.Tensor) -> torch.dtype:
-    """Dtype autocast would give a matmul on x (grouped_mm has no autocast rule)."""
+    """The dtype autocast would give a matmul on x; grouped_mm has no autocast rule."""
     dev = x.device.type
     if dev != "meta" and torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
@@ -26,7 +26,10 @@ def _mm_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """x (N, K) rows grouped by expert, w (E, K, M), offs (E,) int32 group ends."""
+    """One matmul per expert in a single call: each group of rows times its expert's weight.
+
+    x (N, K) rows grouped by expert, w (E, K, M), offs (E,) int32 group ends.
+    """
     return _grouped_mm(x, w, offs=offs)
 
 
@@ -34,7 +37,7 @@ _SUPPORTED: dict = {}
 
 
 def grouped_mm_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether forward and backward of grouped_mm run here (probed once on tiny tensors)."""
+    """Whether grouped_mm's forward and backward run on this device and dtype; probed once."""
     if _grouped_mm is None:
         return False
     key = (torch.device(device).type, dtype)
@@ -57,15 +60,21 @@ def grouped_mm_supported(device: torch.device | str, dtype: torch.dtype) -> bool
 
 
 def grouped_aligned(dtype: torch.dtype, *sizes: int) -> bool:
-    """grouped_mm needs 16-byte-aligned strides: hidden and ffn sizes (its matrices' row
-    lengths) multiples of 16 bytes (4 fp32, 8 bf16 values)."""
+    """Whether grouped_mm can take matrices with rows of these sizes.
+
+    It needs 16-byte-aligned strides: the hidden and ffn sizes must be multiples of 16 bytes,
+    that is of 4 fp32 or 8 bf16 values.
+    """
     return all(n * dtype.itemsize % 16 == 0 for n in sizes)
 
 
 def grouped_fast(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether grouped_mm has its own kernel here. On CUDA only bf16 on sm90/sm100 does
-    (CUTLASS); anything else runs torch's fallback: a matmul per expert after copying the
-    group ends to the host (a sync per call, 9 per MoE layer and step)."""
+    """Whether grouped_mm has its own kernel on this device and dtype.
+
+    On CUDA only bf16 on sm90/sm100 has one, from CUTLASS. Anything else runs torch's
+    fallback: a matmul per expert after copying the group ends to the host, a sync per call,
+    9 per MoE layer and step.
+    """
     device = torch.device(device)
     if device.type != "cuda":
         return True
@@ -81,14 +90,13 @@ def resolve_dispatch(dispatch: str, device: torch.device | str, dtype: torch.dty
                      compiled: bool = False, sizes: tuple = ()) -> str:
     """The expert kernel to use for `dispatch` on this device, matmul dtype and mode.
 
-    auto, from benchmarks/moe_layer.py and compile_step.py (see benchmarks/README.md):
-    GPUs: grouped where grouped_mm has its own kernel (bf16 on sm90/sm100, see
-    grouped_fast), else loop.
-    CPU: bf16 -> padded (one bmm per weight: oneDNN/AMX batched matmuls beat per-expert
-    matmuls, eager and compiled; eager falls back to grouped on unbalanced routing, see
-    PAD_LIMIT); fp32 -> grouped eager, loop compiled.
-    An explicit grouped falls back to loop where grouped_mm cannot run. sizes: the
-    experts' hidden and ffn sizes (grouped_mm needs them aligned, see grouped_aligned).
+    auto picks by benchmarks/moe-layer.md#why-the-dispatch-is-built-this-way:
+    on a GPU, grouped where grouped_mm has its own kernel (grouped_fast), else loop;
+    on CPU in bf16, padded, as oneDNN/AMX batched matmuls beat per-expert ones eager and
+    compiled, and eager padded falls back on unbalanced routing (PAD_LIMIT);
+    on CPU in fp32, grouped eager and loop compiled.
+    An explicit grouped becomes loop where grouped_mm cannot run.
+    sizes: the experts' hidden and ffn sizes, which grouped_mm needs aligned.
     """
     grouped_ok = ((not compiled or grouped_compiles(dtype)) and grouped_aligned(dtype, *sizes)
                   and grouped_mm_supported(device, dtype))
@@ -102,12 +110,12 @@ def resolve_dispatch(dispatch: str, device: torch.device | str, dtype: torch.dty
 
 
 class _Gather(torch.autograd.Function):
-    """rows = x.index_select(0, idx), with a backward that gathers too.
+    """rows = x.index_select(0, idx), with a backward that is a gather too.
 
-    Autograd's backward of index_select is a scatter (index_add), slow on CPU. Here every
-    x row r was copied to rows back[r, 0..m-1] (back: (x rows, m) indices into `rows`), or
-    to none where back[r] = -1 when m = 1 (then its gradient is 0), so
-    grad_x[r] = sum_j grad_rows[back[r, j]]: one gather and a sum.
+    Autograd's backward of index_select is an index_add scatter, slow on CPU. back holds, for
+    each x row r, the m indices into `rows` it was copied to, so
+    grad_x[r] = sum_j grad_rows[back[r, j]]: one gather and a sum. With m = 1, back may be
+    1-d, and back[r] = -1 marks a row copied nowhere, whose gradient is 0.
     """
 
     @staticmethod
@@ -127,8 +135,11 @@ class _Gather(torch.autograd.Function):
 
 
 def sum_middle(t: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
-    """t (n, m, d) -> sum_j t[:, j] (* w[:, j]), w (n, m): m slice adds, not a reduction
-    over the middle dim (on CPU, .sum(1) over a small m is 2-3x slower)."""
+    """Sum t (n, m, d) over its middle dim, each slice times w[:, j] if w (n, m) is given.
+
+    m slice adds, not a reduction over the middle dim: on CPU, .sum(1) over a small m is
+    several times slower.
+    """
     out = None
     for j in range(t.shape[1]):
         tj = t[:, j] if w is None else t[:, j] * w[:, j, None]
@@ -137,9 +148,11 @@ def sum_middle(t: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
 
 
 class _WeightedSum(torch.autograd.Function):
-    """sum_middle(t, w) with a backward of two broadcast ops. Autograd's, through the slices
-    t[:, j], materialised a zero (n, m, d) gradient per slice and filled it (top-8 of 64
-    experts, 2048 tokens: a third of the layer's fp32 time on CPU)."""
+    """sum_middle(t, w) with a backward of two broadcast ops.
+
+    Autograd's own backward, through the slices t[:, j], would materialise and fill a zero
+    (n, m, d) gradient per slice.
+    """
 
     @staticmethod
     def forward(ctx, t, w):
@@ -155,31 +168,37 @@ class _WeightedSum(torch.autograd.Function):
 
 
 def weighted_sum(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """t (n, m, d), w (n, m) -> sum_j t[:, j] * w[:, j, None] (see _WeightedSum)."""
+    """Weighted sum over the middle dim with a cheap backward (_WeightedSum).
+
+    t (n, m, d), w (n, m) -> sum_j t[:, j] * w[:, j, None].
+    """
     return _WeightedSum.apply(t, w)
 
 
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
-    """inv with inv[order[i]] = i: where each row went (a scatter, no sort)."""
+    """The inverse permutation, inv[order[i]] = i: where each row went. A scatter, no sort."""
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(),
                                                                    device=order.device))
 
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
-    """x[idx] for a row map whose inverse `back` is known (see _Gather)."""
+    """x[idx] for a row map whose inverse `back` is known, with a gather backward (_Gather)."""
     return _Gather.apply(x, idx, back)
 
 
 class Router(nn.Module):
-    """Top-k router. Scores: softmax over experts (Mixtral, Qwen3) or each expert's sigmoid
-    (DeepSeek-V3); group-limited (n_groups > 1): each token picks among its topk_groups
-    best groups of experts, a group scored by its two best experts' sum (DeepSeek-V3); the
-    chosen experts' scores, renormalised to sum 1 (route_norm) and times route_scale, weight
-    their outputs. bias_rate > 0: auxiliary-loss-free balancing (DeepSeek-V3): a per-expert
-    bias (`expert_bias`, state saved with the model, not a parameter) is added to the
-    scores for the choice only, and update_expert_bias moves it after each step.
-    routing: learned (its own top-k) | balanced | skewed (a set load: set_experts); the
-    weights are the router's scores of the experts chosen, so it still learns."""
+    """Top-k router: picks each token's experts and the weights of their outputs.
+
+    score_func: softmax over experts, as Mixtral and Qwen3, or each expert's sigmoid, as
+    DeepSeek-V3. n_groups > 1 limits each token to its topk_groups best groups of experts,
+    a group scored by the sum of its two best experts, as DeepSeek-V3. The chosen experts'
+    scores weight their outputs: renormalised to sum 1 if route_norm, times route_scale.
+    bias_rate > 0: DeepSeek-V3's auxiliary-loss-free balancing. A per-expert bias,
+    `expert_bias`, is added to the scores for the choice only, and update_expert_bias moves
+    it after each step; it is a buffer saved with the model, not a parameter.
+    routing: learned, its own top-k; balanced or skewed, a set load (set_experts). Either
+    way the weights are the router's scores of the chosen experts, so it still learns.
+    """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int,
                  routing: str = "learned", skew: float = 2.0, score_func: str = "softmax",
@@ -196,8 +215,10 @@ class Router(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(num_experts))
 
     def forward(self, x: torch.Tensor):
-        """Returns logits (T, E), probs (T, E: each token's scores summing to 1, for the
-        balance loss), weights (T, k) and experts (T, k)."""
+        """Route x (T, H): returns logits (T, E), probs (T, E), weights (T, k), experts (T, k).
+
+        probs: each token's scores normalised to sum 1, for the balance loss.
+        """
         # the gate matmul in autocast's dtype (precision.router_dtype may say fp32);
         # scores, top-k and aux losses in fp32
         logits = self.gate(x).float()
@@ -219,8 +240,10 @@ class Router(nn.Module):
         return logits, probs, weights, experts
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
-        """(T, k) experts: the top-k scores (plus the balancing bias), within each token's
-        best groups."""
+        """Each token's k experts, (T, k): its top-k scores plus any balancing bias.
+
+        With n_groups > 1, only experts in the token's topk_groups best groups count.
+        """
         if self.bias_rate > 0:
             scores = scores + self.expert_bias
         if self.n_groups > 1:
@@ -234,9 +257,11 @@ class Router(nn.Module):
 
 
 def seq_balance(probs: torch.Tensor, experts: torch.Tensor, batch: int) -> torch.Tensor:
-    """The sequence-wise balance loss (DeepSeek-V3's L_Bal; Megatron's seq_aux_loss): the
-    Switch loss of each sequence's own choices and scores, averaged over the sequences.
-    probs (B*S, E) rows in (sequence, position) order, experts (B*S, k) the choices."""
+    """Sequence-wise balance loss: each sequence's Switch loss, averaged over the sequences.
+
+    DeepSeek-V3's L_Bal, Megatron's seq_aux_loss. probs (B*S, E): rows in (sequence,
+    position) order; experts (B*S, k): the choices.
+    """
     e = probs.shape[1]
     choices = experts.reshape(batch, -1)  # (B, S*k)
     counts = probs.new_zeros(batch, e).scatter_add_(1, choices,
@@ -247,20 +272,26 @@ def seq_balance(probs: torch.Tensor, experts: torch.Tensor, batch: int) -> torch
 
 @torch.no_grad()
 def update_expert_bias(router: Router, counts: torch.Tensor) -> None:
-    """After a step whose tokens went counts[e] to expert e: every expert's bias moves by
-    bias_rate toward the mean load (down if above it, up if below; DeepSeek-V3), the moves
-    centred to sum 0 (as torchtitan's), so the biases keep a mean of 0."""
+    """Move each expert's balancing bias toward the mean load, after a step.
+
+    counts[e]: the step's tokens sent to expert e. Each bias moves by bias_rate, down if its
+    expert is above the mean load and up if below, as DeepSeek-V3. The moves are centred to
+    sum 0, as torchtitan's, so the biases keep a mean of 0.
+    """
     delta = router.bias_rate * torch.sign(counts.float().mean() - counts.float())
     router.expert_bias += delta - delta.mean()
 
 
 def set_experts(tokens: int, num_experts: int, top_k: int, skew: float | None,
                 device) -> torch.Tensor:
-    """(tokens, top_k) expert choices at a set load, each token's k distinct. skew None:
-    balanced, pair i = (token, choice) to expert i mod E (every expert the same count, to
-    one, as torchtitan's forced load balance). Else the first round(skew * T * k / E)
-    tokens pick expert 0 first, and every other pair goes round-robin over experts 1..E-1:
-    expert 0 is the busiest, at skew x the mean (needs 1 <= skew <= E / k, k < E)."""
+    """Expert choices (tokens, top_k) at a set load, each token's k distinct.
+
+    skew None: balanced, pair i = (token, choice) to expert i mod E, so every expert gets the
+    same count to within one, as torchtitan's forced load balance. Otherwise the first
+    round(skew * T * k / E) tokens pick expert 0 first and every other pair goes round-robin
+    over experts 1..E-1: expert 0 is the busiest, at skew times the mean.
+    Needs 1 <= skew <= E / k and k < E.
+    """
     pairs = torch.arange(tokens * top_k, device=device)
     if skew is None:
         return pairs.remainder(num_experts).view(tokens, top_k)
@@ -284,23 +315,22 @@ class SwiGLU(nn.Module):
 
 
 DISPATCHES = ("grouped", "padded", "loop")
-# padded falls back (eager) when padding would exceed this multiple of the real rows: on
-# CPU in bf16 it is 1.24x faster than grouped at max/mean load 1.0, even at 1.55 and
-# slower at 1.87 (benchmarks/moe_layer.py --skew; see benchmarks/README.md)
+# eager padded falls back when padding would exceed this multiple of the real rows: about
+# where, on CPU in bf16, it stops beating grouped (benchmarks/moe-layer.md#unbalanced-routing)
 PAD_LIMIT = 1.5
-# padded capacity is rounded up to a multiple of this many rows: fewer distinct matmul
-# shapes over a run. On CPU in bf16 each new shape builds (JIT) and caches oneDNN kernels:
-# with the exact largest group, tiny_moe's 40-step bf16 run was 1.26-1.29x slower and its
-# peak RSS, growing with the run, 0.35 GiB against 0.14 (benchmarks/pad_multiple.py)
+# padded capacity is rounded up to a multiple of this many rows, for fewer distinct matmul
+# shapes over a run: on CPU in bf16 each new shape JIT-builds and caches oneDNN kernels,
+# costing time and memory (benchmarks/moe-layer.md#padded-capacity-rounded-up)
 PAD_MULTIPLE = 16
 
 
 def pad_capacity(counts: torch.Tensor, rows: int) -> int | None:
-    """Rows per expert once padded to the largest group (rounded up to PAD_MULTIPLE); None
-    where padded should not run:
-    eager, with no rows (an expert-parallel rank can get none) or unbalanced routing
-    (padding past PAD_LIMIT: grouped/loop cost only the real rows). Compiled code cannot
-    branch on the counts, so it always pads."""
+    """Rows per expert for padded: the largest group, rounded up to PAD_MULTIPLE.
+
+    None where padded should not run, in eager only: with no rows, which an expert-parallel
+    rank can get, or with padding past PAD_LIMIT, where grouped and loop, costing only the
+    real rows, do better. Compiled code cannot branch on the counts, so it always pads.
+    """
     num_experts = counts.shape[0]
     # host sync (compiled: a data-dependent size, one symbol, so it can take a hint; >= 2
     # spares inductor a size-1 case)
@@ -318,14 +348,15 @@ SIZE_HINT = 8192
 
 
 def hint_size(n) -> None:
-    """Under torch.compile, give a data-dependent size an explicit guess (SIZE_HINT). Inductor
-    counts buffers of an unhinted size as 0 bytes, so it fuses none of their loops: on CPU,
-    SwiGLU's backward ran as three passes through an fp32 buffer (2.7x the forward's time;
-    fused, 1.6x).
-    Eager: nothing. Compiled, only where .item()/.tolist() are traced (capture_scalar_outputs,
-    as train.compile sets it): there n is always a fresh unbacked symbol; otherwise they
-    break the graph and n may be a plain or backed size, which takes no hint.
-    (override_optimization_hint is newer than torch 2.11: there, nothing changes.)"""
+    """Under torch.compile, give a data-dependent size n an explicit guess, SIZE_HINT.
+
+    Inductor counts buffers of an unhinted size as 0 bytes, so it fuses none of their loops
+    (benchmarks/moe-layer.md#size-hints-for-compiled-code). Eager: nothing. Compiled, only
+    where .item() and .tolist() are traced, as train.compile sets capture_scalar_outputs:
+    there n is always a fresh unbacked symbol; otherwise they break the graph and n may be a
+    plain or backed size, which takes no hint. Nothing either on a torch without
+    override_optimization_hint, such as 2.11.
+    """
     if not torch.compiler.is_compiling():
         return
     override = getattr(torch._dynamo, "override_optimization_hint", None)
@@ -335,26 +366,30 @@ def hint_size(n) -> None:
 
 def pad_slots(expert: torch.Tensor, pos: torch.Tensor, counts: torch.Tensor,
               cap: int) -> torch.Tensor:
-    """Padded row (expert * cap + rank within its expert) of rows going to `expert`, at
-    place `pos` of the expert-sorted order."""
+    """Each row's padded slot: expert * cap + its rank within its expert.
+
+    expert: each row's expert; pos: its place in the expert-sorted order.
+    """
     return expert * cap + pos - (counts.cumsum(0) - counts)[expert]
 
 
 def unpadded_mode(x: torch.Tensor, w: torch.Tensor) -> str:
-    """padded's fallback for rows x and expert weights w (E, H, F): grouped where grouped_mm
-    runs, else loop."""
+    """The kernel padded falls back to: grouped where grouped_mm runs, else loop.
+
+    x: the rows; w: an expert weight stack (E, H, F).
+    """
     dt = _mm_dtype(x)
     ok = grouped_aligned(dt, *w.shape[1:]) and grouped_mm_supported(x.device, dt)
     return "grouped" if ok else "loop"
 
 
 class Experts(nn.Module):
-    """num_experts SwiGLU FFNs held as stacked weights (E, in, out).
+    """The routed experts: num_experts SwiGLU FFNs held as stacked weights (E, in, out).
 
     forward(x, counts, grouped): x (N, H) rows sorted by expert, counts (E,) rows per expert.
-    `grouped` picks the kernel: True or "grouped" (grouped_mm), "padded" (bmm over groups
-    padded to the largest count), False or "loop" (a matmul per expert).
-    padded(x, slot, cap, fan): the padded kernel for rows in any order (see there).
+    `grouped` picks the kernel: True or "grouped", grouped_mm; "padded", a bmm over groups
+    padded to the largest count; False or "loop", a matmul per expert.
+    padded(x, slot, cap, fan) runs the padded kernel on rows in any order.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int):
@@ -400,13 +435,13 @@ class Experts(nn.Module):
 
     def padded(self, x: torch.Tensor, slot: torch.Tensor, cap: int, fan: int = 1,
                dropped: bool = False) -> torch.Tensor:
-        """Every expert's rows padded to `cap`, three batched matmuls, unpadded.
+        """The padded kernel: every expert's rows padded to `cap`, three batched matmuls.
 
-        x (R, H); slot (R * fan,): the padded row (pad_slots) of output row i, whose input is
-        x row i // fan. Returns (R * fan, H): one gather in, one out. Padding rows read row
-        0 (any finite row): their outputs are dropped, so their gradients are zero and they
-        add nothing to the weight gradients. dropped: slot E * cap marks output rows no
-        expert computes (over capacity): they read a row of zeros.
+        x (R, H); slot (R * fan,): output row i's padded row, from pad_slots; its input is
+        x row i // fan. Returns (R * fan, H), with one gather in and one out. Padding rows
+        read row 0, as any finite row would do: their outputs are dropped, so their gradients
+        are zero and add nothing to the weight gradients. dropped: slot E * cap marks output
+        rows no expert computes, being over capacity; they read a row of zeros.
         """
         num_experts = self.w1.shape[0]
         rows = num_experts * cap + dropped  # (+ the dropped rows' slot)
@@ -425,11 +460,15 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Top-k MoE FFN, dropless unless capacity_factor (see capacity.py; pad_to_capacity: every
-    expert padded to its capacity, one bmm per weight: static shapes), plus always-on shared
-    experts (one SwiGLU of shared_ffn, DeepSeek's; 0: none). Returns (output, balance loss,
-    sequence balance loss (seq_aux; else 0), z-loss, tokens per expert: those computed,
-    and those the router chose, before any drop). router: Router's options."""
+    """Top-k MoE FFN: routed experts plus optional always-on shared experts.
+
+    Dropless unless capacity_factor is set (capacity.py); pad_to_capacity then pads every
+    expert to its capacity, for one bmm per weight and static shapes. shared_ffn: the ffn
+    size of one shared SwiGLU, as DeepSeek's; 0 for none. router: Router's options.
+    forward returns (output, balance loss, sequence balance loss, z-loss, counts, chosen):
+    the sequence loss is 0 unless seq_aux; counts are the tokens each expert computed,
+    chosen those the router sent it before any drop.
+    """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
                  dispatch: str = "loop", routing: str = "learned", skew: float = 2.0,
@@ -478,8 +517,10 @@ class MoE(nn.Module):
         return out.reshape(shape), balance, seq, z, counts, chosen
 
     def _with_capacity(self, x, weights, experts):
-        """(T*k, H) outputs in (token, choice) order, zero where dropped; counts kept and
-        chosen per expert."""
+        """Run the experts with capacity drops; returns outputs, kept and chosen counts.
+
+        Outputs are (T*k, H) in (token, choice) order, zero where dropped.
+        """
         n, k, e = experts.numel(), self.top_k, self.num_experts
         cap = capacity(x.shape[0], k, e, self.capacity_factor)
         flat, chosen = drop_over_capacity(experts, weights, e, cap, self.drop_policy)
@@ -501,7 +542,10 @@ class MoE(nn.Module):
         return gather_rows(y, inv, order[:, None]), counts, chosen
 
     def _dropless(self, x, experts):
-        """(T*k, H) outputs in (token, choice) order; counts per expert."""
+        """Run the experts on every (token, choice) pair; returns outputs and counts.
+
+        Outputs are (T*k, H) in (token, choice) order; counts are rows per expert.
+        """
         flat = experts.reshape(-1)  # (T*k,) in (token, choice) order
         order = torch.argsort(flat, stable=True)
         # static-shape histogram (bincount's output size is data-dependent under compile)

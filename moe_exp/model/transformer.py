@@ -1,5 +1,4 @@
-"""Decoder-only transformer: RMSNorm, RoPE, SDPA attention (GQA or MLA), MoE or dense
-SwiGLU FFN.
+"""Decoder-only transformer: RMSNorm, RoPE, GQA or MLA attention, MoE or dense SwiGLU FFN.
 
 Plain PyTorch, no precision, parallelism or checkpointing code: those are applied
 from outside by moe_exp.optimizations.
@@ -47,22 +46,25 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float):
 
 
 def apply_rope(x, cos, sin):
-    """x: (B, h, S, D); rotate channel pairs (first half, second half)."""
+    """Apply RoPE to x (B, h, S, D), rotating channel i of the first half with i of the second."""
     x1, x2 = x.chunk(2, dim=-1)
     cos, sin = cos[: x.shape[-2]].to(x.dtype), sin[: x.shape[-2]].to(x.dtype)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 def repeat_kv_heads(q: torch.Tensor) -> bool:
-    """Whether SDPA needs k/v repeated to q's heads for a fast kernel. On CUDA, grouped k/v
-    heads run in flash attention (fp16/bf16) or the math kernel only (torch's SDPA docs):
-    in fp32 that is math, which keeps each (S, S) score matrix; repeated heads take the
-    memory-efficient kernel. CPU's flash kernel takes grouped heads in every dtype."""
+    """Whether SDPA needs k/v repeated to q's heads for a fast kernel.
+
+    On CUDA, grouped k/v heads run only in flash attention, which takes fp16 and bf16, or in
+    the math kernel. In fp32 that means math, which keeps each (S, S) score matrix; repeated
+    heads take the memory-efficient kernel. CPU's flash kernel takes grouped heads in every
+    dtype.
+    """
     return q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16)
 
 
 def _kv_heads(q, k, v):
-    """(k, v, enable_gqa) for SDPA: k/v repeated to q's heads where a fast kernel needs it."""
+    """SDPA's k, v and enable_gqa: k/v repeated to q's heads where a fast kernel needs it."""
     gqa = k.shape[1] != q.shape[1]
     if gqa and repeat_kv_heads(q):
         r = q.shape[1] // k.shape[1]
@@ -71,14 +73,16 @@ def _kv_heads(q, k, v):
 
 
 def causal_attention(q, k, v):
-    """SDPA of q (B, h, S, D) over k, v (B, h_kv, S, D), h a multiple of h_kv."""
+    """Causal SDPA of q (B, h, S, D) over k, v (B, h_kv, S, D); h is a multiple of h_kv."""
     k, v, gqa = _kv_heads(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
 def cached_attention(q, k, v, pos: int):
-    """SDPA of q at positions pos.. over k, v at positions 0.. (a KV cache's): each query
-    sees the keys up to its own position."""
+    """SDPA of new queries over a KV cache: q at positions pos.. over k, v at positions 0..
+
+    Each query sees the keys up to its own position.
+    """
     k, v, gqa = _kv_heads(q, k, v)
     s = q.shape[-2]
     mask = None if s == 1 else torch.ones(s, k.shape[-2], dtype=torch.bool,
@@ -87,8 +91,11 @@ def cached_attention(q, k, v, pos: int):
 
 
 def _attend(attn, q, k, v, cache):
-    """Attention without a cache, or with one (model.cache.LayerCache): k, v stored, and q
-    attends to every position so far. From position 0 it is the model's own kernel."""
+    """Attention with or without a model.cache.LayerCache.
+
+    With one, k and v are stored and q attends to every position so far; from position 0
+    it is the model's own kernel.
+    """
     if cache is None:
         return attn.attend(q, k, v)
     pos = cache.pos
@@ -97,20 +104,22 @@ def _attend(attn, q, k, v, cache):
 
 
 def _tables(cos, sin, cache):
-    """RoPE's tables from the cache's position on (all of them without a cache)."""
+    """RoPE's tables from the cache's position on; all of them without a cache."""
     return (cos, sin) if cache is None or not cache.pos else (cos[cache.pos:], sin[cache.pos:])
 
 
 def head_dim(cfg) -> int:
-    """The dims RoPE rotates per head: model.head_dim, or hidden_size / num_heads where null
-    (MLA: qk_rope_head_dim)."""
+    """The dims RoPE rotates per head.
+
+    model.head_dim, or hidden_size / num_heads where that is null; for MLA, qk_rope_head_dim.
+    """
     if cfg.attention_type == "mla":
         return cfg.qk_rope_head_dim
     return cfg.head_dim or cfg.hidden_size // cfg.num_heads
 
 
 class Attention(nn.Module):
-    """Grouped-query attention; qk_norm: RMSNorm of each head's q and k before RoPE (Qwen3)."""
+    """Grouped-query attention. qk_norm: RMSNorm of each head's q and k before RoPE, as Qwen3."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -137,11 +146,14 @@ class Attention(nn.Module):
 
 
 class LatentAttention(nn.Module):
-    """Multi-head latent attention (MLA, DeepSeek-V2/V3): q through a low-rank projection
-    (q_lora_rank; null: a full one), keys and values from one shared latent of kv_lora_rank
-    (RMS-normed) expanded per head, and RoPE on qk_rope_head_dim extra dims per head whose
-    key part is shared by all heads. RoPE rotates halves, as everywhere here (DeepSeek's
-    checkpoints interleave pairs: the same attention with those dims permuted)."""
+    """MLA: multi-head latent attention, as DeepSeek-V2 and V3.
+
+    q goes through a low-rank projection of q_lora_rank, or a full one where that is null.
+    Keys and values come from one shared, RMS-normed latent of kv_lora_rank, expanded per
+    head. RoPE acts on qk_rope_head_dim extra dims per head, whose key part all heads share.
+    RoPE rotates halves, as everywhere here; DeepSeek's checkpoints interleave pairs, which
+    is the same attention with those dims permuted.
+    """
 
     def __init__(self, cfg):
         super().__init__()
@@ -162,7 +174,7 @@ class LatentAttention(nn.Module):
         self.attend = causal_attention  # (q, k, v) -> y; an attention kernel may replace it
 
     def forward(self, x, cos, sin, cache=None):
-        """cache: keys and values per head, as expanded (the latent is not what is kept)."""
+        """Attend over x; a cache keeps keys and values per head as expanded, not the latent."""
         b, s, _ = x.shape
         cos, sin = _tables(cos, sin, cache)
         q = self.wq(x).view(b, s, self.n_heads, -1).transpose(1, 2)
@@ -179,12 +191,12 @@ class LatentAttention(nn.Module):
 
 
 def moe_layer(cfg, layer: int) -> bool:
-    """Whether block `layer` has a MoE FFN (the first model.first_k_dense are dense)."""
+    """Whether block `layer` has a MoE FFN; the first model.first_k_dense blocks are dense."""
     return cfg.num_experts > 0 and layer >= cfg.first_k_dense
 
 
 def make_moe(cfg) -> MoE:
-    """The MoE FFN of cfg (plain numbers: no config reads in forward)."""
+    """Build cfg's MoE FFN from plain numbers, so that forward reads no config."""
     shared = cfg.num_shared_experts * (cfg.shared_ffn_hidden_size or cfg.ffn_hidden_size)
     cap = cfg.capacity_factor
     return MoE(cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts, cfg.top_k, cfg.dispatch,
@@ -211,8 +223,11 @@ class Block(nn.Module):
             self.ffn = SwiGLU(cfg.hidden_size, size or cfg.ffn_hidden_size)
 
     def forward(self, x, cos, sin, cache=None):
-        """Returns (x, balance, seq_balance, z, counts, routed counts); zeros after x for a
-        dense block. cache: this layer's model.cache.LayerCache (generation)."""
+        """Run the block: returns (x, balance, seq_balance, z, counts, routed counts).
+
+        A dense block returns zeros after x. cache: this layer's model.cache.LayerCache,
+        when generating.
+        """
         x = x + (self.attn(self.attn_norm(x), cos, sin) if cache is None else
                  self.attn(self.attn_norm(x), cos, sin, cache))
         h = self.ffn_norm(x)
@@ -229,7 +244,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         # plain numbers: torch.compile cannot trace attribute reads on a Hydra/OmegaConf
-        # config (it gave up on the rest of forward there)
+        # config and gives up on the rest of forward
         self.init_std, self.num_layers = float(cfg.init_std), int(cfg.num_layers)
         self.aux_loss_coef, self.z_loss_coef = float(cfg.aux_loss_coef), float(cfg.z_loss_coef)
         self.seq_aux_loss_coef = float(cfg.seq_aux_loss_coef)
@@ -279,9 +294,11 @@ class Transformer(nn.Module):
 
 @torch.no_grad()
 def decode(model: Transformer, tokens: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits of tokens (B, new) at the cache's positions, the cache advanced past them;
-    and the MoE layers' (layers, experts) counts of these tokens ((0, 0) if dense). From an
-    empty cache it is the forward pass (the same logits: tests check it)."""
+    """Run new tokens through the model at the cache's positions and advance the cache.
+
+    tokens: (B, new). Returns their logits and the MoE layers' counts of them, (layers,
+    experts), or (0, 0) if dense. From an empty cache it gives the forward pass's logits.
+    """
     x = model.embed(tokens)
     counts = []
     for layer, c in zip(model.layers, cache.layers):

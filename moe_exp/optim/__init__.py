@@ -1,5 +1,7 @@
-"""The optim group: AdamW, or Muon on the hidden matrices with AdamW on the rest; the lr
-schedule (optim.schedule: linear warmup, then cosine, linear, constant or wsd; or onecycle)."""
+"""The optim group: AdamW, or Muon on the hidden matrices and AdamW on the rest; lr schedules.
+
+optim.schedule: linear warmup, then cosine, linear, constant or wsd; or onecycle.
+"""
 from __future__ import annotations
 
 import math
@@ -12,7 +14,10 @@ from .muon import Muon, hidden_matrices
 
 
 def build_optimizer(model: nn.Module, cfg, device: torch.device):
-    """(optimizer, lr scheduler, implementation name for the record)."""
+    """Build the optim group's optimizer and lr scheduler.
+
+    Returns (optimizer, lr scheduler, implementation name for the record).
+    """
     o = cfg.optim
     params = [p for p in model.parameters() if p.requires_grad]
     muon = hidden_matrices(model) if o.name == "muon" else set()
@@ -34,9 +39,11 @@ def build_optimizer(model: nn.Module, cfg, device: torch.device):
 
 
 def build_schedule(opt, total: int, o):
-    """optim.schedule over the run's steps (warmup steps included): onecycle is torch's
-    OneCycleLR (lr only: its momentum cycling would rewrite AdamW's beta1); the others scale
-    the lr by lr_factor."""
+    """The lr scheduler for optim.schedule over the run's `total` steps, warmup included.
+
+    onecycle is torch's OneCycleLR on the lr only: its momentum cycling would rewrite AdamW's
+    beta1. The others scale the lr by lr_factor.
+    """
     if o.schedule == "onecycle":
         return torch.optim.lr_scheduler.OneCycleLR(
             opt, max_lr=[g["lr"] for g in opt.param_groups], total_steps=total,
@@ -45,10 +52,13 @@ def build_schedule(opt, total: int, o):
 
 
 def lr_factor(step: int, total: int, o) -> float:
-    """Linear warmup to the peak (reached on the last warmup step, or on step 0 without
-    warmup), then: cosine or linear down to min_lr_ratio, reached on the last step; constant;
-    or wsd: stable at the peak, then linear down to min_lr_ratio over the last decay_ratio of
-    the steps after warmup (reached on the last step)."""
+    """The lr at `step` as a fraction of the peak, for every schedule but onecycle.
+
+    Linear warmup reaches the peak on its last step, or on step 0 without warmup. Then:
+    cosine or linear, down to min_lr_ratio on the last step; constant; or wsd, stable at the
+    peak, then linear down to min_lr_ratio over the last decay_ratio of the steps after
+    warmup, reached on the last step.
+    """
     w = o.lr_warmup_steps
     if step < w:
         return (step + 1) / w

@@ -1,13 +1,15 @@
-"""Muon (momentum + Newton-Schulz orthogonalization) on the hidden matrices, torch's AdamW
-on the rest (embeddings, output head, norms), as one optimizer.
+"""Muon on the hidden matrices and torch's AdamW on the rest, as one optimizer.
 
-torch.optim.Muon takes 2-D plain tensors only; here the update also runs on
+Muon is momentum, then Newton-Schulz orthogonalization of the update. AdamW takes the
+embeddings, the output head and the norms. torch.optim.Muon takes 2-D plain tensors only;
+here the update also runs on
 - stacked expert weights (E, in, out): one orthogonalization per expert, batched;
-- FSDP2 shards (DTensor): matrices split across ranks are orthogonalized round-robin, each
+- FSDP2 shards, DTensors: matrices split across ranks are orthogonalized round-robin, each
   on one rank (sharded_ns.py); expert stacks sharded on the expert dim hold whole experts,
   so they stay local.
-The learning rate is scaled by 0.2 * sqrt(max(rows, cols)) (torch's "match_rms_adamw",
-Moonlight), so the update's RMS matches AdamW's and lr/weight_decay carry over from adamw.
+The learning rate is scaled by 0.2 * sqrt(max(rows, cols)), torch's "match_rms_adamw" as
+Moonlight's, so the update's RMS matches AdamW's and lr and weight_decay carry over from
+adamw.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, as torch
 
 
 def newton_schulz(g: Tensor, steps: int, eps: float = 1e-7) -> Tensor:
-    """Approximate U V^T of each matrix in g (..., m, n), in bf16, as torch.optim.Muon."""
+    """Orthogonalize each matrix in g (..., m, n): approximately U V^T, in bf16, as torch's Muon."""
     a, b, c = NS_COEFFICIENTS
     x = g.bfloat16().reshape(-1, *g.shape[-2:])
     tall = x.size(-2) > x.size(-1)
@@ -39,22 +41,31 @@ def newton_schulz(g: Tensor, steps: int, eps: float = 1e-7) -> Tensor:
 
 
 def _dtensor(u):
-    """u's DTensor module where u is one, else None (not imported where no DTensor can
-    exist: a run's CPU memory would count the import)."""
+    """torch's DTensor module if u is a DTensor, else None.
+
+    The module is not imported where no DTensor can exist: a run's CPU memory would count
+    the import.
+    """
     mod = sys.modules.get("torch.distributed.tensor")
     return mod if mod is not None and isinstance(u, mod.DTensor) else None
 
 
 def _whole_per_rank(u) -> bool:
-    """A plain tensor, or expert stacks sharded on the expert dim (whole experts per rank;
-    HSDP: replicated over its replicate dim)."""
+    """Whether each rank holds whole matrices of u.
+
+    True for a plain tensor, or an expert stack sharded on the expert dim; under HSDP it may
+    also be replicated over its replicate dim.
+    """
     return _dtensor(u) is None or (u.ndim == 3 and all(p.is_shard(0) or p.is_replicate()
                                                        for p in u.placements))
 
 
 def _orthogonalize(u: Tensor, steps: int, eps: float) -> Tensor:
-    """NS of one update: local where each rank holds whole matrices, else gathered (a mesh
-    round_robin_ok does not take: every rank repeats the work)."""
+    """Newton-Schulz of one update outside the round-robin.
+
+    Local where each rank holds whole matrices. Otherwise, on a mesh round_robin_ok does not
+    take, the matrix is gathered whole and every rank repeats the work.
+    """
     dt = _dtensor(u)
     if dt is None:
         return newton_schulz(u, steps, eps)
@@ -67,7 +78,7 @@ def _orthogonalize(u: Tensor, steps: int, eps: float) -> Tensor:
 
 
 def hidden_matrices(model: nn.Module) -> set:
-    """Muon's parameters (ids): every >=2-D weight but the embeddings and the output head."""
+    """The ids of Muon's parameters: every >=2-D weight but the embeddings and output head."""
     from ..model.transformer import Transformer
 
     skip = set()
@@ -81,9 +92,12 @@ def hidden_matrices(model: nn.Module) -> set:
 
 
 class Muon(torch.optim.Optimizer):
-    """One optimizer over both kinds of group, so GradScaler, clipping and the lr schedule
-    see every parameter: groups flagged "muon" get Muon's update, the others are the groups
-    of a torch AdamW (shared dicts: a schedule's lr reaches it)."""
+    """Muon and AdamW as one optimizer over both kinds of parameter group.
+
+    One optimizer, so that GradScaler, clipping and the lr schedule see every parameter.
+    Groups flagged "muon" get Muon's update; the others are a torch AdamW's own group dicts,
+    shared, so a schedule's lr reaches it.
+    """
 
     def __init__(self, matrices, adamw: torch.optim.AdamW, lr: float, weight_decay: float,
                  momentum: float, nesterov: bool, ns_steps: int, eps: float = 1e-7):

@@ -1,8 +1,9 @@
-"""Newton-Schulz on FSDP-sharded matrices, each computed once (round-robin, as Moonlight and
-Dion do): of every `world` consecutive matrices on a mesh, rank i orthogonalizes the i-th.
-One all-to-all brings rank i the shards of its matrix, a second sends every rank its rows of
-each result. Before, every rank gathered every matrix and orthogonalized all of them.
-Both ways in bf16: NS casts its input to bf16 first and returns bf16, so nothing changes.
+"""Newton-Schulz on FSDP-sharded matrices, each computed once, on one rank.
+
+Round-robin, as Moonlight and Dion do: of every `world` consecutive matrices on a mesh,
+rank i orthogonalizes the i-th. One all-to-all brings rank i the shards of its matrix, a
+second sends every rank its rows of each result. Both move bf16, which loses nothing: NS
+casts its input to bf16 first and returns bf16.
 """
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import torch.distributed as dist
 
 
 def shard_dim(u) -> int | None:
-    """The mesh dim a DTensor is split over on its dim 0 (FSDP2's layout; HSDP's "shard",
-    replicated over "replicate"), where it is split over one dim of several ranks; else None."""
+    """The mesh dim a DTensor's dim 0 is sharded over, where that is its only split; else None.
+
+    The split must be over one mesh dim of several ranks: FSDP2's layout, or HSDP's "shard"
+    dim with the tensor replicated over "replicate".
+    """
     dims = [d for d, pl in enumerate(u.placements) if not pl.is_replicate()]
     ok = len(dims) == 1 and u.placements[dims[0]].is_shard(0) and u.device_mesh.size(dims[0]) > 1
     return dims[0] if ok else None
@@ -25,16 +29,21 @@ def round_robin_ok(u) -> bool:
 
 
 def shard_rows(n: int, world: int) -> list[int]:
-    """Rows of each rank's shard of n rows, as DTensor's Shard(0) splits them (torch.chunk:
-    ceil(n / world) each, the last ones shorter or empty)."""
+    """Rows in each rank's shard of n rows, as DTensor's Shard(0) splits them.
+
+    As torch.chunk: ceil(n / world) each, the last ones shorter or empty.
+    """
     per = -(-n // world)
     return [max(0, min(per, n - r * per)) for r in range(world)]
 
 
 def orthogonalize_round_robin(us: list, ns) -> list:
-    """us: up to shard-dim-size DTensors on one mesh (round_robin_ok); ns: the NS function of
-    a whole tensor. Returns their orthogonalized DTensors (bf16), same layout. (HSDP: each
-    replica group does the same, over its own shard group.)"""
+    """Orthogonalize up to a shard dim's size of sharded matrices, each on one rank.
+
+    us: DTensors on one mesh that round_robin_ok takes; ns: the NS function of a whole
+    tensor. Returns their orthogonalized DTensors in bf16, in the same layout. Under HSDP
+    each replica group does the same over its own shard group.
+    """
     from torch.distributed.tensor import DTensor
 
     mesh, d = us[0].device_mesh, shard_dim(us[0])

@@ -1,4 +1,4 @@
-"""Every optimization, applied to a plain model in one place (see `apply`)."""
+"""Every optimization, applied to a plain model in one place: `apply`."""
 from __future__ import annotations
 
 import contextlib
@@ -26,16 +26,21 @@ class Applied:
     reduce_bytes: Any = None  # DDP: parallel.hooks.ReduceBytes (grad bytes reduced a step)
 
     def micro_contexts(self, n: int):
-        """One context per micro-step of an accumulated step: no gradient sync but on the
-        last (where the strategy allows it, see parallel.accum_no_sync)."""
+        """One context per micro-step of an accumulated step: no gradient sync but on the last.
+
+        Only where the strategy allows it; parallel.accum_no_sync decides.
+        """
         for i in range(n):
             yield self.no_sync() if self.no_sync and i < n - 1 else contextlib.nullcontext()
 
 
 def apply_inference(model: nn.Module, cfg, device: torch.device) -> tuple[Callable, Callable]:
-    """task=infer: what of the run's optimizations applies to generation (the matmul
-    precision, the router's dtype, train.compile on the decode step); returns the
-    precision's autocast and the decode step (model.transformer.decode's signature)."""
+    """task=infer: apply the run's optimizations that suit generation.
+
+    Those are the matmul precision, the router's dtype and train.compile on the decode step.
+    Returns the precision's autocast and the decode step, which has
+    model.transformer.decode's signature.
+    """
     set_matmul_precision(device, cfg.precision.tf32)
     if cfg.precision.router_dtype == "fp32":
         router_fp32(model)
@@ -43,10 +48,12 @@ def apply_inference(model: nn.Module, cfg, device: torch.device) -> tuple[Callab
 
 
 def apply(model: nn.Module, cfg, device: torch.device, world: int = 1) -> Applied:
-    """attention kernel -> precision -> expert parallel -> activation checkpointing -> data
-    parallel (DDP and its comm hook / FSDP2 / HSDP) -> compile (torchtitan's order).
+    """Apply the run's optimizations to a plain model, in torchtitan's order.
 
-    Gradient accumulation is a loop knob (train.grad_accum_steps), done in bench.loop.
+    attention kernel -> precision -> expert parallel -> activation checkpointing -> data
+    parallel (DDP and its comm hook, FSDP2 or HSDP) -> compile.
+
+    Gradient accumulation, train.grad_accum_steps, is the loop's: train/loop.py.
     """
     set_matmul_precision(device, cfg.precision.tf32)
     apply_attention(model, cfg.train.attention)

@@ -1,7 +1,10 @@
-"""train.attention: the attention kernel, set on each attention layer (its `attend`): one
-SDPA backend alone (flash, efficient, math, cudnn; torch's `sdpa_kernel`: the backward runs
-the kernel its forward chose), or FlexAttention with a causal block mask, compiled as
-torchtitan runs it. `auto` leaves the model's SDPA call and its own choice."""
+"""train.attention: the attention kernel, set as each attention layer's `attend`.
+
+One SDPA backend alone, flash, efficient, math or cudnn, through torch's `sdpa_kernel`,
+whose backward runs the kernel its forward chose; or FlexAttention with a causal block
+mask, compiled as torchtitan runs it. `auto` leaves the model's SDPA call to its own
+choice.
+"""
 from __future__ import annotations
 
 import functools
@@ -15,8 +18,10 @@ GQA = ("flash", "math")
 
 
 def apply_attention(model: torch.nn.Module, name: str) -> None:
-    """Every attention layer's kernel (its `attend`) becomes that SDPA backend alone, or
-    FlexAttention; `auto` leaves the model's (SDPA's own choice)."""
+    """Set every attention layer's `attend` to that SDPA backend alone, or to FlexAttention.
+
+    `auto` leaves the model's own, where SDPA picks its kernel.
+    """
     if name == "auto":
         return
     attend = flex_causal if name == "flex" else functools.partial(sdpa_only, name)
@@ -26,8 +31,10 @@ def apply_attention(model: torch.nn.Module, name: str) -> None:
 
 
 def sdpa_only(name: str, q, k, v):
-    """Causal SDPA of q (B, h, S, D) over k, v (B, h_kv, S, D) with one backend allowed (no
-    fallback: a backend that cannot run raises)."""
+    """Causal SDPA of q (B, h, S, D) over k, v (B, h_kv, S, D) with one backend allowed.
+
+    No fallback: a backend that cannot run raises.
+    """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -69,9 +76,12 @@ def flex_causal(q, k, v, compiled: bool = True):
 
 def attention_unsupported(name: str, device: str, dtype: torch.dtype,
                           capability=None) -> str | None:
-    """Why this device and dtype cannot run that kernel (None: it can). CPU: torch's SDPA has
-    the flash and math kernels only, and FlexAttention no backward. CUDA: flash and cuDNN
-    attention need fp16/bf16 and compute capability >= 8.0 (torch's SDPA docs)."""
+    """Why this device and dtype cannot run that kernel; None where it can.
+
+    On CPU, torch's SDPA has the flash and math kernels only, and FlexAttention no backward.
+    On CUDA, flash and cuDNN attention need fp16 or bf16 and compute capability >= 8.0, as
+    torch's SDPA docs say.
+    """
     if name in ("auto", "math"):
         return None
     if device == "cpu":

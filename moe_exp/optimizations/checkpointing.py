@@ -1,4 +1,4 @@
-"""Activation checkpointing per transformer block: full, or selective (save matmuls)."""
+"""Activation checkpointing per transformer block: full, or selective, saving the matmuls."""
 from __future__ import annotations
 
 from functools import partial
@@ -24,11 +24,13 @@ if hasattr(_aten, "_grouped_mm"):
 
 
 def _ignore_profiler_ops() -> None:
-    """Selective AC replays the forward's ops by their count per op; record_function marks
-    are not values, and FSDP2's hooks add more of them in a recompute than in the forward
-    when a fully_shard module (expert_fsdp's experts) sits inside the checkpointed block
-    ("record_function_enter_new invocation index 2 ... not found in storage"). Leave them
-    out of the count, as pytorch/pytorch#185178 does (torchtitan#3427)."""
+    """Leave the profiler's record_function marks out of selective AC's op count.
+
+    Selective AC replays the forward's ops by their count per op. The marks are not values,
+    and FSDP2's hooks add more of them in a recompute than in the forward when a fully_shard
+    module, such as expert_fsdp's experts, sits inside the checkpointed block. Upstream torch
+    leaves them out the same way (pytorch/pytorch#185178).
+    """
     from torch.utils import checkpoint
 
     for name in ("_record_function_enter", "_record_function_enter_new",

@@ -1,7 +1,10 @@
-"""train.gc_every: Python's garbage collection. N > 0 turns the automatic collections off for
-the run (they fall at random points of random steps) and collects generations 0-1 every N
-steps, as torchtitan's gc_freq; either way every collection in the measured window is timed
-(gc.callbacks), so the record says what GC cost."""
+"""train.gc_every: when Python's garbage collection runs, and what it costs.
+
+N > 0 turns the automatic collections off for the run, as they fall at random points of
+random steps, and collects generations 0-1 every N steps, as torchtitan's gc_freq. Either
+way every collection in the measured window is timed through gc.callbacks, so the record
+says what GC cost.
+"""
 from __future__ import annotations
 
 import gc
@@ -37,12 +40,12 @@ class Collector:
             self._t0 = None
 
     def step(self, step: int) -> bool:
-        """After a step: collect where it is due (True when it did)."""
+        """After a step, collect where a collection is due; True when it did."""
         if self.every and (step + 1) % self.every == 0:
             gc.collect(1)
             return True
         return False
 
     def per_step(self, steps: int) -> tuple[float | None, int]:
-        """(ms of collection per measured step, collections) over the measured window."""
+        """Over the measured window: collection ms per measured step, and collections made."""
         return (self.ms / steps if steps else None), self.count

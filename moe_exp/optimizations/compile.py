@@ -1,5 +1,7 @@
-"""torch.compile of the whole model (training) or of a generation's decode step
-(task=infer); MoE dispatch compiles without graph breaks."""
+"""torch.compile of the whole model for training, or of the decode step for task=infer.
+
+MoE dispatch compiles without graph breaks.
+"""
 from __future__ import annotations
 
 import torch
@@ -20,9 +22,12 @@ def apply_compile(model: nn.Module, mode: str) -> nn.Module:
 
 
 def compile_decode(mode: str):
-    """model.transformer.decode, compiled under train.compile's mode. It compiles twice: at
-    the prompt's length, then once for every later step (dynamo makes the cache's position
-    and the step's length dynamic when they change); a new batch size compiles again."""
+    """model.transformer.decode, compiled under train.compile's mode.
+
+    It compiles twice: at the prompt's length, then once for every later step, as dynamo
+    makes the cache's position and the step's length dynamic when they change. A new batch
+    size compiles again.
+    """
     from ..model.transformer import decode
 
     return decode if mode == "off" else _compile(decode, mode)

@@ -1,4 +1,4 @@
-"""Precision: fp32 / tf32 / fp16 (autocast + GradScaler) / bf16 (autocast) / fp8 (torchao)."""
+"""Precision: fp32, tf32, fp16 with autocast and GradScaler, bf16 with autocast, fp8 by torchao."""
 from __future__ import annotations
 
 import contextlib
@@ -12,10 +12,12 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def set_matmul_precision(device: torch.device, tf32: bool) -> None:
-    """TF32 for CUDA fp32 matmuls (and cuDNN) on or off, through the legacy setters: they
-    keep the legacy and the new (fp32_precision) flags in step. Setting only the new ones
-    makes a later read of the legacy ones raise ("mix of the legacy and new APIs"), and
-    inductor's matmul lowering in torch 2.9-2.11 reads them (pytorch#166387)."""
+    """Turn TF32 for CUDA fp32 matmuls and cuDNN on or off.
+
+    Through the legacy setters, which keep the legacy and the new fp32_precision flags in
+    step: setting only the new ones makes a later read of the legacy ones raise, and
+    inductor's matmul lowering in torch 2.9-2.11 reads them.
+    """
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high" if tf32 else "highest")
         torch.backends.cudnn.allow_tf32 = tf32
@@ -42,8 +44,10 @@ class FP32Linear(nn.Linear):
 
 
 def router_fp32(model: nn.Module) -> int:
-    """precision.router_dtype=fp32: every MoE router's gate computes in fp32 (its class
-    swapped: same parameters and names). Returns how many."""
+    """precision.router_dtype=fp32: make every MoE router's gate compute in fp32.
+
+    The gate's class is swapped, so its parameters and names stay. Returns how many.
+    """
     from ..model.moe import Router
 
     routers = [m for m in model.modules() if isinstance(m, Router)]
@@ -53,7 +57,10 @@ def router_fp32(model: nn.Module) -> int:
 
 
 def apply_fp8(model: nn.Module, cfg) -> nn.Module:
-    """Swap nn.Linear layers (dims divisible by 16, not the LM head) for torchao Float8Linear."""
+    """Swap nn.Linear layers for torchao's Float8Linear.
+
+    Only those whose dims are multiples of 16, and not the LM head or the routers' gates.
+    """
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     def want(mod: nn.Module, fqn: str) -> bool:

@@ -1,10 +1,13 @@
-"""infer.quantize: weight quantization through torchao for generation. int8: weight-only,
-per output channel (CPU and GPU); fp8: float8 weights and dynamic float8 activations
-(GPUs with fp8). Quantized: the nn.Linear layers (attention, dense and shared FFNs, the
-LM head), not the router's gate (a rounding there moves tokens to other experts); and the
-stacked routed experts' 3-D weights, weight-only per expert and output channel, stored
-quantized and dequantized at each use (torchao has no 3-D quantized matmul: the saving is
-memory at rest, a layer's dequantized copy lives while it runs)."""
+"""infer.quantize: weight quantization through torchao for generation.
+
+int8: weight-only, per output channel, on CPU and GPU. fp8: float8 weights and dynamic
+float8 activations, on GPUs with fp8. Quantized are the nn.Linear layers of attention, the
+dense and shared FFNs and the LM head, but not the router's gate, where a rounding moves
+tokens to other experts; and the stacked routed experts' 3-D weights, weight-only per
+expert and output channel. Those are stored quantized and dequantized at each use: torchao
+has no 3-D quantized matmul, so the saving is memory at rest, and a layer's dequantized
+copy lives while it runs.
+"""
 from __future__ import annotations
 
 import logging
@@ -14,7 +17,10 @@ from torch import nn
 
 
 def _configs(how: str):
-    """(quantize_, the Linear layers' config, the stacked experts' config, FqnToConfig)."""
+    """torchao's pieces for `how`, int8 or fp8.
+
+    Returns (quantize_, the Linear layers' config, the stacked experts' config, FqnToConfig).
+    """
     logging.getLogger("torchao").setLevel(logging.ERROR)  # (its import names every CUDA
     # kernel library a CPU cannot load)
     from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig,
@@ -38,8 +44,10 @@ class _Dequantize(nn.Module):
 
 
 def quantize_weights(model: nn.Module, how: str) -> int:
-    """Quantize the model's Linear layers and stacked expert weights in place (see above);
-    returns how many weights."""
+    """Quantize the model's Linear layers and stacked expert weights in place.
+
+    Which ones, and how, as the module says. Returns how many weights.
+    """
     from torch.nn.utils import parametrize
 
     quantize_, linear, stacked, by_name = _configs(how)
@@ -58,7 +66,7 @@ def quantize_weights(model: nn.Module, how: str) -> int:
 
 
 def stored_bytes(p: torch.Tensor) -> int:
-    """A parameter's bytes as stored: a torchao tensor's inner tensors (int8 data, scales)."""
+    """A parameter's bytes as stored: for a torchao tensor, its inner data and scales."""
     if hasattr(p, "__tensor_flatten__") and type(p) is not nn.Parameter:
         return sum(stored_bytes(getattr(p, n)) for n in p.__tensor_flatten__()[0])
     return p.numel() * p.element_size()

@@ -1,1 +1,1 @@
-"""Plans: memory and time of a configuration traced on fake tensors (see trace.py)."""
+"""Plans: a configuration's memory and step time, from one step traced on fake tensors."""

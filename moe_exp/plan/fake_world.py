@@ -1,5 +1,6 @@
-"""A fake process group of the configured world size for a traced step (one rank, rank 0,
-traced in this process), and what DDP needs to run on it."""
+"""A fake process group of the configured world size for a traced step, and DDP on it.
+
+Only rank 0 is traced, in this process."""
 from __future__ import annotations
 
 import contextlib
@@ -10,8 +11,10 @@ import torch
 
 @contextlib.contextmanager
 def fake_world(world: int):
-    """A fake process group of `world` ranks (torch's "fake" backend: collectives that move
-    nothing), for this process's trace of rank 0; device meshes made outside fake mode."""
+    """A fake process group of `world` ranks, for this process's trace of rank 0.
+
+    torch's "fake" backend's collectives move nothing. Device meshes are made outside fake
+    mode."""
     import torch.distributed as dist
     import torch.distributed.device_mesh as device_mesh
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -46,11 +49,12 @@ def fake_world(world: int):
 
 
 def ddp_buckets(ddp) -> None:
-    """What _python_reducer leaves out of DDP's memory: its C++ reducer's buckets, one flat
-    tensor a dtype, made as the first gradient is reduced (the step's, as DDP's are rebuilt
-    inside the run) and held through the step; each reduced gradient copied into its place
-    (gradient_as_bucket_view: the gradient then is that place), as DDP does on a synced
-    backward."""
+    """Adds DDP's buckets, which _python_reducer leaves out, to the traced step's memory.
+
+    DDP's C++ reducer holds one flat bucket tensor a dtype, made as the step's first gradient
+    is reduced, since DDP rebuilds its buckets inside the run, and held through the step.
+    Each reduced gradient is copied into its place, as DDP does on a synced backward; with
+    gradient_as_bucket_view the gradient then is that place."""
     params = [p for p in ddp.parameters() if p.requires_grad]
     places: dict = {}
 
@@ -73,9 +77,10 @@ def ddp_buckets(ddp) -> None:
 
 
 def ddp_calls(got, ddp) -> None:
-    """DDP's all-reduces: one a bucket (torch's own assignment of the parameters, as
-    rebuilt after the first step: bucket_cap_mb each), not the python reducer's one a
-    gradient."""
+    """Counts DDP's all-reduces one a bucket, not the python reducer's one a gradient.
+
+    The buckets are torch's own assignment of the parameters as rebuilt after the first
+    step, bucket_cap_mb each."""
     import torch.distributed as dist
 
     params = [p for p in ddp.parameters() if p.requires_grad]
@@ -85,19 +90,20 @@ def ddp_calls(got, ddp) -> None:
 
 
 def _skip(*_) -> None:
-    """(one rank traced: no other ranks' shapes to compare)"""
+    """Skips DDP's shape check: with one rank traced, no other ranks' shapes exist."""
 
 
 def _fake_comm_hook(model, cfg) -> None:
-    """parallel.comm_hook on the fake group (_python_reducer's hooks take a gradient)."""
+    """parallel.comm_hook on the fake group, where _python_reducer's hooks take a gradient."""
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.parallel.comm_hook)
     if dtype is not None:
         model.register_comm_hook(dtype, _fake_reduce)
 
 
 def _fake_reduce(state, bucket):
-    """parallel.comm_hook=fp16|bf16 under the python reducer: the gradient cast, reduced,
-    cast back (torch's fp16/bf16_compress_hook on one parameter's gradient)."""
+    """parallel.comm_hook=fp16|bf16 under the python reducer: cast, all-reduce, cast back.
+
+    It is torch's fp16/bf16_compress_hook on one parameter's gradient."""
     import torch.distributed as dist
 
     grad = bucket[0]  # (grad, param)
@@ -108,11 +114,13 @@ def _fake_reduce(state, bucket):
 
 @contextlib.contextmanager
 def _python_reducer():
-    """DDP's python reducer (torch's, for compiled autograd): each gradient all-reduced by
-    a post-accumulate hook on the same process group. DDP's C++ reducer reads its buckets'
-    values as it rebuilds them, which fake tensors lack; the gradients, their sum and the
-    bytes reduced are the same (the calls: one a parameter, not one a bucket). The global
-    settings DDP changes for it are put back."""
+    """DDP on torch's python reducer, made for compiled autograd, for a fake step.
+
+    Each gradient is all-reduced by a post-accumulate hook on the same process group. DDP's
+    C++ reducer reads its buckets' values as it rebuilds them, which fake tensors lack. The
+    gradients, their sum and the bytes reduced are the same; the calls are one a parameter,
+    not one a bucket, until ddp_calls counts them. The global settings DDP changes for it
+    are put back."""
     import torch._dynamo.config as dynamo
     import torch._inductor.config as inductor
     from torch._dynamo import trace_rules

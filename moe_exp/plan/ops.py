@@ -1,5 +1,6 @@
-"""The ops of a traced step (plan.trace): each compute op's FLOPs, bytes and dtype, and each
-collective's message and group: what plan/roofline.py turns into time."""
+"""Records the ops of a traced step, which plan/roofline.py turns into time.
+
+Each compute op's FLOPs, bytes and dtype; each collective's message size and group."""
 from __future__ import annotations
 
 import contextlib
@@ -17,8 +18,10 @@ NO_DATA = {torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.aten.em
 
 @functools.cache
 def _formulas() -> dict:
-    """torch's flop_registry with the project's formulas for what it lacks (grouped_mm, the
-    CPU and every SDPA kernel: bench/formulas.py), as FlopCounterMode's custom_mapping."""
+    """torch's flop_registry plus the project's formulas, as FlopCounterMode's custom_mapping.
+
+    bench/formulas.py covers what the registry lacks: grouped_mm and every SDPA kernel, the
+    CPU's included."""
     from torch.utils.flop_counter import flop_registry, shape_wrapper
 
     from ..bench.formulas import flop_formulas
@@ -27,15 +30,16 @@ def _formulas() -> dict:
 
 
 class StepOps(TorchDispatchMode):
-    """The ops of the steps run while `on`: each compute op's FLOPs (torch's flop_registry,
-    as bench/flop_check.py counts them), bytes read and written (its tensors', views none) and
-    dtype, for a roofline; each c10d collective's message (the largest tensor it takes: an
-    all-gather's output, a reduce-scatter's input; an all-reduce's tensors) and the global
-    ranks of its group."""
+    """Records the ops of the steps run while `on`, for a roofline.
+
+    Each compute op's FLOPs, counted as flop_check.py counts them; the bytes of the tensors
+    it reads and writes, none for views; its dtype. Each c10d collective's message and the
+    global ranks of its group. The message is the largest tensor it takes, such as an
+    all-gather's output or a reduce-scatter's input; for an all-reduce, all its tensors."""
 
     def __init__(self):
         super().__init__()
-        self.on = False  # (_steps turns it on)
+        self.on = False  # _steps turns it on
         self.ops: list[tuple[float, int, torch.dtype | None]] = []
         self.calls: list[tuple[str, int, tuple]] = []
 
@@ -71,7 +75,7 @@ class StepOps(TorchDispatchMode):
 
     @property
     def comm(self) -> dict:
-        """collective -> {"calls", "bytes"}."""
+        """Calls and bytes per collective: name -> {"calls", "bytes"}."""
         seen = {}
         for name, nbytes, _ in self.calls:
             got = seen.setdefault(name, {"calls": 0, "bytes": 0})
@@ -81,8 +85,9 @@ class StepOps(TorchDispatchMode):
 
 
 def process_group(a):
-    """A c10d op's process group argument (boxed as a ScriptObject) or a functional one's
-    group name as a ProcessGroup; None for any other argument."""
+    """An op's argument as a ProcessGroup, or None where it names no group.
+
+    A c10d op passes its group boxed as a ScriptObject; a functional collective, its name."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 

@@ -1,11 +1,13 @@
-"""The plan's step time from its traced step (plan.trace.StepOps) and the hardware profile:
-each op takes the longer of its FLOPs at the peak FLOP/s of its dtype and its bytes (read
-and written) at hardware.memory_bandwidth (a roofline of the eager step: no fusion); each
-collective moves its message's bus share (nccl-tests' convention, as task=comm measures it:
-2(n-1)/n for an all-reduce, (n-1)/n otherwise) at hardware.link_bandwidth where its group
-is within a node (hardware.devices_per_node), else at hardware.network_bandwidth; or as a
-task=comm record measured it (hardware.comm_from). Nothing overlaps: an upper bound where
-FSDP's prefetch or DDP's buckets hide communication."""
+"""The plan's step time, from its traced step's ops and the hardware profile.
+
+Each op takes the longer of its FLOPs at the peak FLOP/s of its dtype and the bytes it reads
+and writes at hardware.memory_bandwidth: a roofline of the eager step, with no fusion. Each
+collective moves its message's bus share at hardware.link_bandwidth where its group is
+within a node (hardware.devices_per_node), else at hardware.network_bandwidth; or it takes
+the time a task=comm record measured, named by hardware.comm_from. The bus share is
+nccl-tests' convention, as task=comm measures it: 2(n-1)/n for an all-reduce, (n-1)/n
+otherwise. Nothing overlaps, so the time is an upper bound where FSDP's prefetch or DDP's
+buckets hide communication."""
 from __future__ import annotations
 
 import torch
@@ -20,7 +22,7 @@ def _peak(hw, dtype, precision: str) -> tuple[str, float | None]:
 
 
 def compute_ms(ops, hw, precision: str) -> tuple[float | None, str | None]:
-    """(the ops' roofline time in ms, or None and why)."""
+    """The ops' roofline time in ms, or None and why not."""
     if not hw.memory_bandwidth:
         return None, f"hardware={hw.name} gives no memory_bandwidth: set " \
                      "hardware.memory_bandwidth=<bytes/s per device>"
@@ -38,9 +40,10 @@ def compute_ms(ops, hw, precision: str) -> tuple[float | None, str | None]:
 
 
 def comm_curves(path: str) -> dict:
-    """A task=comm record's measured latency by collective and message size (its
-    metrics.json, or the run dir that holds it): {op: (world size, [(bytes, seconds)])}.
-    Raises ValueError naming what is wrong."""
+    """A task=comm record's measured latency by collective and message size.
+
+    `path` is its metrics.json or the run dir that holds it. Returns {op: (world size,
+    [(bytes, seconds)])}; raises ValueError naming what is wrong."""
     import json
     from pathlib import Path
 
@@ -63,9 +66,11 @@ def _share(name: str, n: int) -> float:
 
 
 def _measured_s(curve, name: str, nbytes: int, n: int) -> float:
-    """A message's time from task=comm's curve: interpolated in log-log between the sizes
-    measured, the smallest's latency below them, the largest's bandwidth above; scaled
-    from the measured world size's bus share to this group's."""
+    """A message's time in seconds from task=comm's curve.
+
+    Interpolated in log-log between the sizes measured, the smallest's latency below them,
+    the largest's bandwidth above; scaled from the measured world size's bus share to this
+    group's."""
     import math
 
     world, points = curve
@@ -82,8 +87,8 @@ def _measured_s(curve, name: str, nbytes: int, n: int) -> float:
 
 
 def comm_ms(ops, hw) -> tuple[float | None, str | None]:
-    """(the collectives' time in ms, or None and why)."""
-    curves = comm_curves(hw.comm_from) if hw.get("comm_from") else {}
+    """The collectives' time in ms, or None and why not."""
+    curves = comm_curves(hw.comm_from) if hw.comm_from else {}
     seconds = 0.0
     for name, nbytes, ranks in ops.calls:
         n = len(ranks)

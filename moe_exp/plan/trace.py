@@ -1,11 +1,13 @@
-"""One training step of the configured run traced on fake tensors (torch's FakeTensorMode:
-shapes and dtypes, no memory), its live tensor memory tracked by torch's MemTracker
-(plan/tracker.py), its ops and collectives recorded (plan/ops.py), the routing's reads
-answered (plan/values.py). The model, the optimizations, the optimizer and the step are the
-real code's, so any architecture is planned without a formula of its own; a parallel
-strategy shards it as it would on a fake process group of the configured world size, rank
-0 traced (plan/fake_world.py). `measure_step` runs the same steps on real tensors under
-the same tracker: what the plan is checked against on CPU."""
+"""Traces one training step of the configured run on fake tensors, for its plan.
+
+torch's FakeTensorMode keeps shapes and dtypes but no memory. The step's live tensor memory
+is tracked by torch's MemTracker (plan/tracker.py), its ops and collectives are recorded
+(plan/ops.py) and the routing's reads answered (plan/values.py). The model, the
+optimizations, the optimizer and the step are the real code's, so any architecture is
+planned without a formula of its own. A parallel strategy shards it as it would on a fake
+process group of the configured world size, with rank 0 traced (plan/fake_world.py).
+`measure_step` runs the same steps on real tensors under the same tracker: on CPU, the plan
+is checked against it."""
 from __future__ import annotations
 
 import contextlib
@@ -32,7 +34,7 @@ KINDS = {"Parameter": "params", "Sharded Param": "params", "Buffer": "buffers",
 
 
 def unplannable(cfg) -> tuple[str, str] | None:
-    """(key, why) where the trace cannot follow the configuration, else None."""
+    """The key and why, where the trace cannot follow the configuration; else None."""
     if cfg.precision.name == "fp8":
         return "precision", "task=plan does not trace torchao's float8 training yet: fp32, " \
                             "tf32, fp16 or bf16"
@@ -67,11 +69,13 @@ def _build(cfg, micro_batch: int, device: torch.device, world: int):
 
 
 def _steps(cfg, built, tracker, last=None) -> None:
-    """The optimizer's state made as a first step makes it (its update on zero gradients,
-    as big as a step's), then a full step (forward, backward, optimizer) as the bench loop
-    runs it, inside whatever modes are active: the steady state's peak, in one step's
-    time, not two. last: a StepOps that records the full step only."""
-    from ..bench.loop import micro_step, optimizer_step
+    """Runs a first optimizer step, then a full step as train/loop.py runs it.
+
+    The first makes the optimizer's state with an update on zero gradients, as big as a
+    real step's; the full step (forward, backward, optimizer) then reaches the steady
+    state's peak in one step's time, not two. Both run inside whatever modes are active.
+    `last` is a StepOps that records the full step only."""
+    from ..train.loop import micro_step, optimizer_step
 
     applied, optimizer, scheduler, tokens = built
     params = [p for p in applied.model.parameters() if p.requires_grad]
@@ -111,10 +115,11 @@ FAKE_DEVICE = torch.device("cpu")  # where fake tensors "live": any profile is t
 
 
 def _eager(cfg, device: torch.device | None = None):
-    """A copy of cfg for a traced or tracked step (on `device` where given): compile off
-    (dynamo does not trace under an outer fake mode, and the tracker follows eager ops), the
-    model's dispatch resolved for its device."""
-    from ..bench.runner import resolve_model_dispatch
+    """A copy of cfg for a traced or tracked step, on `device` where given.
+
+    Compile is off: dynamo does not trace under an outer fake mode, and the tracker follows
+    eager ops. The model's dispatch is resolved for the device."""
+    from ..optimizations.dispatch import resolve_model_dispatch
 
     cfg = copy.deepcopy(cfg)
     cfg.train.compile = "off"
@@ -125,24 +130,28 @@ def _eager(cfg, device: torch.device | None = None):
 
 
 def planned_config(cfg):
-    """The traced step's config: balanced routing, no compile (dynamo does not trace under
-    an outer fake mode; the plan is of the eager step), the trace's device, the model's
-    dispatch resolved."""
+    """The traced step's config: the eager step on the trace's device, routing balanced.
+
+    Routing stays skewed where model.routing=skewed. Compile is off, since dynamo does not
+    trace under an outer fake mode; the model's dispatch is resolved for the device."""
     cfg = _eager(cfg, FAKE_DEVICE)
     if cfg.model.num_experts and cfg.model.routing != "skewed":
         cfg.model.routing = "balanced"
-    if cfg.parallel.name != "none":  # (AdamW's fused and foreach kernels on fake DTensors
-        cfg.optim.impl = "for-loop"  # held 4.5x the optimizer's state at the step, which
-        # real ones do not: the loop's temporaries are one parameter's at a time)
+    # AdamW's fused and foreach kernels on fake DTensors hold several times the optimizer's
+    # state at the step, which real ones do not; the loop's temporaries are one parameter's
+    if cfg.parallel.name != "none":
+        cfg.optim.impl = "for-loop"
+    # grouped_mm's shape function takes bf16 only; the loop's memory is the grouped
+    # kernel's: the same rows, the same saved inputs
     if cfg.model.dispatch == "grouped" and cfg.precision.autocast_dtype != "bf16":
-        cfg.model.dispatch = "loop"  # (grouped_mm's shape function takes bf16 only; the
-        # loop's memory is the grouped kernel's: the same rows, the same saved inputs)
+        cfg.model.dispatch = "loop"
     return cfg
 
 
 def trace_step(cfg, micro_batch: int | None = None) -> StepMemory:
-    """The plan of one step of `cfg` on one device (rank 0 of hardware.devices under FSDP),
-    traced on fake tensors."""
+    """The plan of one step of `cfg` on one device, traced on fake tensors.
+
+    Under a parallel strategy the device is rank 0 of hardware.devices."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..model.capacity import capacity
@@ -171,13 +180,14 @@ def trace_step(cfg, micro_batch: int | None = None) -> StepMemory:
 
 
 def _no_init(self) -> None:
-    """(fake weights have no values to initialize)"""
+    """Skips weight init: fake weights have no values to initialize."""
 
 
 def measure_step(cfg, micro_batch: int | None = None) -> StepMemory:
-    """The same steps on real tensors (the configured routing; under a parallel strategy,
-    in the ranks' process group), their live tensor memory tracked the same way: the plan's
-    check on a machine that can run it."""
+    """The plan's steps on real tensors, tracked the same way: its check where it can run.
+
+    The routing is the configured one; under a parallel strategy the steps run in the
+    ranks' process group."""
     import torch.distributed as dist
 
     cfg = _eager(cfg)

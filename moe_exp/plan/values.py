@@ -1,6 +1,7 @@
-"""Values for the reads a fake step makes (fake tensors hold none): the routing's counts,
-exact where they follow from shapes alone (Shadows), else as balanced routing makes them
-(BalancedCounts)."""
+"""Values for the data-dependent reads of a fake step, whose tensors hold none.
+
+The routing's counts are exact where they follow from shapes alone (Shadows), else as
+balanced routing makes them (BalancedCounts)."""
 from __future__ import annotations
 
 import torch
@@ -11,12 +12,13 @@ from .ops import NO_DATA, process_group
 
 
 class BalancedCounts(TorchDispatchMode):
-    """Answers the dispatch's data-dependent reads on fake tensors, which hold no values, as
-    balanced routing (model.routing=balanced) makes them. A call's counts of tokens per
-    expert (.tolist(), .max()) are read in expert order: expert e gets kept // E, one more
-    for the first kept % E. A sum of counts splits `kept` evenly over its elements (the
-    rows a token capacity kept: one sum, all of it; expert parallelism's rows per rank and
-    per local expert: kept / ranks and kept / local experts)."""
+    """Answers the dispatch's reads on fake tensors as model.routing=balanced makes them.
+
+    A call's counts of tokens per expert, read by .tolist() or .max(), come in expert order:
+    expert e gets kept // E, one more for the first kept % E. A sum of counts splits `kept`
+    evenly over its elements: the rows a token capacity kept are one sum, all of it; expert
+    parallelism's rows per rank and per local expert are kept / ranks and kept / local
+    experts."""
 
     def __init__(self, kept: int, experts: int):
         super().__init__()
@@ -41,7 +43,7 @@ class BalancedCounts(TorchDispatchMode):
         return self.kept // k + (i % k < self.kept % k)
 
     def _sum_of(self, t):
-        """The sum whose element `t` is (tolist reads a view of each element)."""
+        """The sum that `t` is an element of; tolist reads each element through a view."""
         while t is not None:
             if t in self.sums:
                 return t
@@ -50,13 +52,15 @@ class BalancedCounts(TorchDispatchMode):
 
 
 class Shadows(BalancedCounts):
-    """Real values beside the fake integer tensors (and float scalars) whose values follow
-    from shapes alone: the routing's choices (model.routing=balanced or skewed: by
-    position) and what is computed from them only (counts per expert, sorts, sums, a token
-    capacity's drops by position; expert parallelism's exchange of counts, every rank
-    routing as rank 0 does), an optimizer's step count. A read of one is its value; a read
-    of any other integer (a capacity's drops by routing weight) is BalancedCounts', of any
-    other float 0 (a flag: GradScaler's found_inf, no inf)."""
+    """Keeps real values beside the fake tensors whose values follow from shapes alone.
+
+    These are integer tensors and float scalars: the routing's choices, which go by position
+    under model.routing=balanced or skewed; what is computed from them only, such as counts
+    per expert, sorts, sums, a token capacity's drops by position and expert parallelism's
+    exchange of counts, every rank routing as rank 0 does; and an optimizer's step count.
+    A read of one gives its value. A read of any other integer, such as a capacity's drops
+    by routing weight, is answered as BalancedCounts does; of any other float, 0: that is
+    a flag such as GradScaler's found_inf, and no inf is found."""
 
     LIMIT = 1 << 22  # elements: a shadow is a real tensor
 
@@ -108,9 +112,10 @@ class Shadows(BalancedCounts):
             self.real[fake] = value
 
     def _exchange(self, func, args) -> None:
-        """A collective on the counts: an all-to-all hands rank 0 each rank's chunk for
-        rank 0 (every rank's own counts are rank 0's); any other leaves its tensors
-        without values."""
+        """Follows a collective on the counts, every rank's counts being rank 0's.
+
+        An all-to-all hands rank 0 each rank's chunk for rank 0; any other collective leaves
+        its tensors without values."""
         from torch.utils._python_dispatch import _disable_current_modes
 
         if func.overloadpacket.__name__ == "alltoall_base_" and args[1] in self.real:
@@ -128,6 +133,6 @@ LIFTS = {torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy}
 
 
 def _written(func, args) -> list:
-    """The tensors an op writes in place (its schema's mutable arguments)."""
+    """The tensors an op writes in place: its schema's mutable arguments."""
     return [a for a, s in zip(args, func._schema.arguments) if isinstance(a, torch.Tensor)
             and s.alias_info is not None and s.alias_info.is_write]

@@ -1,1 +1,1 @@
-"""Sweeps (-m): each job in its own process, one table at the end (docs/sweeps.md)."""
+"""Sweeps under -m: each job in its own process, one table at the end; see docs/sweeps.md."""

@@ -1,19 +1,23 @@
-"""The answer a sweep is run for: per baseline group, the fastest configuration that fits
-(it ran: status ok) with its loss ok, then the Pareto frontier of tokens/s vs peak memory
-among such rows. A row whose loss was not judged (one repeat) can be the answer, and the
-answer says so; a row whose loss is not ok never is, and the answer names the faster ones."""
+"""The answer a sweep is run for: per baseline group, the fastest configuration that fits.
+
+A configuration fits where it ran to status ok; the answer's loss is ok too. The Pareto
+frontier of tokens/s vs peak memory among such rows follows. A row whose loss was not
+judged, with one repeat, can be the answer, and the answer says so; a row whose loss is not
+ok never is, and the answer names the faster ones."""
 from __future__ import annotations
 
 import shlex
 
 from .plots import pareto_mask
-from .table import _fmt, _num, override_items
+from .table import cell_text, number_or_none, override_items
 
 
 def _groups(df):
-    """Rows per baseline group (build_table's: the same baseline_job). A row without one
-    (not finished, so never grouped by size) joins its model's first group."""
-    has = [_num(b) is not None or isinstance(b, str) for b in df["baseline_job"]]
+    """The table's rows per baseline group: the same baseline_job, as build_table sets it.
+
+    A row without one, not finished and so never grouped by size, joins its model's first
+    group."""
+    has = [number_or_none(b) is not None or isinstance(b, str) for b in df["baseline_job"]]
     out: dict = {}
     for i, b in enumerate(df["baseline_job"]):
         if has[i]:
@@ -27,18 +31,20 @@ def _groups(df):
 
 
 def verdict(v) -> bool | None:
-    """A loss_ok cell as True, False or None (numpy's bools and NaN included)."""
+    """A loss_ok cell as True, False or None, numpy's bools and NaN included."""
     return None if v is None or v != v else bool(v)
 
 
 def _fits(g):
     """Rows that ran to the end with a throughput."""
-    return g[(g["status"] == "ok") & g["tokens_per_s"].map(lambda v: _num(v) is not None)]
+    return g[(g["status"] == "ok") & g["tokens_per_s"].map(lambda v: number_or_none(v) is not None)]
 
 
 def pick(g):
-    """(the answer row or None, the loss-ok-or-unjudged rows that fit, the faster rows whose
-    loss is not ok) of one group. Ties: the fewer-optimizations row (the baseline first)."""
+    """One group's answer row or None, its candidates, and the faster rows whose loss is not ok.
+
+    The candidates are the rows that fit with their loss ok or not judged. On a tie the row
+    with fewer optimizations wins, the baseline first."""
     fit = _fits(g)
     bad = fit["loss_ok"].map(lambda v: verdict(v) is False).astype(bool)
     cands = fit[~bad]
@@ -59,39 +65,38 @@ def command(row) -> str:
 
 
 def _loss(row, base, hint: bool) -> str:
-    """The row's held-out loss, against the baseline's and the data's floor, and its
-    verdict."""
+    """The row's held-out loss, against the baseline's and the data's floor, and its verdict."""
     ok = verdict(row.get("loss_ok"))
     said = {True: "loss ok", False: "loss NOT ok"}.get(ok, "loss not judged")
     if hint and ok is None:
         said += " (one initialization: sweep.repeats=3 sweep.vary_init=true judges it)"
-    ev = _num(row.get("eval_loss"))
+    ev = number_or_none(row.get("eval_loss"))
     if ev is None:
         return f"no held-out loss, {said}"
     notes = []
-    bev = None if base is None or bool(row.get("baseline")) else _num(base.get("eval_loss"))
+    bev = None if base is None or bool(row.get("baseline")) else number_or_none(base.get("eval_loss"))
     if bev is not None:
         notes.append(f"{ev - bev:+.4f} vs the baseline")
-    if (gap := _num(row.get("eval_gap"))) is not None:
+    if (gap := number_or_none(row.get("eval_gap"))) is not None:
         notes.append(f"{gap:.4f} above the data's floor")
     return f"held-out loss {ev:.4f}" + (f" ({'; '.join(notes)})" if notes else "") + \
         f", {said}"
 
 
 def _row_line(row, base, hint: bool = False) -> str:
-    sp = _num(row.get("speedup"))
+    sp = number_or_none(row.get("speedup"))
     vs = "the baseline" if bool(row.get("baseline")) else \
         (f"{sp:.2f}× the baseline's tokens/s" if sp is not None else "no speedup")
-    saved = _num(row.get("mem_saved_pct"))
-    mem = f"peak {_fmt(row.get('peak_mem_gib'), '.3f')} GiB" + \
+    saved = number_or_none(row.get("mem_saved_pct"))
+    mem = f"peak {cell_text(row.get('peak_mem_gib'), '.3f')} GiB" + \
         (f" ({abs(saved):.0f}% {'less' if saved >= 0 else 'more'} memory)"
          if saved is not None and not bool(row.get("baseline")) else "")
-    return (f"job {row['job']} ({row['label']}): {_fmt(row['tokens_per_s'], ',.0f')} "
+    return (f"job {row['job']} ({row['label']}): {cell_text(row['tokens_per_s'], ',.0f')} "
             f"tokens/s, {vs}, {mem}, {_loss(row, base, hint)}")
 
 
 def answer_text(df) -> str:
-    """The report's opening section (markdown), '' for an empty or non-training table."""
+    """The report's opening section, in markdown; '' for an empty or non-training table."""
     if not len(df) or ("task" in df and (df["task"] == "comm").all()):
         return ""
     many = df["model"].nunique() > 1 or df["baseline_job"].nunique() > 1
@@ -114,7 +119,7 @@ def answer_text(df) -> str:
                       f"{_row_line(best, base, hint=True)}.", "", f"    {command(best)}", ""]
         if len(worse):
             lines.append("Faster, but the loss is not ok: " + "; ".join(
-                f"job {r['job']} ({r['label']}, {_fmt(r['speedup'], '.2f', '×')})"
+                f"job {r['job']} ({r['label']}, {cell_text(r['speedup'], '.2f', '×')})"
                 for _, r in worse.iterrows()) + ".")
         if missed:
             lines.append("Did not run to the end: " + ", ".join(

@@ -1,6 +1,8 @@
-"""Hydra callback of every multirun: progress (job k of n, combination, elapsed, time left),
-the table rebuilt after each job (an interrupted sweep keeps its rows), and at the end the
-printed table, plots, report.md and the W&B summary run."""
+"""Hydra callback of every multirun: progress, the table after each job, the report at the end.
+
+Progress is job k of n, its combination, the time elapsed and the time left. The table is
+rebuilt after each job, so an interrupted sweep keeps its rows. At the end come the printed
+table, plots, report.md and the W&B summary run."""
 from __future__ import annotations
 
 import sys
@@ -13,9 +15,9 @@ from omegaconf import DictConfig
 from omegaconf.errors import InterpolationResolutionError
 
 from ..config import override_texts
-from ..hydra_internals import plan
+from ..hydra_internals import is_search, plan
 from .live import baseline_of, sweep_group, update_table
-from .search import direction_error, is_search
+from .search import direction_error
 from .table import read_record
 
 
@@ -24,7 +26,7 @@ NO_JOB_OK = False
 
 
 def no_job_ok() -> bool:
-    """Whether the last multirun of this process ended with no job ok (cli exits 1)."""
+    """Whether the last multirun of this process ended with no job ok; cli then exits 1."""
     return NO_JOB_OK
 
 
@@ -38,7 +40,7 @@ def _fmt_s(s: float) -> str:
 
 
 def reused(rec, job_t0: float) -> bool:
-    """A record from before the job started: sweep.resume reused it (nothing ran)."""
+    """Whether the record is from before the job started: sweep.resume reused it, nothing ran."""
     import datetime as dt
 
     try:
@@ -82,7 +84,7 @@ class SweepCallback(Callback):
 
             line = e if isinstance(e, SweepError) else interpolation_error_line(e, sys.argv[1:])
             print(f"error: {line}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None  # run.EXIT_INVALID (Hydra passes SystemExit on)
+            raise SystemExit(2) from None  # cli.EXIT_INVALID (Hydra passes SystemExit on)
         if warning := resume_warning(config):
             print(warning, file=sys.stderr, flush=True)
         self.t0 = time.time()
@@ -130,7 +132,7 @@ class SweepCallback(Callback):
         _update_table(config)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from ..report import report
+        from .report import report
         from .table import collect
 
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -163,17 +165,19 @@ class SweepCallback(Callback):
             print(f"error: {write_error_line(e)} (every job's record is in its dir: python "
                   f"-m moe_exp.report {sweep_dir} makes the table once there is room)",
                   file=sys.stderr, flush=True)
-            raise SystemExit(1) from None  # (Hydra passes SystemExit on: run.EXIT_FAILED)
+            raise SystemExit(1) from None  # (Hydra passes SystemExit on: cli.EXIT_FAILED)
         finally:
             self.release(sweep_dir)
 
     def release(self, sweep_dir: Path) -> None:
-        """The sweep has ended: its lock files go. .results.lock first: only this sweep's
-        jobs take it (its .sweep.lock keeps other sweeps out), and they have ended. Then
-        .sweep.lock, removed while still held: a sweep that opened it just before and locks
-        it after finds the file gone and opens a new one (checks.claim_dir), so no two
-        sweeps ever hold the dir. A sweep that is interrupted leaves them: harmless, a lock
-        is the flock on an open file, which ends with the process, not the file."""
+        """Removes the ended sweep's lock files.
+
+        .results.lock goes first: only this sweep's jobs take it, as its .sweep.lock keeps
+        other sweeps out, and they have ended. Then .sweep.lock, removed while still held: a
+        sweep that opened it just before and locks it after finds the file gone and opens a
+        new one (checks.claim_dir), so no two sweeps ever hold the dir. An interrupted sweep
+        leaves them, which is harmless: a lock is the flock on an open file, which ends with
+        the process, not the file."""
         if self.lock is None:
             return
         try:

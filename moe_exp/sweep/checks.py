@@ -1,6 +1,8 @@
-"""Checks of a whole sweep before its first job, for what would otherwise show only after
-every job ran (a typo in sweep.baseline), become a row per job (a value no key allows), or
-mix another sweep's rows into this one's table (a reused sweep dir)."""
+"""Checks of a whole sweep before its first job.
+
+They catch what would otherwise show only after every job ran, such as a typo in
+sweep.baseline; become a row per job, such as a value no key allows; or mix another sweep's
+rows into this one's table, as a reused sweep dir would."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,17 +11,21 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 
 class SweepError(Exception):
-    """One line, `key: what` (the callback prints it and exits 2: Hydra would only warn about
-    an exception a callback raises, and run the sweep)."""
+    """A sweep check's failure, one line: `key: what`.
+
+    The callback prints it and exits 2: Hydra would only warn about an exception a callback
+    raises, and run the sweep."""
 
 
 def check_sweep(config: DictConfig, params: dict) -> None:
-    """params: each swept key (as written) -> its values."""
+    """Checks the sweep's settings, its dir, and its swept keys, values and baseline.
+
+    params: each swept key, as written, -> its values."""
     from .. import validate
     from ..config import ConfigError
 
     try:  # sweep.* settings are the same for every job: wrong, they would fail each one
-        validate.check_sweep(config)
+        validate.check_ranges(config, "sweep.")
     except ConfigError as e:
         raise SweepError(str(e)) from None
     check_dir(config)
@@ -29,21 +35,23 @@ def check_sweep(config: DictConfig, params: dict) -> None:
 
 
 def check_jobs(config: DictConfig, jobs: list[list[str]], validate: bool = True) -> None:
-    """Every job's configuration, before any runs:
-    - a job Hydra cannot compose (an option no group has): Hydra's own line;
-    - two jobs that would be one row (they differ only in keys their configuration does not
-      read, which results.config_hash leaves out: comm.* on task=bench, a parallel=none
-      run's rank settings, ...): the second's record would be dropped from the table;
-    - validate: every job invalid or skipped (a `+` key no group has, a value every
-      combination rejects, precision=tf32,fp8 on a CPU): the first job's error. Jobs are
-      validated in order until one can run (usually the first); invalid or skipped
-      combinations among ones that run are rows (docs/sweeps.md:
-      Nothing lost). Off for launchers whose jobs resolve their hardware where they run.
-    - a key only one option of its group reads (data.path, Muon's keys), where no job picks
-      that option (validate.check_unread: a sweep's jobs leave it unread)
-    Composing a job costs Hydra ~0.1 s: jobs validated are composed as the launcher will,
-    the rest from one composition per choice of groups plus their value overrides
-    (_Jobs.fast); a pair found that way is confirmed by composing both in full."""
+    """Checks every job's configuration before any runs.
+
+    - A job Hydra cannot compose, such as an option no group has: Hydra's own line.
+    - Two jobs that would be one row: they differ only in keys their configuration does not
+      read, which results.config_hash leaves out, such as comm.* on task=bench or a
+      parallel=none run's rank settings. The second's record would be dropped from the table.
+    - With `validate`, every job invalid or skipped, as with a `+` key no group has, a value
+      every combination rejects, or precision=tf32,fp8 on a CPU: the first job's error. Jobs
+      are validated in order until one can run, usually the first; invalid or skipped
+      combinations among ones that run are rows (docs/sweeps.md: Nothing lost). Off for
+      launchers whose jobs resolve their hardware where they run.
+    - A key that only one option of its group reads, such as data.path or Muon's keys,
+      where no job picks that option (validate.check_unread).
+
+    Composing every job in full would be slow: the jobs validated are composed as the
+    launcher will, the rest from one composition per choice of groups plus their value
+    overrides (_Jobs.fast). A pair found that way is confirmed by composing both in full."""
     from ..pipeline import prepare
     from ..validate import unread_keys
 
@@ -118,8 +126,10 @@ def _listed_twice(config) -> str | None:
 
 
 class _Baseline:
-    """Whether some job's row can match sweep.baseline, from the columns a job's config fixes
-    (check_baseline checks swept keys; this, the rest: a key the sweep fixes elsewhere)."""
+    """Checks that some job's row can match sweep.baseline, by the columns a job's config fixes.
+
+    check_baseline checks the swept keys; this checks the rest, keys the sweep fixes
+    elsewhere."""
     # record columns new_record fills from the config and nothing changes later
     FIXED = {"model", "precision", "parallel", "data", "optim", "activation_checkpointing",
              "compile", "micro_batch_size", "grad_accum_steps", "seq_len", "task"}
@@ -127,13 +137,13 @@ class _Baseline:
     def __init__(self, config: DictConfig) -> None:
         from ..results import EXTRAS, FIELDS
         from .live import baseline_of
-        from .table import ADDED, _norm_key
+        from .table import ADDED, norm_key
 
         # (a resumed dir's table also has the rows of earlier values: not checked)
         self.want = {} if config.sweep.resume else (baseline_of(config.sweep) or {})
         other = {*FIELDS, *EXTRAS, *ADDED} - self.FIXED  # known only once a job runs
-        if any(_norm_key(k) in other or _norm_key(k).startswith("busbw_gbps_") or
-               _norm_key(k).endswith(("_min", "_max")) for k in self.want):
+        if any(norm_key(k) in other or norm_key(k).startswith("busbw_gbps_") or
+               norm_key(k).endswith(("_min", "_max")) for k in self.want):
             self.want = {}
         self.seen: dict[str, set[str]] = {k: set() for k in self.want}
         self.matched = not self.want
@@ -143,11 +153,11 @@ class _Baseline:
             return
         from ..results import new_record
         from ..pipeline import container
-        from .table import _value, same_value
+        from .table import row_value, same_value
 
         try:
             row = new_record(container(cfg), list(overrides))
-            got = {k: _value(row, k, "sweep.baseline") for k in self.want}
+            got = {k: row_value(row, k, "sweep.baseline") for k in self.want}
         except Exception:  # noqa: BLE001 - not known before the job runs: not checked
             self.matched = True
             return
@@ -158,16 +168,16 @@ class _Baseline:
     def check(self) -> None:
         if self.matched:
             return
-        from .table import _MISSING, baseline_text
+        from .table import MISSING, baseline_text
 
-        have = "; ".join(f"{k}: {', '.join(sorted(v - {str(_MISSING)})) or 'unset'}"
+        have = "; ".join(f"{k}: {', '.join(sorted(v - {str(MISSING)})) or 'unset'}"
                          for k, v in self.seen.items())
         raise SweepError(f"sweep.baseline: no job of this sweep has {baseline_text(self.want)} "
                          f"(its jobs have {have}): no row could be the baseline")
 
 
 class _Jobs:
-    """Sweep jobs' configurations (Hydra's own node left out) and row keys."""
+    """Sweep jobs' configurations, less Hydra's own node, and their row keys."""
 
     def __init__(self, config: DictConfig) -> None:
         from hydra.core.global_hydra import GlobalHydra
@@ -180,8 +190,10 @@ class _Jobs:
         self.groups: set[str] = set()  # config groups chosen in the jobs composed in full
 
     def full(self, overrides) -> DictConfig:
-        """As the launcher composes the job (Hydra composes every job before the first
-        runs: an error here ends the sweep there too)."""
+        """The job's config, composed as the launcher composes it.
+
+        Hydra composes every job before the first runs, so an error here would end the sweep
+        there too."""
         try:
             cfg = self.loader.load_sweep_config(self.config, list(overrides))
         except Exception as e:  # noqa: BLE001 - e.g. an option no group has
@@ -194,8 +206,10 @@ class _Jobs:
         return cfg
 
     def fast(self, overrides) -> DictConfig:
-        """The composition of the job's group choices, with its value overrides set (the
-        groups: those of the jobs composed in full before, the first job among them)."""
+        """The job's config from one composition of its group choices, its value overrides set.
+
+        The groups known are those of the jobs composed in full before, the first job among
+        them."""
         parsed = self.parser.parse_overrides(list(overrides))
         values = [o for o in parsed if not self._group(o.key_or_group)]
         if any(o.is_delete() for o in values):
@@ -222,21 +236,22 @@ class _Jobs:
     def row(cfg: DictConfig) -> tuple:
         from ..results import row_key
         from ..pipeline import container
-        from .job import _key_record
+        from .job import key_record
 
-        return row_key(_key_record(container(cfg)))
+        return row_key(key_record(container(cfg)))
 
 
 def _recorded_jobs(d: Path) -> int:
-    """Jobs with a record: a job's, or a repeat's (a job cut short during its repeats)."""
+    """The number of jobs with a record: a job's, or a repeat's where a job was cut short."""
     from .table import job_dirs
 
     return len({*job_dirs(d), *(p.parent.parent for p in d.glob("*/rep*/metrics.json"))})
 
 
 def resume_warning(config: DictConfig) -> str | None:
-    """sweep.resume on a dir with no records (a typo; or a requeued job's first start,
-    which is why it runs): said once the dir is this sweep's (claim_dir)."""
+    """A warning for sweep.resume on a dir with no records, said once the dir is this sweep's.
+
+    It may be a typo, or a requeued job's first start, which is why the sweep still runs."""
     d = Path(config.hydra.sweep.dir)
     if config.sweep.resume and not _recorded_jobs(d):
         return (f"[sweep] warning: sweep.resume=true, but '{d}' holds no job records: nothing "
@@ -255,9 +270,10 @@ def check_dir(config: DictConfig) -> None:
 
 
 def claim_dir(d: Path):
-    """Lock the sweep dir for this sweep's life (the returned file holds the lock): a second
-    sweep into it (a resume started twice, two sweeps given one dir) would write the same
-    job dirs. A filesystem without locks: unguarded."""
+    """Lock the sweep dir for this sweep's life; the returned file holds the lock.
+
+    A second sweep into it, such as a resume started twice or two sweeps given one dir,
+    would write the same job dirs. On a filesystem without locks the dir is unguarded."""
     import fcntl
     import os
     import socket
@@ -290,9 +306,10 @@ def claim_dir(d: Path):
 
 
 def check_measured(params: dict) -> None:
-    """A swept key must change what is measured or label it (`extra.*`): sweep.* and logger
-    settings are left out of the config hash, so their values would give one row (keys
-    a configuration does not read: check_jobs)."""
+    """Checks that each swept key changes what is measured or labels it, as `extra.*` does.
+
+    sweep.* and logger settings are left out of the config hash, so their values would give
+    one row. check_jobs checks the keys a configuration does not read."""
     for key, values in params.items():
         k = key.lstrip("+")
         if k.split(".")[0] in ("sweep", "logger") and len(values) > 1:
@@ -301,9 +318,10 @@ def check_measured(params: dict) -> None:
 
 
 def _group_options(group: str) -> list[str]:
-    """A config group's options as Hydra finds them (--config-dir included; a group only
-    hydra.searchpath adds: [], its options are checked when the jobs are composed); [] for
-    a key that is no group."""
+    """A config group's options as Hydra finds them, --config-dir included; [] for no group.
+
+    A group that only hydra.searchpath adds gives [] too: its options are checked when the
+    jobs are composed."""
     from hydra.core.global_hydra import GlobalHydra
 
     from ..config import CONF, group_options
@@ -314,8 +332,9 @@ def _group_options(group: str) -> list[str]:
 
 
 def check_values(params: dict) -> None:
-    """Swept values of keys with a fixed set of options (config.CHOICES) and of config
-    groups (Hydra would say so only after writing multirun.yaml)."""
+    """Checks the swept values of config groups and of keys with fixed options, config.CHOICES.
+
+    Hydra would say so only after writing multirun.yaml."""
     from ..config import CHOICES
     from ..validate import not_one_of
 
@@ -333,22 +352,24 @@ def _unquoted(v: str) -> str:
 
 
 def check_baseline(config: DictConfig, params: dict) -> None:
-    """sweep.baseline / baseline_by keys: a record column (results FIELDS or EXTRAS, a key
-    of its `extra` dict, task=comm's busbw_gbps_<op>, a repeats' *_min / *_max), or a key
-    this sweep sets on the command line or in a preset."""
+    """Checks that sweep.baseline and baseline_by name columns or keys this sweep sets.
+
+    A key is a record column: results FIELDS or EXTRAS, a key of its `extra` dict, task=comm's
+    busbw_gbps_<op>, or a repeat's *_min or *_max; or a key this sweep sets on the command
+    line or in a preset. A baseline value must be one that some job has."""
     from ..config import override_texts
     from ..results import EXTRAS, FIELDS
-    from .table import ADDED, _norm_key, _typed, same_value
+    from .table import ADDED, norm_key, typed_value, same_value
 
     columns = {*FIELDS, *EXTRAS, *ADDED}
-    overridden = {_norm_key(k) for k in [*params, *(o.split("=", 1)[0] for o in override_texts(
+    overridden = {norm_key(k) for k in [*params, *(o.split("=", 1)[0] for o in override_texts(
         config.hydra.overrides.task) if "=" in o)]}
     baseline = OmegaConf.to_container(config.sweep.baseline) if config.sweep.baseline else {}
     extras = None
     for what, keys in (("sweep.baseline", list(baseline)),
                        ("sweep.baseline_by", list(config.sweep.baseline_by))):
         for key in keys:
-            k = _norm_key(key)
+            k = norm_key(key)
             if k.startswith("extra.") and k not in overridden:
                 extras = extras if extras is not None else _extra_labels(config, params)
                 if extras is not _UNKNOWN and k not in extras:
@@ -360,14 +381,14 @@ def check_baseline(config: DictConfig, params: dict) -> None:
                                  "compile, optim, model, extra.seed_row) nor a key this sweep "
                                  "sets")
     # swept values as written: '1e-3' quoted is the string a job's table row compares
-    swept = {_norm_key(k): v for k, v in params.items()}
+    swept = {norm_key(k): v for k, v in params.items()}
     # a swept key: a row per value (a resumed dir's table also has earlier values' rows)
     for key, want in ({} if config.sweep.get("resume") else baseline).items():
-        values = swept.get(_norm_key(key))
-        if values and not any(same_value(_typed(v), want) for v in values):
+        values = swept.get(norm_key(key))
+        if values and not any(same_value(typed_value(v), want) for v in values):
             raise SweepError(f"sweep.baseline: {key}={want} is not among the swept values "
                              f"({', '.join(values)}): no row could be the baseline")
-        labels = None if values or not isinstance(extras, dict) else extras.get(_norm_key(key))
+        labels = None if values or not isinstance(extras, dict) else extras.get(norm_key(key))
         # a label the swept options set (seed_row)
         if labels and not any(same_value(v, want) for v in labels):
             raise SweepError(f"sweep.baseline: {key}={want} is not a value any job has "
@@ -375,9 +396,11 @@ def check_baseline(config: DictConfig, params: dict) -> None:
 
 
 def _extra_labels(config: DictConfig, params: dict):
-    """{extra.KEY: the values it can have} for the labels a job of this sweep can have: the
-    composed config's (run.yaml, presets, the command line) and those the options of a swept
-    group set (seed_row); _UNKNOWN where an option is not moe_exp's own file."""
+    """The labels a job of this sweep can have: {extra.KEY: the values it can have}.
+
+    They are the composed config's, from run.yaml, presets and the command line, and those
+    the options of a swept group set, such as seed_row. _UNKNOWN where an option is not
+    moe_exp's own file."""
     from ..config import CONF
 
     labels: dict[str, set[str]] = {}

@@ -1,5 +1,8 @@
-"""A sweep job's own process: `python -m moe_exp.sweep.child <job.json>` runs the resolved
-config in job.json and writes metrics.json beside it (see sweep/job.py)."""
+"""A sweep job's own process: runs the resolved config in job.json, writes metrics.json beside it.
+
+    python -m moe_exp.sweep.child <job.json>
+
+sweep/job.py starts it."""
 from __future__ import annotations
 
 import sys

@@ -1,10 +1,10 @@
-"""One sweep job (called by `run.main` under -m): validate here, run the benchmark in its
-own process, and return a record whatever happens, so Hydra never sees a job raise and
-always reaches `on_multirun_end`.
+"""One sweep job: validate it, run it in its own process, return a record whatever happens.
 
-Layout: <sweep dir>/<job num>/metrics.json (with sweep.repeats=N: rep<i>/metrics.json per
-repeat and the combined record at the job level), job.log (the child's output), job.json
-(the resolved config the child ran).
+cli.main calls it under -m. A job never raises, so Hydra always reaches `on_multirun_end`.
+
+Layout of <sweep dir>/<job num>/: metrics.json, and with sweep.repeats=N a rep<i>/metrics.json
+per repeat beside the combined record; job.log, the child's output; job.json, the resolved
+config the child ran.
 """
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ from omegaconf import OmegaConf
 from ..config import override_texts
 from ..results import (config_hash, failed_record, why_died, hold_sigint, release_sigint,
                        row_key, stop_signal, write_json_atomic)
+from ..hydra_internals import is_search
 from .live import sweep_group
-from .search import is_search, trial_values
+from .search import trial_values
 from .table import DONE, combine, read_record
 
 
@@ -61,7 +62,7 @@ def run_job(cfg) -> dict:
         print(f"error: {write_error_line(e)}: the sweep stops here (the jobs before this "
               f"one keep their records: python -m moe_exp.report {sweep_dir} remakes the table "
               "once there is room)", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None  # (Hydra passes SystemExit on: run.EXIT_FAILED)
+        raise SystemExit(1) from None  # (Hydra passes SystemExit on: cli.EXIT_FAILED)
     if is_search(hc.sweeper):  # Optuna's sweeper learns from values (or a failed trial)
         return trial_values(rec, sweep_dir, cfg.sweep)
     return rec
@@ -72,7 +73,7 @@ def _run_job(cfg, job_dir: Path, sweep_dir: Path, overrides, choices, num: int) 
 
     s = cfg.sweep
     cfg, rec = prepare(cfg, overrides, in_sweep=True)
-    set_aside(job_dir, row_key(rec if rec is not None else _key_record(container(cfg))))
+    set_aside(job_dir, row_key(rec if rec is not None else key_record(container(cfg))))
     if rec is not None:  # invalid or skipped: no process started
         print(f"[sweep] job #{num}: {rec['status']}: {rec['error']}", file=sys.stderr)
         log_record(rec)
@@ -100,11 +101,11 @@ def _run_job(cfg, job_dir: Path, sweep_dir: Path, overrides, choices, num: int) 
 
 def _repeats(cfg, cfg_dict: dict, job_dir: Path, sweep_dir: Path, overrides, choices,
              num: int) -> dict:
-    """The job's sweep.repeats runs (or the records a resume finds for them)."""
+    """The job's sweep.repeats runs, or the records a resume finds for them; the job's record."""
     from ..pipeline import log_record
 
     s = cfg.sweep
-    pool = finished_records(sweep_dir, row_key(_key_record(cfg_dict)), job_dir) \
+    pool = finished_records(sweep_dir, row_key(key_record(cfg_dict)), job_dir) \
         if s.resume else []
     reps = []
     for i in range(s.repeats):
@@ -124,12 +125,12 @@ def _repeats(cfg, cfg_dict: dict, job_dir: Path, sweep_dir: Path, overrides, cho
             rec = run_child(cfg_dict, overrides, choices, rdir, s)
             log_record(rec)  # into this job's run.log (the child has no log file)
         else:
-            from ..pipeline import distributed_run, run
+            from ..pipeline import ranked, run
 
             global _RUNS_HERE
             # a later run in this process (a run with ranks: those are fresh processes,
             # their figures are theirs)
-            shared = _RUNS_HERE > 0 and not distributed_run(cfg)
+            shared = _RUNS_HERE > 0 and not ranked(cfg)
             rec = run(cfg, out_dir=rdir, progress=sys.stderr.isatty(), overrides=overrides,
                       choices=choices, shared_process=shared, in_sweep=True)
             _RUNS_HERE += 1
@@ -155,8 +156,7 @@ _RUNS_HERE = 0  # runs of an in-process sweep (sweep.isolate=false) made by this
 
 
 def _interrupted_record(job_dir: Path, since: float) -> dict | None:
-    """The newest record a run of this job wrote on Ctrl-C (crashed: interrupted ...) after
-    `since`."""
+    """The newest record a run of this job wrote on Ctrl-C after `since`: crashed, interrupted."""
     found = [(t, r) for p in [job_dir / "metrics.json", *job_dir.glob("rep*/metrics.json")]
              if p.is_file() and (t := p.stat().st_mtime) >= since
              and (r := read_record(p)) is not None and r.get("status") == "crashed"
@@ -164,16 +164,18 @@ def _interrupted_record(job_dir: Path, since: float) -> dict | None:
     return max(found, key=lambda x: x[0])[1] if found else None
 
 
-def _key_record(cfg_dict: dict) -> dict:
+def key_record(cfg_dict: dict) -> dict:
     """The parts of a record row_key reads, from a job's config."""
     return {"config_hash": config_hash(cfg_dict), "extra": dict(cfg_dict.get("extra") or {})}
 
 
 def set_aside(job_dir: Path, key: tuple) -> Path | None:
-    """A resumed sweep numbers its jobs anew: with other values, job_dir may hold another
-    configuration's records. They move to <num>-<their config hash> beside it (the table
-    and a later resume still find them; the job-level record last, so a move cut short is
-    found and finished next time) before this job writes; returns where to."""
+    """Moves another configuration's records out of job_dir, before this job writes there.
+
+    A resumed sweep numbers its jobs anew, so with other values job_dir may hold another
+    configuration's records. They move to <num>-<their config hash> beside it, where the
+    table and a later resume still find them. The job-level record moves last, so a move cut
+    short is found and finished next time. Returns where they went, or None."""
     prev = next((r for p in [job_dir / "metrics.json", *sorted(job_dir.glob("rep*/metrics.json"))]
                  if (r := read_record(p)) is not None), None)
     if prev is None or row_key(prev) == key:
@@ -200,8 +202,7 @@ def set_aside(job_dir: Path, key: tuple) -> Path | None:
 
 
 def finished_records(sweep_dir: Path, key: tuple, job_dir: Path) -> list[tuple[Path, dict]]:
-    """Per-run records of this row (results.row_key) with a finished status, this job's own
-    first."""
+    """Per-run records of this row, by results.row_key, with a finished status; this job's first."""
     found = []
     for p in sorted(Path(sweep_dir).glob("*/metrics.json")) + \
             sorted(Path(sweep_dir).glob("*/rep*/metrics.json")):
@@ -219,8 +220,8 @@ def run_child(cfg_dict: dict, overrides, choices, out_dir: Path, s) -> dict:
     metrics = out_dir / "metrics.json"
     metrics.unlink(missing_ok=True)
     spec = out_dir / "job.json"
-    # progress on: its bar (every 10 s off a terminal) is what job.log holds of a job killed
-    # at sweep.job_timeout_s or by a signal (it was empty)
+    # progress on: of a job killed at sweep.job_timeout_s or by a signal, its bar, every 10 s
+    # off a terminal, is all that job.log holds
     write_json_atomic(spec, {"config": cfg_dict, "overrides": overrides, "choices": choices,
                              "progress": True})
     from ..hardware import env_for

@@ -1,6 +1,7 @@
-"""A running sweep's shared state: its table kept current after each job (under a lock), its
-baseline setting and its W&B group. Used by the callback, the jobs, the checks and the
-report (below them all: no cycle)."""
+"""A running sweep's shared state: its table, its baseline setting and its W&B group.
+
+The table is kept current after each job, under a lock. The callback, the jobs, the checks
+and the report use it; it sits below them all in the imports, so there is no cycle."""
 from __future__ import annotations
 
 import contextlib
@@ -16,8 +17,10 @@ def sweep_group(cfg, sweep_dir: Path) -> str:
 
 
 def update_table(sweep_dir: Path, sweep: DictConfig) -> None:
-    """Keep results.* current: an interrupted sweep still has its table. Under a lock, so
-    jobs that end together (submitit) each write a table read after the other's."""
+    """Keep results.* current, so that an interrupted sweep still has its table.
+
+    It runs under a lock, so jobs that end together, as under submitit, each write a table
+    read after the other's."""
     try:
         from .table import collect, sweep_table, write_tables
 
@@ -36,8 +39,10 @@ def update_table(sweep_dir: Path, sweep: DictConfig) -> None:
 
 @contextlib.contextmanager
 def _locked(path: Path):
-    """An exclusive flock on `path`, created if need be; where the sweep's end removed the
-    file while this process waited (SweepCallback.release), the lock of a new one."""
+    """An exclusive flock on `path`, created if need be.
+
+    Where the sweep's end removed the file while this process waited
+    (SweepCallback.release), it locks a new one."""
     import fcntl
     import os
 

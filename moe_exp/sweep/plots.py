@@ -1,4 +1,5 @@
 """PNG plots of a sweep table: throughput, peak memory, throughput-vs-memory Pareto frontier.
+
 Shared by `moe_exp.report` and notebooks/results.ipynb."""
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ DPI = 110  # laid out and saved at the same dpi (text does not scale linearly wi
 
 
 def ok_rows(df):
-    """Finished rows with a throughput, each named by its combination (and its model where
-    the sweep has several)."""
+    """Finished rows with a throughput, each named by its combination.
+
+    The name carries the model too where the sweep has several."""
     out = df[(df["status"] == "ok") & df["tokens_per_s"].notna()].copy()
     models = out["model"].nunique() > 1
 
@@ -23,7 +25,7 @@ def ok_rows(df):
 
 
 def pareto_mask(df):
-    """Rows no other row beats on both throughput (higher) and peak memory (lower)."""
+    """Rows that no other row beats on both higher throughput and lower peak memory."""
     import numpy as np
 
     pts = list(zip(df["tokens_per_s"], df["peak_mem_gib"]))
@@ -39,8 +41,9 @@ def pareto_mask(df):
 
 
 def frontier_mask(df):
-    """pareto_mask within each model: trading throughput for memory means something only
-    between combinations of one model."""
+    """pareto_mask within each model.
+
+    Trading throughput for memory means something only between combinations of one model."""
     import numpy as np
 
     keep = np.zeros(len(df), dtype=bool)
@@ -135,9 +138,10 @@ PLOTS = {"throughput": throughput, "memory": memory, "pareto": pareto}
 
 
 def figure(name: str, df):
-    """The named plot of the table as a laid-out matplotlib figure (as write_plots saves it).
-    A Figure of its own (Agg canvas): pyplot and its backend are left alone, so a notebook's
-    inline plots keep working."""
+    """The named plot of the table as a laid-out matplotlib figure, as write_plots saves it.
+
+    It is a Figure of its own on an Agg canvas: pyplot and its backend are left alone, so a
+    notebook's inline plots keep working."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -150,7 +154,7 @@ def figure(name: str, df):
 
 
 def write_plots(df, out_dir: Path) -> dict[str, Path]:
-    """throughput.png, memory.png, pareto.png in out_dir (only those with data)."""
+    """Write throughput.png, memory.png and pareto.png in out_dir, those with data only."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     d = ok_rows(df)

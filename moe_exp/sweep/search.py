@@ -1,6 +1,8 @@
-"""A search trial's values for Optuna (`+sweep=search`): (tokens/s, peak GiB) of a row that
-fits with its loss not judged bad; any other row raises TrialFailed, which the sweeper
-tells Optuna as a failed trial (the row is in the table all the same)."""
+"""A search trial's values for Optuna under `+sweep=search`: tokens/s and peak GiB.
+
+They are those of a row that fits with its loss not judged bad. Any other row raises
+TrialFailed, which the sweeper tells Optuna as a failed trial; the row is in the table all
+the same."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,19 +12,14 @@ class TrialFailed(Exception):
     """A trial Optuna must not learn values from: the reason, one line."""
 
 
-def is_search(sweeper) -> bool:
-    """hydra.sweeper is the Optuna sweeper (+sweep=search's, or the plugin's own): its trials
-    return values, not records, and its number of trials is the sampler's."""
-    target = str(sweeper.get("_target_", ""))
-    return "optuna" in target.lower() or target.endswith(".SearchSweeper")
-
-
 DIRECTIONS = ["maximize", "minimize"]  # the trial's values: tokens/s, peak GiB
 
 
 def direction_error(sweeper) -> str | None:
-    """A search whose directions are not DIRECTIONS (the plugin's default is one,
-    "minimize"): Optuna would fail every trial, or minimize tokens/s."""
+    """One line for a search whose directions are not DIRECTIONS; None where they are.
+
+    The plugin's default is one direction, "minimize": Optuna would fail every trial, or
+    minimize tokens/s."""
     from omegaconf import ListConfig
 
     d = sweeper.get("direction")
@@ -35,10 +32,12 @@ def direction_error(sweeper) -> str | None:
 
 
 def trial_values(rec: dict, sweep_dir: Path, sweep=None) -> list[float]:
-    """[tokens/s, peak GiB] of rec, or TrialFailed: not ok (oom, skipped: it does not fit;
-    invalid, diverged, error, crashed), nothing measured, or its loss not ok against the
-    baseline row of the sweep's table so far (loss_ok false; null where not judged; the
-    sweep's own sweep.baseline and baseline_by)."""
+    """[tokens/s, peak GiB] of rec; else raises TrialFailed.
+
+    It raises where the run is not ok: oom or skipped, which do not fit, or invalid,
+    diverged, error, crashed. Also where nothing was measured, or where its loss is not ok
+    against the baseline row of the sweep's table so far: loss_ok false, by the sweep's own
+    sweep.baseline and baseline_by. A loss not judged passes."""
     if rec.get("status") != "ok":
         raise TrialFailed(f"{rec.get('status')}: {str(rec.get('error') or '')[:200]}")
     tps, mem = rec.get("tokens_per_s"), rec.get("peak_mem_gib")
@@ -52,8 +51,10 @@ def trial_values(rec: dict, sweep_dir: Path, sweep=None) -> list[float]:
 
 
 def loss_verdict(rec: dict, sweep_dir: Path, sweep=None) -> bool | None:
-    """rec's loss_ok in the table of the sweep dir's records (its own row included), with
-    the sweep's baseline settings (`sweep`: cfg.sweep; None: the default baseline)."""
+    """rec's loss_ok in the table of the sweep dir's records, its own row included.
+
+    `sweep` is cfg.sweep, whose baseline settings the table takes; None for the default
+    baseline."""
     from ..results import row_key
     from .answer import verdict
     from .live import baseline_of

@@ -1,5 +1,8 @@
-"""`+sweep=search`'s study starts from the baseline, so every later trial has a row to be
-compared with (used by hydra_plugins/moe_exp_search, the sweeper Hydra instantiates)."""
+"""`+sweep=search`'s study set-up: the baseline first, unrunnable precisions left out.
+
+Starting from the baseline gives every later trial a row to be compared with.
+hydra_plugins/moe_exp_search, the sweeper Hydra instantiates, uses this; cli.py registers
+that sweeper."""
 from __future__ import annotations
 
 import logging
@@ -7,19 +10,11 @@ import logging
 log = logging.getLogger(__name__)
 
 
-def register() -> None:
-    """Make the sweeper known to Hydra: its plugin scan misses a namespace package that an
-    editable install (pip install -e) maps through an import hook (Hydra's own
-    Plugins.register; a regular install is found by the scan as well)."""
-    from hydra.core.plugins import Plugins
-    from hydra_plugins.moe_exp_search.search_sweeper import SearchSweeper
-
-    Plugins.instance().register(SearchSweeper)
-
-
 def space(impl, arguments: list[str]) -> dict:
-    """The search space as the sweeper parses it: {key: Optuna distribution} of its
-    hydra.sweeper.params and the command line's sweep arguments (the last of a key wins)."""
+    """The search space as the sweeper parses it: {key: Optuna distribution}.
+
+    From its hydra.sweeper.params and the command line's sweep arguments; the last of a key
+    wins."""
     from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
 
     impl._process_searchspace_config()
@@ -29,8 +24,10 @@ def space(impl, arguments: list[str]) -> dict:
 
 
 def enqueue_baseline(impl, arguments: list[str]) -> None:
-    """A new study (none in the storage yet) gets one trial enqueued: the first value of
-    each choice(...) of the space (a preset puts every optimization's off first). `impl`:
+    """Enqueue the baseline as a new study's first trial.
+
+    A study is new where the storage has none yet. The baseline is the first value of each
+    choice(...) of the space; a preset puts every optimization's off first. `impl` is
     hydra-optuna-sweeper's OptunaSweeperImpl, before its sweep()."""
     import optuna
 
@@ -51,10 +48,11 @@ def enqueue_baseline(impl, arguments: list[str]) -> None:
 
 
 def drop_unrunnable(impl, arguments: list[str]) -> list[str]:
-    """The arguments with the values of a `precision` choice this machine cannot run left
-    out (validate.precision_here: tf32 and fp8 on a CPU): each trial of one would be a
-    skipped row, and the sampler learns nothing from a failed trial. Only where the jobs
-    run here (not submitit's) and some value is left; says which went and why."""
+    """The arguments, less the `precision` choices this machine cannot run, e.g. fp8 on a CPU.
+
+    validate.precision_here decides. Each trial of one would be a skipped row, and the
+    sampler learns nothing from a failed trial. Only where the jobs run here, not under
+    submitit, and some value is left; it prints which went and why."""
     import optuna
     from omegaconf import OmegaConf
 

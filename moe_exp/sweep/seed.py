@@ -1,5 +1,7 @@
-"""The seed guide's two tables (shared/seeds/000, "Benchmark Results"), filled with our
-measurements from a `+sweep=seed_table` run, beside the guide's claims."""
+"""The seed guide's two tables, filled with a `+sweep=seed_table` run's measurements.
+
+The guide is shared/seeds/000, its "Benchmark Results"; its claims stand beside the
+measurements."""
 from __future__ import annotations
 
 import json
@@ -18,7 +20,7 @@ MEMORY_ROWS = (("baseline", "Baseline", "-"),
                ("mem_cpu_offload", "+ CPU Offloading", "47%"))
 
 
-def _row_key(extra, key: str = "seed_row") -> str | None:
+def seed_row_key(extra, key: str = "seed_row") -> str | None:
     if isinstance(extra, str):
         try:
             extra = json.loads(extra)
@@ -27,7 +29,7 @@ def _row_key(extra, key: str = "seed_row") -> str | None:
     return extra.get(key) if isinstance(extra, dict) else None
 
 
-def _cell(r, value: str) -> str:
+def seed_cell(r, value: str) -> str:
     if r is None:
         return "not run"
     if r["status"] != "ok":
@@ -38,14 +40,14 @@ def _cell(r, value: str) -> str:
     return value
 
 
-def _md(header: list[str], rows: list[list[str]]) -> str:
+def seed_markdown(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
 def seed_tables(df) -> str:
     """Markdown for both tables, or "" when the sweep has no seed rows."""
-    keys = [_row_key(e) for e in df.get("extra", [])]
+    keys = [seed_row_key(e) for e in df.get("extra", [])]
     if not any(keys):
         return ""
     d = df.assign(seed_row=keys)
@@ -67,14 +69,14 @@ def seed_tables(df) -> str:
         for m in models:
             r, b = at.get((key, m)), at.get(("baseline", m))
             ok = r is not None and r["status"] == "ok"
-            cells.append(_cell(r, f"{r['tokens_per_s']:,.0f}" if ok else ""))
+            cells.append(seed_cell(r, f"{r['tokens_per_s']:,.0f}" if ok else ""))
             if ok and b is not None and b["status"] == "ok":
                 ratios.append(r["tokens_per_s"] / b["tokens_per_s"])
         geo = f"{math.exp(sum(map(math.log, ratios)) / len(ratios)):.2f}x" if ratios else "—"
         rows.append([label, *cells, geo, claim])
     out = ["## The seed's tables, measured", "",
            "### Training Throughput (tokens/second)", "",
-           _md(["Configuration", *map(size, models), "Speedup (geo-mean)", "Seed claims"], rows),
+           seed_markdown(["Configuration", *map(size, models), "Speedup (geo-mean)", "Seed claims"], rows),
            "", "Rows are cumulative as in the seed; speedup is the geometric mean over the "
            "columns of each model's tokens/s over its baseline. The expert-parallel rows run "
            "on 2 devices (ranks) at the same micro batch per rank, so their global batch is "
@@ -95,10 +97,10 @@ def seed_tables(df) -> str:
             if ok and key != "baseline" and base is not None and base["status"] == "ok" \
                     and pd.notna(base["peak_mem_gib"]):
                 saved = f"{100 * (1 - r['peak_mem_gib'] / base['peak_mem_gib']):.0f}%"
-            rows.append([label, weights, _cell(r, f"{r['peak_mem_gib']:.3f} GiB" if ok else "—"),
+            rows.append([label, weights, seed_cell(r, f"{r['peak_mem_gib']:.3f} GiB" if ok else "—"),
                          saved if ok else "—", claim])
         out += [f"**{size(m)}**", "",
-                _md(["Optimization", "Model Size (fp32 weights)", "Peak Memory", "Memory Saved",
+                seed_markdown(["Optimization", "Model Size (fp32 weights)", "Peak Memory", "Memory Saved",
                      "Seed claims"], rows), ""]
     return "\n".join(out)
 
@@ -149,8 +151,8 @@ def _infer_cell(r, base) -> str:
 
 
 def seed_inference_table(df) -> str:
-    """Markdown for +sweep=seed_inference's rows beside the seed's claims ("" without)."""
-    keys = [_row_key(e, "seed_infer_row") for e in df.get("extra", [])]
+    """Markdown for +sweep=seed_inference's rows beside the seed's claims; "" without them."""
+    keys = [seed_row_key(e, "seed_infer_row") for e in df.get("extra", [])]
     if not any(keys):
         return ""
     d = df.assign(seed_infer_row=keys)
@@ -160,12 +162,12 @@ def seed_inference_table(df) -> str:
               if r["seed_infer_row"]}
         base = at.get("baseline")
         base = base if base is not None and base["status"] == "ok" else None
-        rows = [[label, _cell(at.get(key), _infer_cell(at[key], base) if key in at else ""),
+        rows = [[label, seed_cell(at.get(key), _infer_cell(at[key], base) if key in at else ""),
                  claim] for key, label, claim in INFERENCE_ROWS]
         head = f"**{m}** (baseline: " + (
             f"{base['tokens_per_s']:,.0f} tokens/s, weights {base['weights_gib']:.3f} GiB, "
             f"held-out loss {base['eval_loss']:.4f}" if base is not None else "not run") + ")"
-        out += [head, "", _md(["Option (the seed's values)", "Measured", "Seed claims"], rows),
+        out += [head, "", seed_markdown(["Option (the seed's values)", "Measured", "Seed claims"], rows),
                 ""]
     out.append("Memory here is the weights the device holds (expert moves are accounted, not "
                "made): the seed's table gives peak memory of a training run. Batching rows "

@@ -1,8 +1,10 @@
-"""Seed 002's claims (shared/seeds/002, "Expected Performance Improvements"), beside what a
-`+sweep=seed002` run measured: each checklist item against its reference row."""
+"""Seed 002's claims beside what a `+sweep=seed002` run measured.
+
+The claims are shared/seeds/002's "Expected Performance Improvements"; each checklist item
+is measured against its reference row."""
 from __future__ import annotations
 
-from .seed import _cell, _md, _row_key
+from .seed import seed_cell, seed_markdown, seed_row_key
 
 # (row key in extra.seed002_row, label, the seed's claim, the row it is measured against)
 ROWS = (("baseline", "Baseline (every item off; fp32, math attention)", "-", None),
@@ -23,10 +25,11 @@ def _pct(new, old) -> str:
 
 
 def seed002_table(df) -> str:
-    """Markdown of the seed's claims and the measured change per item, or "" when the sweep
-    has no seed002 rows. One row per item (the first run of each: one model)."""
+    """Markdown of the seed's claims and the measured change per item; "" without seed002 rows.
+
+    One row per item: the first run of each, so one model."""
     at = {}
-    for r, key in zip(df.to_dict("records"), (_row_key(e, "seed002_row") for e in df.get("extra", []))):
+    for r, key in zip(df.to_dict("records"), (seed_row_key(e, "seed002_row") for e in df.get("extra", []))):
         if key and key not in at:
             at[key] = r
     if not at:
@@ -40,11 +43,11 @@ def seed002_table(df) -> str:
         mem = _pct(r["peak_mem_gib"], b["peak_mem_gib"]) if both and r["peak_mem_gib"] and \
             b["peak_mem_gib"] else "-"
         loss = f"{r['loss_last']:.3f}" if ok else "-"
-        rows.append([label, _cell(r, f"{r['tokens_per_s']:,.0f}" if ok else ""),
+        rows.append([label, seed_cell(r, f"{r['tokens_per_s']:,.0f}" if ok else ""),
                      f"{speed} (vs {ref})" if ref and both else speed, mem, loss, claim])
     return "\n".join([
         "## Seed 002's claims, measured", "",
-        _md(["Item", "tokens/s", "Speed change", "Peak memory change", "Last loss",
+        seed_markdown(["Item", "tokens/s", "Speed change", "Peak memory change", "Last loss",
              "Seed claims"], rows), "",
         "Each item is measured against its reference row (in brackets) at the same model "
         "and micro-batch; the DDP rows run 2 ranks (their tokens/s sums both). `gc_ms` says "

@@ -1,5 +1,6 @@
-"""A sweep's table: one row per job (the result record) plus speedup and memory saved
-against a baseline row; repeats combined into median and spread."""
+"""A sweep's table: a row per job, its record, plus speedup and memory saved against a baseline.
+
+Repeats are combined into median and spread."""
 from __future__ import annotations
 
 import functools
@@ -26,21 +27,23 @@ COMPUTED = ("label", "baseline", "baseline_job", "speedup", "speedup_significant
 _HIDDEN_OVERRIDES = ("sweep.", "+sweep", "hydra.", "logger", "+logger")
 
 
-def _num(x) -> float | None:
+def number_or_none(x) -> float | None:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
 
 
 # keys every record has (results.new_record): a file without them is not one
 RECORD_KEYS = ("status", "config_hash", "model", "precision", "overrides")
 # record fields that hold text; the others hold numbers or null
-_TEXT = ("status", "error", "model", "precision", "parallel", "hardware", "data", "optim",
+TEXT_FIELDS = ("status", "error", "model", "precision", "parallel", "hardware", "data", "optim",
          "activation_checkpointing", "compile", "overrides", "config_hash", "device_name",
          "torch_version", "timestamp")
 
 
 def _not_a_number(rec: dict) -> str | None:
-    """The first field of a record that holds the wrong kind of value (a hand-edited file):
-    a number field something else, a text field not text, overrides not a list of text."""
+    """Why a record is malformed: its first field that holds the wrong kind of value; else None.
+
+    A hand-edited file may hold a number field that is something else, a text field not
+    text, or overrides not a list of text."""
     from ..results import FIELDS
 
     for k in FIELDS:
@@ -50,7 +53,7 @@ def _not_a_number(rec: dict) -> str | None:
         if k == "overrides":
             if not isinstance(v, list) or not all(isinstance(o, str) for o in v):
                 return f"overrides is {v!r}, not a list of text"
-        elif k in _TEXT:
+        elif k in TEXT_FIELDS:
             if not isinstance(v, str):
                 return f"{k} is {v!r}, not text"
         elif isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -59,8 +62,9 @@ def _not_a_number(rec: dict) -> str | None:
 
 
 def read_record(path: Path, warn: bool = False) -> dict | None:
-    """A run's record; None where the file is missing or is not a record (warn: say so on
-    stderr, naming the file)."""
+    """A run's record; None where the file is missing or is not a record.
+
+    warn: say so on stderr, naming the file."""
     rec, why = _read(path)
     if why is not None and warn:
         print(f"warning: {path}: {why}: left out of the table", file=sys.stderr)
@@ -68,7 +72,7 @@ def read_record(path: Path, warn: bool = False) -> dict | None:
 
 
 def _read(path: Path) -> tuple[dict | None, str | None]:
-    """(the record, None); (None, why it is not one); (None, None) where there is no file."""
+    """Reads a record: (record, None); (None, why it is not one); (None, None) without a file."""
     from ..results import STATUSES
 
     try:
@@ -89,18 +93,20 @@ def _read(path: Path) -> tuple[dict | None, str | None]:
 
 
 def job_dirs(sweep_dir: Path) -> list[Path]:
-    """Job dirs of a sweep (those holding a metrics.json), in job order."""
+    """Job dirs of a sweep, those holding a metrics.json, in job order."""
     dirs = [p.parent for p in Path(sweep_dir).glob("*/metrics.json")]
     return sorted(dirs, key=lambda d: (0, int(d.name), "") if d.name.isdigit() else (1, 0, d.name))
 
 
 def collect(sweep_dir: Path, warn: bool = True, keep: bool = False) -> list[dict]:
-    """Job-level records, in job order; one per row (configuration and labels: resume may
-    copy a record, see results.row_key). warn: name each file that is not a record.
-    keep (for a table about to be rewritten): a job whose record cannot be read now (cut
-    short, edited by hand) keeps the row the sweep's table holds of it, so a table is
-    never rewritten with fewer rows because a record broke (matched by job: its dir's
-    name, as Hydra's default hydra.sweep.subdir names it)."""
+    """A sweep's job-level records, in job order, one per row.
+
+    A row is a configuration and its labels (results.row_key); resume may copy a record,
+    and the copy is left out. warn: name each file that is not a record. keep, for a table
+    about to be rewritten: a job whose record cannot be read now, cut short or edited by
+    hand, keeps the row the sweep's table holds of it, so a table is never rewritten with
+    fewer rows. Rows are matched by job: its dir's name, as Hydra's default
+    hydra.sweep.subdir names it."""
     from ..results import row_key
 
     out, seen, table = [], set(), None
@@ -127,9 +133,10 @@ def collect(sweep_dir: Path, warn: bool = True, keep: bool = False) -> list[dict
 
 
 def _table_rows(sweep_dir: Path) -> tuple[str | None, dict[str, dict]]:
-    """(the table file read, {job: its row as a record}) of the sweep's results.parquet
-    (else results.csv); (None, {}) where there is none that reads. The columns the table
-    computes (label, baseline, speedup, ...) are left out: build_table computes them anew."""
+    """The sweep's table rows as records: (the file read, {job: its row as a record}).
+
+    From results.parquet, else results.csv; (None, {}) where neither reads. The columns the
+    table computes, COMPUTED, are left out: build_table computes them anew."""
     import pandas as pd
 
     for name in ("results.parquet", "results.csv"):
@@ -149,14 +156,16 @@ def _table_rows(sweep_dir: Path) -> tuple[str | None, dict[str, dict]]:
 
 
 def _unflat(key: str, v):
-    """A table cell as the record held it: NaN -> None, numpy -> Python, and a list or
-    dict flat() wrote as JSON text back to one."""
+    """A table cell as the record held it.
+
+    NaN -> None, numpy -> Python, and a list or dict that flat() wrote as JSON text back to
+    one."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return None
     if hasattr(v, "item") and not isinstance(v, (str, bytes)):  # numpy scalar
         v = v.item()
         return None if isinstance(v, float) and math.isnan(v) else v
-    if isinstance(v, str) and (key == "overrides" or key not in _TEXT) and v[:1] in "[{":
+    if isinstance(v, str) and (key == "overrides" or key not in TEXT_FIELDS) and v[:1] in "[{":
         try:
             return json.loads(v)
         except ValueError:
@@ -167,8 +176,10 @@ def _unflat(key: str, v):
 
 
 def combine(records: list[dict]) -> dict:
-    """One record from a combination's repeats: medians of the measurements over the ok
-    repeats, their min and max, and the worst status (a combination is ok only if all are)."""
+    """One record from a combination's repeats: medians over the ok ones, spread, worst status.
+
+    The spread is the min and max of tokens/s, peak memory, step time and the held-out
+    losses. A combination is ok only if all its repeats are."""
     ok = [r for r in records if r["status"] == "ok"]
     bad = [r for r in records if r["status"] != "ok"]
     rec = dict((ok or records)[0])
@@ -187,7 +198,7 @@ def combine(records: list[dict]) -> dict:
         # tokens/s means (for an even count their two medians are not each other's inverse)
         rec["step_time_ms"] = 1e3 * rec["tokens_per_step"] / rec["tokens_per_s"]
         _phases_of(rec, ok)
-    loads = [r["cpu_other_load"] for r in ok if _num(r.get("cpu_other_load")) is not None]
+    loads = [r["cpu_other_load"] for r in ok if number_or_none(r.get("cpu_other_load")) is not None]
     if loads:  # the most contended repeat's: its figures are in the spread
         rec["cpu_other_load"] = max(loads)
     for k in ("tokens_per_s", "peak_mem_gib", "step_time_ms", "eval_loss", "eval_gap"):
@@ -200,9 +211,10 @@ PHASES = ("data_ms", "forward_ms", "backward_ms", "optimizer_ms")
 
 
 def _phases_of(rec: dict, ok: list[dict]) -> None:
-    """The breakdown of the combined step time: each phase's median share of its repeat's
-    step, times that step time (medians of the phases themselves need not add up to it when
-    repeats differ widely)."""
+    """The breakdown of the combined step time: each phase's median share, times that time.
+
+    A share is of its own repeat's step. Medians of the phases themselves need not add up to
+    the step time when repeats differ widely."""
     for k in PHASES:
         shares = [r[k] / r["step_time_ms"] for r in ok
                   if isinstance(r.get(k), (int, float)) and r.get("step_time_ms")]
@@ -212,7 +224,7 @@ def _phases_of(rec: dict, ok: list[dict]) -> None:
         rec["data_share"] = rec["data_ms"] / rec["step_time_ms"]
 
 
-def _norm_key(key: str) -> str:
+def norm_key(key: str) -> str:
     key = key.lstrip("+")
     if key.startswith("train."):
         return key[len("train."):]
@@ -242,42 +254,45 @@ def labels(records: list[dict]) -> list[str]:
 
 
 def _opts_on(row) -> int:
-    on = sum(_num(row.get(k)) is not None and not same_value(row.get(k), off)  # (a record
+    on = sum(number_or_none(row.get(k)) is not None and not same_value(row.get(k), off)  # (a record
              for k, off in OFF.items())  # older than the knob has no value: it was off)
     return on + int((row.get("grad_accum_steps") or 1) > 1)
 
 
-_MISSING = object()
+MISSING = object()
 
 
-def _value(row: dict, key: str, what: str):
-    """row's value of a table column, a dotted key into a dict column (extra.seed_row), or
-    of a key the row's overrides set (parallel.prefetch; typed as Hydra types it)."""
-    k = _norm_key(key)
+def row_value(row: dict, key: str, what: str):
+    """A row's value of `key`: a table column, a dotted key into a dict column, or an override.
+
+    A dotted key such as extra.seed_row reads into a dict column. A key the row's overrides
+    set, such as parallel.prefetch, is typed as Hydra types it."""
+    k = norm_key(key)
     if k in row:
         return row[k]
     head, _, rest = k.partition(".")
-    sub = row.get(head, _MISSING) if rest else _MISSING
+    sub = row.get(head, MISSING) if rest else MISSING
     if isinstance(sub, str):  # a dict column read back from a table file
         try:
             sub = json.loads(sub)
         except ValueError:
-            sub = _MISSING
+            sub = MISSING
     if isinstance(sub, dict):
-        return sub.get(rest, _MISSING)
-    set_here = {_norm_key(o): v for o, v in override_items(row).items()}
+        return sub.get(rest, MISSING)
+    set_here = {norm_key(o): v for o, v in override_items(row).items()}
     if k in set_here:
-        return _typed(set_here[k])
+        return typed_value(set_here[k])
     if rest:
-        return _MISSING  # a dotted key: an override other rows may set (_check_keys)
+        return MISSING  # a dotted key: an override other rows may set (_check_keys)
     raise KeyError(f"{what}: '{key}' is not a column of the table (e.g. precision, "
                    f"activation_checkpointing, compile, model, extra.seed_row)")
 
 
 @functools.lru_cache(maxsize=None)  # the same few override texts, row after row
-def _typed(text: str):
-    """An override's value as Hydra types it (true -> True, 1e-3 -> 0.001), to compare with
-    a baseline's value, which Hydra typed too."""
+def typed_value(text: str):
+    """An override's value as Hydra types it, e.g. true -> True, 1e-3 -> 0.001.
+
+    It is compared with a baseline's value, which Hydra typed too."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
@@ -287,7 +302,9 @@ def _typed(text: str):
 
 
 def same_value(a, b) -> bool:
-    """A row's value and a baseline's, as text, or as numbers (1 and 1.0; not True and 1)."""
+    """Whether a row's value and a baseline's are equal, as text or as numbers.
+
+    1 and 1.0 are equal; True and 1 are not."""
     import numbers
 
     if str(a) == str(b):
@@ -297,13 +314,13 @@ def same_value(a, b) -> bool:
 
 
 def _matches(row, baseline: dict, what: str = "sweep.baseline") -> bool:
-    return all(same_value(_value(row, key, what), want) for key, want in baseline.items())
+    return all(same_value(row_value(row, key, what), want) for key, want in baseline.items())
 
 
 def _check_keys(records: list[dict], keys, what: str) -> None:
-    """A dotted key that no row has (extra.seed_rwo) is a typo, like an unknown column."""
+    """Raises KeyError for a dotted key that no row has, such as extra.seed_rwo: a typo."""
     for key in keys:
-        if records and all(_value(r, key, what) is _MISSING for r in records):
+        if records and all(row_value(r, key, what) is MISSING for r in records):
             raise KeyError(f"{what}: no row has '{key}'")
 
 
@@ -314,8 +331,10 @@ def baseline_text(baseline: dict) -> str:
 
 def build_table(records: list[dict], baseline: dict | None = None, by=("model",),
                 names=("sweep.baseline", "sweep.baseline_by")):
-    """DataFrame: the record fields, then job/label/speedup/mem_saved_pct, then the rest.
-    `names`: where baseline and by came from, for the error on an unknown key."""
+    """The sweep's table as a DataFrame, each row against its group's baseline.
+
+    Columns: the record fields, then job/label/speedup/mem_saved_pct, then the rest.
+    `names` says where baseline and by came from, for the error on an unknown key."""
     import pandas as pd
 
     records = [dict(r) for r in records]
@@ -326,16 +345,16 @@ def build_table(records: list[dict], baseline: dict | None = None, by=("model",)
     _check_keys(records, by, names[1])
     groups: dict = {}
     # a baseline naming a size key (model.hidden_size) compares the sizes: one group
-    sized = any(_norm_key(k).startswith("model.") and _norm_key(k) != "model.dispatch"
+    sized = any(norm_key(k).startswith("model.") and norm_key(k) != "model.dispatch"
                 for k in baseline or {})
     for r in records:
-        key = tuple(_value(r, b, names[1]) for b in by)
+        key = tuple(row_value(r, b, names[1]) for b in by)
         if "model" in by and not sized:  # a model is its name and its size: a sweep over
             # model.hidden_size compares each size with itself, not with another architecture
             key += (r.get("params_total"), r.get("params_active"))
-        groups.setdefault(tuple(str(None if v is _MISSING else v) for v in key), []).append(r)
+        groups.setdefault(tuple(str(None if v is MISSING else v) for v in key), []).append(r)
     for rows in groups.values():
-        ok = [r for r in rows if r["status"] == "ok" and _num(r.get("tokens_per_s"))]
+        ok = [r for r in rows if r["status"] == "ok" and number_or_none(r.get("tokens_per_s"))]
         if baseline:
             # several matches: the one with the fewest optimizations on, if that is one
             cands = sorted((r for r in ok if _matches(r, baseline, names[0])), key=_opts_on)
@@ -360,13 +379,15 @@ def build_table(records: list[dict], baseline: dict | None = None, by=("model",)
 
 
 def loss_ok(r: dict, base: dict) -> bool | None:
-    """Whether the row's held-out loss is no worse than the baseline's beyond the noise the
-    sweep measured: its median exceeds the baseline's by at most the wider of the two rows'
-    spreads (max - min over repeats of different initializations: sweep.vary_init). The
-    gap to the floor where known (seeds of the same data share it), else eval_loss. None:
-    no spread measured (one repeat, or repeats that repeat one another bit for bit)."""
-    key = "eval_gap" if _num(r.get("eval_gap")) is not None else "eval_loss"
-    vals = [_num(x.get(k)) for x in (r, base) for k in (key, f"{key}_min", f"{key}_max")]
+    """Whether the row's held-out loss is no worse than the baseline's beyond the measured noise.
+
+    Its median may exceed the baseline's by at most the wider of the two rows' spreads:
+    max - min over repeats of different initializations, sweep.vary_init. The loss compared
+    is the gap to the data's floor where known, as seeds of the same data share the floor;
+    else eval_loss. None where no spread was measured: one repeat, or repeats identical bit
+    for bit."""
+    key = "eval_gap" if number_or_none(r.get("eval_gap")) is not None else "eval_loss"
+    vals = [number_or_none(x.get(k)) for x in (r, base) for k in (key, f"{key}_min", f"{key}_max")]
     if None in vals:
         return None
     med, lo, hi, bmed, blo, bhi = vals
@@ -379,10 +400,10 @@ def _relative(r: dict, base: dict | None) -> None:
     if base is None or r["status"] != "ok":
         return
     r["loss_ok"] = loss_ok(r, base)
-    tps, btps = _num(r.get("tokens_per_s")), _num(base.get("tokens_per_s"))
+    tps, btps = number_or_none(r.get("tokens_per_s")), number_or_none(base.get("tokens_per_s"))
     if tps and btps:
         r["speedup"] = tps / btps
-    mem, bmem = _num(r.get("peak_mem_gib")), _num(base.get("peak_mem_gib"))
+    mem, bmem = number_or_none(r.get("peak_mem_gib")), number_or_none(base.get("peak_mem_gib"))
     if mem is not None and bmem:
         r["mem_saved_pct"] = 100.0 * (bmem - mem) / bmem
     if r.get("repeats", 1) > 1 and base.get("repeats", 1) > 1 and r is not base:
@@ -404,8 +425,8 @@ def flat(df):
     return out
 
 
-def _fmt(v, spec: str, suffix: str = "") -> str:
-    v = _num(v)
+def cell_text(v, spec: str, suffix: str = "") -> str:
+    v = number_or_none(v)
     if v is None:
         return "—"
     text = f"{v:{spec}}"
@@ -415,8 +436,9 @@ def _fmt(v, spec: str, suffix: str = "") -> str:
 
 
 def sweep_settings(sweep_dir: Path) -> tuple[dict | None, list[str]]:
-    """A sweep's own sweep.baseline and sweep.baseline_by, from the multirun.yaml Hydra
-    wrote in its dir; (None, [model]) where there is none."""
+    """A sweep's own sweep.baseline and sweep.baseline_by, from its dir's multirun.yaml.
+
+    None and ["model"] where there is none."""
     p = Path(sweep_dir) / "multirun.yaml"
     if not p.is_file():
         return None, ["model"]
@@ -434,8 +456,10 @@ def sweep_settings(sweep_dir: Path) -> tuple[dict | None, list[str]]:
 
 
 def sweep_table(records: list[dict], baseline: dict | None, by) -> tuple:
-    """A sweep's own table, with its sweep.baseline / sweep.baseline_by; where those name a
-    key no row has, with the default baseline per model. Returns (table, that error or None)."""
+    """A sweep's own table, by its sweep.baseline and sweep.baseline_by; returns (table, error).
+
+    Where those name a key no row has, the table takes the default baseline per model and
+    the error says why; else the error is None."""
     try:
         return build_table(records, baseline, by), None
     except KeyError as e:
@@ -443,7 +467,7 @@ def sweep_table(records: list[dict], baseline: dict | None, by) -> tuple:
 
 
 def compact(df):
-    """The columns a reader compares, formatted (for results.md and the terminal)."""
+    """The columns a reader compares, formatted for results.md and the terminal."""
     import pandas as pd
 
     if "task" in df and len(df) and (df["task"] == "comm").all():
@@ -468,51 +492,51 @@ def compact(df):
         df = df.sort_values(["_fits", "_fast"], kind="stable", na_position="last")
     rows = []
     for _, r in df.iterrows():
-        sp = _fmt(r["speedup"], ".2f", "×")
+        sp = cell_text(r["speedup"], ".2f", "×")
         if r["speedup_significant"] is False:
             sp += " (n.s.)"
         row = {"job": r["job"], "combination": r["label"], "status": r["status"],
-               "tokens/s": _fmt(r["tokens_per_s"], ",.0f")}
+               "tokens/s": cell_text(r["tokens_per_s"], ",.0f")}
         if infer:
-            row.update({"first token ms": _fmt(r["ttft_ms"], ".1f"),
-                        "p99 token ms": _fmt(r["token_latency_ms_p99"], ".2f")})
+            row.update({"first token ms": cell_text(r["ttft_ms"], ".1f"),
+                        "p99 token ms": cell_text(r["token_latency_ms_p99"], ".2f")})
         if served:  # (infer.batching: tokens/s is the stream's)
-            row.update({"p50 request ms": _fmt(r["request_latency_ms_p50"], ",.1f"),
-                        "p99 request ms": _fmt(r["request_latency_ms_p99"], ",.1f")})
+            row.update({"p50 request ms": cell_text(r["request_latency_ms_p50"], ",.1f"),
+                        "p99 request ms": cell_text(r["request_latency_ms_p99"], ",.1f")})
         if ckpt:
-            share = _num(r["checkpoint_share"])
-            row.update({"wall tokens/s": _fmt(r["tokens_per_s_wall"], ",.0f"),
-                        "ckpt blocked": _fmt(share and share * 100, ".0f", "%")})
+            share = number_or_none(r["checkpoint_share"])
+            row.update({"wall tokens/s": cell_text(r["tokens_per_s_wall"], ",.0f"),
+                        "ckpt blocked": cell_text(share and share * 100, ".0f", "%")})
         if planned:  # task=plan: predictions, not measurements
-            row.update({"planned peak GiB": _fmt(r["planned_peak_gib"], ",.3f"),
+            row.update({"planned peak GiB": cell_text(r["planned_peak_gib"], ",.3f"),
                         "fits": {True: "yes", False: "NO"}.get(r["planned_fits"], "—"),
-                        "planned comm GiB": _fmt(r["planned_comm_gib"], ",.3f"),
-                        "planned tokens/s": _fmt(r["planned_tokens_per_s"], ",.0f")})
+                        "planned comm GiB": cell_text(r["planned_comm_gib"], ",.3f"),
+                        "planned tokens/s": cell_text(r["planned_tokens_per_s"], ",.0f")})
         if tune:  # task=tune_batch: the largest micro-batch that fit, and the fastest
-            row.update({"largest mbs": _fmt(r["tune_max_micro_batch"], ".0f"),
-                        "fastest mbs": _fmt(r["tune_best_micro_batch"], ".0f")})
+            row.update({"largest mbs": cell_text(r["tune_max_micro_batch"], ".0f"),
+                        "fastest mbs": cell_text(r["tune_best_micro_batch"], ".0f")})
         if reps:
-            lo, hi, med = _num(r["tokens_per_s_min"]), _num(r["tokens_per_s_max"]), \
-                _num(r["tokens_per_s"])
+            lo, hi, med = number_or_none(r["tokens_per_s_min"]), number_or_none(r["tokens_per_s_max"]), \
+                number_or_none(r["tokens_per_s"])
             row["spread"] = f"±{50 * (hi - lo) / med:.1f}%" if None not in (lo, hi) and med \
                 else "—"
         row.update({
             "speedup": sp + (" (base)" if r["baseline"] else ""),
-            "step ms": _fmt(r["step_time_ms"], ".1f"),
-            "peak GiB": _fmt(r["peak_mem_gib"], ".3f"),
-            "mem saved": _fmt(r["mem_saved_pct"], ".0f", "%"),
-            "MFU": _fmt(r["mfu"] * 100 if _num(r["mfu"]) is not None else None, ".1f", "%"),
-            "loss": _fmt(r["loss_last"], ".3f"),
+            "step ms": cell_text(r["step_time_ms"], ".1f"),
+            "peak GiB": cell_text(r["peak_mem_gib"], ".3f"),
+            "mem saved": cell_text(r["mem_saved_pct"], ".0f", "%"),
+            "MFU": cell_text(r["mfu"] * 100 if number_or_none(r["mfu"]) is not None else None, ".1f", "%"),
+            "loss": cell_text(r["loss_last"], ".3f"),
         })
         for k in checked:
-            err = _num(r[k])
-            row[f"plan {k.split('_')[1]} err"] = _fmt(err and err * 100, "+.0f", "%")
+            err = number_or_none(r[k])
+            row[f"plan {k.split('_')[1]} err"] = cell_text(err and err * 100, "+.0f", "%")
         if judged:  # (rows judged against the baseline's held-out loss and its noise)
             row["loss ok"] = {True: "yes", False: "NO"}.get(r["loss_ok"], "—")
         if load:
-            row["load max/mean"] = _fmt(r["expert_load_max_over_mean"], ".2f")
+            row["load max/mean"] = cell_text(r["expert_load_max_over_mean"], ".2f")
         if drops:
-            row["dropped"] = _fmt(_num(r["drop_rate"]) and r["drop_rate"] * 100, ".1f", "%")
+            row["dropped"] = cell_text(number_or_none(r["drop_rate"]) and r["drop_rate"] * 100, ".1f", "%")
         row["error"] = str(r["error"])[:90] if isinstance(r["error"], str) else ""
         rows.append(row)
     return pd.DataFrame(rows)
@@ -526,9 +550,9 @@ def _compact_comm(df):
     rows = []
     for _, r in df.iterrows():
         row = {"job": r["job"], "combination": r["label"], "status": r["status"],
-               "ranks": _fmt(r["world_size"], ".0f"),
+               "ranks": cell_text(r["world_size"], ".0f"),
                "backend": r["comm_backend"] if isinstance(r.get("comm_backend"), str) else "—"}
-        row.update({f"{op} GB/s": _fmt(r[f"busbw_gbps_{op}"], ".3g") for op in ops})
+        row.update({f"{op} GB/s": cell_text(r[f"busbw_gbps_{op}"], ".3g") for op in ops})
         row["error"] = str(r["error"])[:90] if isinstance(r["error"], str) else ""
         rows.append(row)
     return pd.DataFrame(rows)
@@ -547,7 +571,7 @@ def contended(df) -> str:
             f"machine's CPU (cpu_other_load; their timings are not reliable): {rows}")
     if "baseline_job" in df:  # a quiet row's speedup over a contended baseline is not either
         on_busy = df[~is_busy & df["baseline_job"].isin(set(busy_rows["job"]))
-                     & df["speedup"].map(lambda v: _num(v) is not None)]
+                     & df["speedup"].map(lambda v: number_or_none(v) is not None)]
         on_busy = on_busy[on_busy["baseline"] != True]  # noqa: E712 - pandas mask
         if len(on_busy):
             jobs = [str(j) for j in on_busy["job"]]
@@ -558,7 +582,7 @@ def contended(df) -> str:
 
 
 def markdown(df, title: str = "Sweep results", lead: str = "") -> str:
-    """The table as markdown; `lead` (the report's answer) between the title and it."""
+    """The table as markdown; `lead`, the report's answer, goes between the title and it."""
     lines = [f"# {title}", "", *([lead] if lead else []), compact(df).to_markdown(index=False),
              ""]
     base = df[df["baseline"] == True]  # noqa: E712 - pandas mask
@@ -584,10 +608,11 @@ def markdown(df, title: str = "Sweep results", lead: str = "") -> str:
 
 
 def write_tables(df, out_dir: Path, title: str = "Sweep results") -> dict:
-    """results.csv, results.parquet and results.md in out_dir; returns their paths. Each is
-    written to its own temporary file, then renamed (jobs of a launcher that runs them at
-    once may write together); a write that fails (a full disk) leaves the tables as they
-    were and no temporary file, and its OSError names the table."""
+    """Write results.csv, results.parquet and results.md in out_dir; returns their paths.
+
+    Each is written to its own temporary file, then renamed: jobs of a launcher that runs
+    them at once may write together. A write that fails, as on a full disk, leaves the
+    tables as they were and no temporary file, and its OSError names the table."""
     import tempfile
 
     out_dir = Path(out_dir)
@@ -616,8 +641,9 @@ def write_tables(df, out_dir: Path, title: str = "Sweep results") -> dict:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """A text file written whole or not at all (a full disk): a temporary file renamed;
-    an OSError names `path`."""
+    """Write a text file whole or not at all, through a temporary file renamed.
+
+    A write that fails, as on a full disk, leaves nothing behind; its OSError names `path`."""
     import tempfile
 
     tmp = None
@@ -637,9 +663,10 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def write_error_line(e: OSError) -> str:
-    """One line for a write that failed (a full or read-only disk, a quota): the path and
-    the problem. A write's OSError often names no file (the buffered write failed at
-    close): then the file that the failing code had open."""
+    """One line for a write that failed, e.g. on a full or read-only disk: the path and problem.
+
+    A write's OSError often names no file, as when a buffered write fails at close; then
+    the path is that of the file the failing code had open."""
     path = e.filename or _open_file(e)
     what = os.strerror(e.errno) if e.errno else e.strerror or str(e)  # (pyarrow's is long)
     return f"cannot write {path}: {what}" if path else f"cannot write: {what}"

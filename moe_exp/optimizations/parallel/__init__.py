@@ -1,8 +1,10 @@
-"""parallel=none|ddp|fsdp|expert|expert_fsdp|hsdp applied to a plain model (torchtitan order:
-expert parallel first, then activation checkpointing and compile, data parallel last).
+"""Parallelism, parallel=none|ddp|fsdp|expert|expert_fsdp|hsdp, applied to a plain model.
+
+optimizations.apply uses torchtitan's order: expert parallel first, then activation
+checkpointing, then data parallel, then compile.
 
 Gradient semantics: every rank's loss is the mean over its own micro-batch; the update
-equals the single-process one on the concatenated global batch (tests check it)."""
+equals the single-process one on the concatenated global batch."""
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +19,7 @@ from .hooks import record_reduce_bytes, register_comm_hook  # noqa: F401 (the AP
 
 
 def expert_groups(cfg, world: int):
-    """(device mesh (dp, ep), ep process group, dp process group)."""
+    """Expert parallel's groups: (device mesh over dp x ep, ep process group, dp process group)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     ep = cfg.parallel.expert_parallel_size or world
@@ -32,7 +34,7 @@ def apply_expert(model: nn.Module, cfg, world: int):
 
 
 def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh=None):
-    """ddp / fsdp / expert_fsdp / hsdp wrapping (after AC, before compile)."""
+    """Wrap the model for ddp, fsdp, expert_fsdp or hsdp; after AC, before compile."""
     p = cfg.parallel
     if p.name == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -75,8 +77,10 @@ def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh=None):
 
 
 def hsdp_device_mesh(cfg, world: int):
-    """HSDP's 2-D mesh: FSDP2 over it replicates over "replicate" and shards over "shard"
-    (gradients reduce-scattered within a replica group, then all-reduced across them)."""
+    """HSDP's 2-D mesh: FSDP2 over it replicates over "replicate" and shards over "shard".
+
+    Gradients are reduce-scattered within a replica group, then all-reduced across groups.
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
     from ...config import hsdp_mesh
@@ -86,10 +90,13 @@ def hsdp_device_mesh(cfg, world: int):
 
 
 def _prefetch(root, units: list, n: int) -> None:
-    """FSDP2's explicit prefetching (as torchtitan's): each block issues the all-gathers of
-    its own experts and of the next n blocks (with theirs) in forward, of the previous n in
-    backward; the root issues the first n in forward and the last n in backward. An explicit
-    list replaces FSDP2's default, so every sharded module is listed."""
+    """Set up FSDP2's explicit prefetching, as torchtitan's.
+
+    In forward each block issues the all-gathers of its own experts and of the next n blocks
+    with theirs; in backward, of the previous n. The root issues the first n in forward and
+    the last n in backward. An explicit list replaces FSDP2's default, so every sharded
+    module is listed.
+    """
     def flat(us):
         return [m for u in us for m in u]
 
@@ -103,11 +110,11 @@ def _prefetch(root, units: list, n: int) -> None:
 
 
 def accum_no_sync(model: nn.Module, cfg):
-    """The context that skips gradient reduction on a micro-step (None: sync every time).
+    """The context that skips gradient reduction on a micro-step; None to sync every time.
 
-    ddp: DDP.no_sync; fsdp/expert_fsdp/hsdp: FSDP2's set_requires_gradient_sync(False) (grads
-    stay unsharded until the last micro-step: less communication, more memory). expert:
-    None, its grad sync runs once per step anyway (before_step).
+    ddp: DDP.no_sync. fsdp, expert_fsdp and hsdp: FSDP2's set_requires_gradient_sync(False);
+    grads stay unsharded until the last micro-step, trading memory for less communication.
+    expert: None, as its grad sync, before_step, runs once per step anyway.
     """
     p = cfg.parallel
     if cfg.train.grad_accum_steps <= 1 or not p.accum_no_sync:
@@ -161,9 +168,12 @@ def _is_expert(p) -> bool:
 
 
 def clip_grad_norm(params, max_norm: float, ep_group) -> torch.Tensor:
-    """Global grad-norm clipping across ranks: local squares summed over the groups each
-    parameter is split over (its mesh dims that shard it, Shard placements: not HSDP's
-    replicate dim; and the EP group for expert shards)."""
+    """Global grad-norm clipping across ranks; returns the norm before clipping.
+
+    Each parameter's local squares are summed over the groups it is split over: the mesh
+    dims with a Shard placement, so not HSDP's replicate dim, and the EP group for expert
+    shards.
+    """
     from torch.distributed.tensor import DTensor
 
     sums: dict = {}
@@ -209,19 +219,22 @@ def _on_cuda(ev) -> bool:
 
 
 def comm_times(prof, steps: int) -> tuple[float | None, float | None]:
-    """(comm_ms, comm_exposed_ms) per step from a torch.profiler trace, its events read once.
+    """Communication time per step from a torch.profiler trace: (comm_ms, comm_exposed_ms).
 
-    comm_ms: the time during which any collective is in flight (the union of their
-    intervals). GPU: NCCL kernels (FSDP's all-gathers and reduce-scatters run on separate
-    streams and may overlap); CPU: gloo / c10d events (gloo runs them on several threads at
-    once, and the caller's c10d event encloses its worker's). A sum would count the same
-    time twice.
+    The trace's events are read once.
 
-    comm_exposed_ms: of that, the time no compute runs. Compute: on a GPU, every kernel
-    that is not NCCL's (any stream); on CPU, the innermost ops (no child op) that are
-    neither a collective nor a wait on one. gloo runs a collective on its own threads while
-    the caller waits (expert parallel's all_to_all) or computes on (DDP's gradient
-    all-reduce during the backward): the first is exposed, the second is not."""
+    comm_ms: the time during which any collective is in flight, the union of their
+    intervals; a sum would count the same time twice. On a GPU the collectives are NCCL
+    kernels: FSDP's all-gathers and reduce-scatters run on separate streams and may
+    overlap. On CPU they are gloo and c10d events: gloo runs them on several threads at
+    once, and the caller's c10d event encloses its worker's.
+
+    comm_exposed_ms: of that, the time no compute runs. Compute on a GPU is every kernel
+    on any stream that is not NCCL's; on CPU, the innermost ops, those with no child op,
+    that are neither a collective nor a wait on one. gloo runs a collective on its own
+    threads while the caller waits, as in expert parallel's all_to_all, or computes on, as
+    with DDP's gradient all-reduce during the backward: the first is exposed, the second
+    is not."""
     if steps <= 0:
         return None, None
     events = list(prof.events())

@@ -1,8 +1,9 @@
-"""Expert parallelism: each rank of the expert-parallel group holds num_experts / ep of the
-experts. The MoE layer hands its experts module the rows sorted by (global) expert and the
-count per expert; this wrapper sends each row to the rank that owns its expert with
-`all_to_all_single` (uneven splits, autograd-aware), runs the local experts, and sends the
-results back. The model itself is unchanged (the wrapper replaces `moe.experts`)."""
+"""Expert parallelism: each rank of the expert-parallel group holds num_experts / ep experts.
+
+The MoE layer hands its experts module the rows sorted by global expert and the count per
+expert. This wrapper, which replaces `moe.experts`, sends each row to the rank that owns
+its expert with an autograd-aware `all_to_all_single` of uneven splits, runs the local
+experts and sends the results back. The model itself is unchanged."""
 from __future__ import annotations
 
 import torch

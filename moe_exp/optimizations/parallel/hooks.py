@@ -1,6 +1,7 @@
-"""parallel.comm_hook: DDP's gradient all-reduce through torch's communication hooks
-(torch.distributed.algorithms.ddp_comm_hooks), and the bytes a rank hands to the collectives
-per optimizer step (the record's grad_reduce_bytes)."""
+"""parallel.comm_hook: DDP's gradient all-reduce through torch's communication hooks.
+
+The hooks are torch.distributed.algorithms.ddp_comm_hooks'. Also counts the bytes a rank
+hands to the collectives per optimizer step, the record's grad_reduce_bytes."""
 from __future__ import annotations
 
 from collections import deque
@@ -18,9 +19,11 @@ POWERSGD = {"start_powerSGD_iter": 2, "min_compression_rate": 2, "use_error_feed
 
 
 class ReduceBytes:
-    """Bytes handed to the collectives per synced backward (counted as each bucket goes to
-    the hook; bucket.is_last() ends a backward), or a fixed figure (comm_hook=none: DDP's
-    own all-reduce of its whole buckets)."""
+    """Counts the bytes handed to the collectives per synced backward.
+
+    Counted as each bucket goes to the hook; bucket.is_last() ends a backward. With
+    comm_hook=none, DDP's own all-reduce of its whole buckets, the figure is fixed instead.
+    """
 
     def __init__(self, syncs_per_step: int, fixed: int | None = None):
         self.syncs, self.fixed, self.current = syncs_per_step, fixed, 0
@@ -33,8 +36,11 @@ class ReduceBytes:
             self.current = 0
 
     def per_step(self) -> int | None:
-        """The last optimizer step's bytes (PowerSGD compresses from its third synced
-        backward on: the steady figure)."""
+        """The last optimizer step's bytes; None until a whole step has been counted.
+
+        The last step's is the steady figure: PowerSGD compresses from its third synced
+        backward on.
+        """
         if self.fixed is not None:
             return self.fixed * self.syncs
         return sum(self.done) if len(self.done) == self.syncs else None
@@ -79,7 +85,7 @@ def register_comm_hook(ddp, cfg) -> ReduceBytes:
 
 
 def record_reduce_bytes(cfg, rec: dict, count: ReduceBytes | None) -> None:
-    """rec['grad_reduce_bytes'] (a rank's, per optimizer step), or null with the reason."""
+    """Set rec['grad_reduce_bytes'], a rank's bytes per optimizer step, or null with the reason."""
     key, p = "grad_reduce_bytes", cfg.parallel
     rec[key] = count.per_step() if count is not None else None
     if rec[key] is None:

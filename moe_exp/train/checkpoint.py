@@ -1,10 +1,13 @@
-"""train.checkpoint_every / resume_from: the run's whole training state through
-torch.distributed.checkpoint (DCP), sharded as the run holds it (FSDP's DTensors; an expert
-parallel rank's own experts under its own keys), and what a save and a load cost.
+"""train.checkpoint_every / resume_from: saves and loads the run's whole training state.
+
+The state goes through torch.distributed.checkpoint (DCP), sharded as the run holds it:
+FSDP's DTensors, and an expert parallel rank's own experts under its own keys. What a save
+and a load cost is measured too.
 
 A checkpoint is a dir `step_<steps done>` holding DCP's files, one `rank<r>.pt` per rank
-(its RNG states) and, written last, `loop.pt`: the step, the run's identity, the schedule's
-and the scaler's state and the loss history. Without loop.pt a checkpoint is incomplete."""
+with its RNG states and, written last, `loop.pt`: the step, the run's identity, the
+schedule's and the scaler's state and the loss history. Without loop.pt a checkpoint is
+incomplete."""
 from __future__ import annotations
 
 import shutil
@@ -28,16 +31,20 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def root(cfg, out_dir: Path) -> Path:
-    """Where this run's checkpoints go: checkpoints/ in its dir, or <checkpoint_dir>/<the
-    run dir's last two parts> (a single run's date and time, a sweep's time and job)."""
+    """Where this run's checkpoints go: checkpoints/ in its dir, or under checkpoint_dir.
+
+    Under train.checkpoint_dir, the subdir is named by the run dir's last two parts: a
+    single run's date and time, or a sweep's time and job."""
     if cfg.train.checkpoint_dir is None:
         return out_dir / "checkpoints"
     return Path(cfg.train.checkpoint_dir).expanduser() / "-".join(out_dir.resolve().parts[-2:])
 
 
 def find(path: str, key: str = "train.resume_from") -> Path:
-    """The complete checkpoint `key` names: the dir itself, its latest complete step_*, or
-    the latest in its checkpoints/ (a run dir)."""
+    """The complete checkpoint that path names; `key` is the knob it came from, for errors.
+
+    path is the checkpoint's dir, a dir whose latest complete step_* is taken, or a run dir
+    whose checkpoints/ is searched the same way."""
     p = Path(path).expanduser()
     for base in (p, p / "checkpoints"):
         if (base / DONE).is_file():
@@ -55,14 +62,13 @@ def meta(path: Path) -> dict:
 
 def identity(cfg, world: int) -> dict:
     """What a resumed run must share with the checkpoint's to continue it exactly."""
-    from omegaconf import OmegaConf
+    from ..config import plain
 
     t, p = cfg.train, cfg.parallel
-    model = OmegaConf.to_container(cfg.model, resolve=True)
+    model = plain(cfg.model)
     model.pop("dispatch")  # (how experts run, not what they are: "auto" is resolved in a run)
-    return {"model": model,
-            "optim": OmegaConf.to_container(cfg.optim, resolve=True), "precision": cfg.precision.name, "parallel": p.name,
-            "world": world, "expert_parallel_size": p.get("expert_parallel_size"),
+    return {"model": model, "optim": plain(cfg.optim), "precision": cfg.precision.name,
+            "parallel": p.name, "world": world, "expert_parallel_size": p.expert_parallel_size,
             "data": cfg.data.source, "train.seed": t.seed, "train.seq_len": t.seq_len,
             "train.micro_batch_size": t.micro_batch_size,
             "train.grad_accum_steps": t.grad_accum_steps,
@@ -77,13 +83,11 @@ def _differ(mine: dict, theirs: dict) -> tuple[str, str]:
 
 
 def check(cfg, world: int, profiled: int) -> None:
-    """Checkpoint mistakes, before any work: a bad count, no checkpoint to resume from, one
-    that another configuration saved, or one too late to leave a measured step."""
+    """Check train.resume_from before any work.
+
+    It must name a checkpoint that this configuration saved, early enough to leave a
+    measured step."""
     t = cfg.train
-    for key in ("checkpoint_every", "checkpoint_keep"):
-        if t[key] < 0:
-            raise ConfigError(f"train.{key}", f"must be >= 0 (0 = {'off' if key[-1] == 'y' else 'all'}"
-                              f"), got {t[key]}")
     if t.resume_from is None:
         return
     path = find(t.resume_from)
@@ -102,8 +106,9 @@ def check(cfg, world: int, profiled: int) -> None:
 
 
 def check_weights(cfg) -> Path:
-    """infer.checkpoint: the checkpoint it names, of this model, saved without expert
-    parallelism (whose ranks each hold other experts)."""
+    """The checkpoint infer.checkpoint names, checked to hold this model and to be loadable.
+
+    It must be saved without expert parallelism, whose ranks each hold other experts."""
     path = find(cfg.infer.checkpoint, "infer.checkpoint")
     mine, theirs = identity(cfg, 1)["model"], meta(path)["identity"]
     if theirs["model"] != mine:
@@ -118,7 +123,7 @@ def check_weights(cfg) -> Path:
 
 
 def load_weights(model, path: Path) -> float:
-    """The model's weights from checkpoint `path` (resharded into one process); seconds."""
+    """Load the model's weights from checkpoint path into one process; returns seconds."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, \
         set_model_state_dict
@@ -142,8 +147,9 @@ def _rename(keys: dict, old: str, new: str) -> dict:
 
 
 class Checkpointer:
-    """Saves every train.checkpoint_every steps (and on SIGTERM), loads train.resume_from;
-    keeps its own figures (save_figures)."""
+    """Saves every train.checkpoint_every steps and on SIGTERM, loads train.resume_from.
+
+    It keeps its own figures; figures() returns them."""
 
     def __init__(self, cfg, applied, optimizer, scheduler, out_dir: Path | None, rank: int,
                  world: int):
@@ -194,8 +200,9 @@ class Checkpointer:
         return bool(self.root and done % self.every == 0)
 
     def save(self, step: int, history: dict, blocking: bool = False) -> Path:
-        """A checkpoint after `step` steps (the previous async one finished first). Returns
-        its dir; its loop.pt is written once every rank's files are."""
+        """Save a checkpoint after `step` steps, once the previous async save has finished.
+
+        Returns its dir; its loop.pt is written once every rank's files are."""
         import torch.distributed.checkpoint as dcp
 
         t0 = time.perf_counter()
@@ -219,8 +226,10 @@ class Checkpointer:
         return path
 
     def _done(self, fut, path: Path, loop: dict, t0: float, done=None) -> None:
-        """Once DCP has every rank's files (rank 0's save returns after all ranks wrote):
-        loop.pt last, the size, the older checkpoints gone; `done` set at the end."""
+        """Finish a save once DCP has every rank's files, then set `done`.
+
+        Rank 0's save returns after all ranks wrote. Finishing writes loop.pt last, takes the
+        size and removes the older checkpoints."""
         try:
             if fut is None or fut.exception() is None:  # (else wait() raises it)
                 self._finish(fut, path, loop, t0)
@@ -242,8 +251,9 @@ class Checkpointer:
             self.error = e
 
     def _complete(self, path: Path, loop: dict) -> None:
-        """Rank 0, once every rank's files are written: loop.pt (atomically), the size, the
-        checkpoints past train.checkpoint_keep gone."""
+        """On rank 0, once every rank's files are written: write loop.pt, take the size, prune.
+
+        loop.pt is written atomically; checkpoints past train.checkpoint_keep are removed."""
         tmp = path / (DONE + ".tmp")
         torch.save(loop, tmp)
         tmp.replace(path / DONE)
@@ -255,7 +265,7 @@ class Checkpointer:
                 shutil.rmtree(x, ignore_errors=True)
 
     def wait(self) -> None:
-        """The async save in flight finished (its error, or its loop.pt's, raised here)."""
+        """Wait for the async save in flight; its error, or its loop.pt's, is raised here."""
         if self.pending is not None:
             (fut, done), self.pending = self.pending, None
             fut.result()
@@ -266,8 +276,9 @@ class Checkpointer:
 
     # loading
     def load(self, path: Path) -> dict:
-        """The state of checkpoint `path` into the model, optimizer, schedule, scaler and
-        RNG; returns its loop.pt (step and history)."""
+        """Load checkpoint path into the model, optimizer, schedule, scaler and RNG.
+
+        Returns its loop.pt, which holds the step and the history."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
@@ -314,8 +325,10 @@ class Checkpointer:
                 pass
 
     def stop_requested(self, agree: bool) -> bool:
-        """Whether a SIGTERM came (agree: every rank learns whether any rank got one; a
-        collective, so called at the same step on every rank)."""
+        """Whether a SIGTERM came.
+
+        With agree, every rank learns whether any rank got one. That is a collective, so it
+        must be called at the same step on every rank."""
         if not agree or not dist.is_initialized():
             return self.sigterm
         from ..distributed import all_max, collective_device
@@ -324,7 +337,7 @@ class Checkpointer:
         return bool(all_max([float(self.sigterm)], collective_device(device))[0])
 
     def figures(self) -> tuple[dict, dict]:
-        """(the record's checkpoint figures, their null reasons)."""
+        """The record's checkpoint figures and their null reasons."""
         import statistics
 
         med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731

@@ -1,13 +1,13 @@
 """Count the FLOPs of a real training step and compare them with the analytic formula.
 
-    python -m moe_exp.bench.flop_check [--meta] [model=small_moe precision=bf16 ...]
+    python -m moe_exp.flop_check [--meta] [model=small_moe precision=bf16 ...]
 
 torch.utils.flop_counter.FlopCounterMode counts matmuls (mm, addmm, bmm) and GPU
-attention, but not `aten._grouped_mm` (no formula) nor CPU attention (counted as 0), and
-its GPU attention backward formula includes the recomputation of the scores (hardware
-FLOPs). `count_step_flops` adds formulas for grouped_mm and every SDPA kernel, forward
-and backward, with the model-FLOPs convention of `flops.py`: attention forward = QK^T and
-PV (causal counted in full), backward = the 4 matmuls of the gradients, no recomputation.
+attention, but has no formula for `aten._grouped_mm` and counts CPU attention as 0; its GPU
+attention backward includes the recomputation of the scores, hardware FLOPs.
+`count_step_flops` adds formulas for grouped_mm and every SDPA kernel, forward and
+backward, with the model-FLOPs convention of bench/flops.py: attention forward = QK^T and
+PV, causal counted in full; backward = the 4 matmuls of the gradients, no recomputation.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from .formulas import flop_formulas
+from .bench.formulas import flop_formulas
 
 
 def count_step_flops(model, tokens, targets, autocast=contextlib.nullcontext) -> dict:
@@ -36,13 +36,14 @@ def count_step_flops(model, tokens, targets, autocast=contextlib.nullcontext) ->
 
 
 def check_config(cfg) -> None:
-    """The app's checks of what this reads (the model, the loop's shapes), as a run has
-    them: ConfigError on the first problem. The hardware's are not: --meta is for models
-    too big for this machine."""
-    from .. import validate as v
+    """A run's config checks of what flop_check reads: the model and the loop's shapes.
+
+    Raises ConfigError on the first problem. The hardware checks are left out: --meta is
+    for models too big for this machine."""
+    from . import validate as v
 
     for fn in (v.check_resolves, v.check_complete, v.check_known_keys, v.check_finite,
-               v.check_choices, v.check_train):
+               v.check_choices, v.check_ranges, v.check_train):
         fn(cfg)
     v.check_model(cfg.model)
 
@@ -50,13 +51,13 @@ def check_config(cfg) -> None:
 def check(overrides=(), device: str = "cpu") -> dict:
     """Analytic flops_per_token vs the counted FLOPs of one step of the configured model.
 
-    device="meta" counts without memory or compute (shapes only; grouped dispatch), e.g.
-    for moe_1b on a laptop."""
+    device="meta" counts from shapes alone, without memory or compute, with grouped
+    dispatch: e.g. for moe_1b on a laptop."""
     from hydra import compose, initialize_config_module
 
-    from ..model import build_model
-    from ..optimizations.precision import DTYPES, autocast_factory
-    from .flops import flops_per_token
+    from .model import build_model
+    from .optimizations.precision import DTYPES, autocast_factory
+    from .bench.flops import flops_per_token
 
     with initialize_config_module(config_module="moe_exp.conf", version_base="1.3"):
         cfg = compose("run", overrides=list(overrides))
@@ -68,7 +69,7 @@ def check(overrides=(), device: str = "cpu") -> dict:
         m.dispatch = "grouped"
     elif m.dispatch in ("auto", "padded"):  # padded multiplies padding rows: not model FLOPs
         dtype = DTYPES.get(cfg.precision.autocast_dtype, torch.float32)
-        from ..model.moe import grouped_mm_supported
+        from .model.moe import grouped_mm_supported
 
         m.dispatch = "grouped" if grouped_mm_supported("cpu", dtype) else "loop"
     torch.manual_seed(t.seed)
@@ -81,7 +82,7 @@ def check(overrides=(), device: str = "cpu") -> dict:
                                autocast_factory(cfg.precision, torch.device("cpu")))
     dropped = 0.0
     if m.num_experts and m.capacity_factor is not None and device != "meta":
-        from .flops import moe_layers
+        from .bench.flops import moe_layers
 
         # useful FLOPs: those of the choices kept (as the record counts them)
         dropped = 1 - counted["kept"] / (tokens.numel() * m.top_k * moe_layers(m))
@@ -96,10 +97,10 @@ def main(argv=None) -> int:
 
     from hydra.errors import HydraException
 
-    from ..config import ConfigError
-    from ..hydra_internals import hydra_error_line
+    from .config import ConfigError
+    from .hydra_internals import hydra_error_line
 
-    ap = argparse.ArgumentParser(prog="python -m moe_exp.bench.flop_check", description=(
+    ap = argparse.ArgumentParser(prog="python -m moe_exp.flop_check", description=(
         "analytic FLOPs per token against FlopCounterMode on one real training step"))
     ap.add_argument("--meta", action="store_true", help="on the meta device (no memory, no "
                     "compute: for models too big for this machine)")

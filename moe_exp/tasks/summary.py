@@ -6,7 +6,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from .bench.load import busy
+from ..bench.load import busy
 
 
 def _f(v, fmt: str, unit: str = "") -> str:
@@ -21,9 +21,11 @@ def _fallbacks(share) -> str:
 
 
 def _padding_note(r: dict) -> str | None:
-    """Compiled padded pads every expert to the busiest one (it cannot fall back): say so
-    where the per-step imbalance made that costly."""
-    from .model.moe import PAD_LIMIT
+    """A note where compiled padded dispatch was costly: it pads every expert to the busiest.
+
+    Compiled padded cannot fall back; the note shows where the per-step imbalance is above
+    PAD_LIMIT."""
+    from ..model.moe import PAD_LIMIT
 
     x = r.get("expert_load_step_max_over_mean")
     if r.get("moe_dispatch") != "padded" or r.get("compile") in (None, "off") or not x \
@@ -35,7 +37,7 @@ def _padding_note(r: dict) -> str | None:
 
 
 def _reduced(r) -> str:
-    """DDP's gradient bytes a step (grad_reduce_bytes), and its comm hook."""
+    """The text for DDP's gradient bytes a step, grad_reduce_bytes, and its comm hook."""
     if not r.get("grad_reduce_bytes"):
         return ""
     hook = r.get("comm_hook")
@@ -44,7 +46,7 @@ def _reduced(r) -> str:
 
 
 def _plan_check(r: dict) -> str:
-    """The run's plan against what it measured (train.plan)."""
+    """The run's plan, made where train.plan is on, against what the run measured."""
     why = r.get("null_reasons", {})
 
     def err(k: str) -> str:
@@ -60,20 +62,30 @@ def _plan_check(r: dict) -> str:
     return text + f" (traced in {r['plan_s']:.1f} s)"
 
 
+def run_line(r: dict) -> str:
+    """The run's knobs as label=value words, for a summary's first row.
+
+    A knob is named where it has a Knob.summary label, the run's task reads it, and its
+    value is not its `off` value; a knob with Knob.summary_off is named at `off` too."""
+    from ..config import KNOBS
+
+    task = r.get("task") or "bench"
+    return " ".join(f"{k.summary}={r[k.column]}" for k in KNOBS.values()
+                    if k.summary and k.records(task) and r.get(k.column) is not None
+                    and (k.off is None or k.summary_off or r[k.column] != k.off))
+
+
 def summary_rows(r: dict) -> list[tuple[str, str]]:
     why = r.get("null_reasons", {})
     # each phase's share of the phases' summed medians: the median of a sum is not the sum
-    # of the medians (under contention the shares of the median step passed 100%)
+    # of the medians, and under contention shares of the median step can pass 100%
     phases = [r.get(f"{p}_ms") for p in ("data", "forward", "backward", "optimizer")]
     step = sum(phases) if None not in phases else (r["step_time_ms"] or 0.0)
     share = lambda ms: "" if ms is None or not step else f" ({100 * ms / step:.0f}%)"  # noqa: E731
     mfu = (f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None
            else f"null: {why.get('mfu', 'unknown')}")
     rows = [
-        ("run", f"model={r['model']} precision={r['precision']} "
-                f"ac={r['activation_checkpointing']} compile={r['compile']}"
-                + (f" optim={r['optim']}" if r.get("optim", "adamw") != "adamw" else "")
-                + f" on {r['device_name']}"),
+        ("run", f"{run_line(r)} on {r['device_name']}"),
         *([("parallel", f"{r['parallel']} on {r['world_size']} "
                         f"rank{'s' * (r['world_size'] != 1)}; collectives "
                         + (f"{r['comm_ms']:.1f} ms/step" if r.get("comm_ms") is not None
@@ -103,7 +115,7 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
         rows.append(("GPU (NVML)", f"{r['gpu_util_pct']:.0f}% busy, {r['gpu_mem_used_gib']:.1f} "
                                    f"GiB used, {r['gpu_power_w']:.0f} W"))
     if shares := r.get("profile_shares"):
-        from .bench.profile import top_shares
+        from ..bench.profile import top_shares
 
         rows.append(("profile", f"{top_shares(shares)} ({r['profile_trace']})"))
     if r.get("startup_s") is not None:
@@ -161,7 +173,7 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
 
 
 def _checkpoints(r: dict) -> str:
-    """train.checkpoint_every's saves and train.resume_from's load, in one line ('' if none)."""
+    """train.checkpoint_every's saves and train.resume_from's load in one line; '' if none."""
     out = []
     if r.get("resumed_from_step") is not None:
         out.append(f"resumed at step {r['resumed_from_step']} (loaded in "
@@ -183,7 +195,7 @@ def _gib(x) -> str:
 
 def print_summary(r: dict, path: Path | None = None, rows=None,
                   title: str = "moe_exp result") -> None:
-    """The record's rows (a training run's summary_rows unless given) as a table."""
+    """Print the record's rows as a table; without rows, a training run's summary_rows."""
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()

@@ -1,6 +1,7 @@
-"""The held-out loss (eval_loss): batches no run trains on, the same for every configuration
-of a model and data source, measured at the end and every train.eval_every steps, outside
-the timed steps."""
+"""Measures the held-out loss, eval_loss, at the end and every train.eval_every steps.
+
+Its batches are ones no run trains on, the same for every configuration of a model and data
+source. It is measured outside the timed steps."""
 from __future__ import annotations
 
 import time
@@ -11,8 +12,9 @@ from ..data import heldout
 
 
 class Evaluator:
-    """eval_loss over train.eval_sequences held-out sequences, in micro-batches of
-    train.micro_batch_size; `due` says at which steps; a call returns its wall time."""
+    """eval_loss over train.eval_sequences held-out sequences, at the steps `due` says.
+
+    It runs in micro-batches of train.micro_batch_size; a call returns its wall time."""
 
     def __init__(self, cfg, applied, device: torch.device):
         t = cfg.train

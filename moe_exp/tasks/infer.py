@@ -1,7 +1,9 @@
-"""task=infer: build the model (its weights from infer.checkpoint, or the seed's), generate
-greedily with a KV cache for infer.warmup + infer.batches batches of held-out prompts, and
-record the prefill and decode throughput, time to first token, per-token latency, memory
-and the experts' load during decode."""
+"""task=infer: measures greedy generation with a KV cache on batches of held-out prompts.
+
+The weights come from infer.checkpoint, else from the seed. Of infer.warmup + infer.batches
+batches, the warmup ones are not measured. The record holds the prefill and decode
+throughput, time to first token, per-token latency, memory and the experts' load during
+decode."""
 from __future__ import annotations
 
 import statistics
@@ -10,60 +12,112 @@ from pathlib import Path
 import torch
 
 from ..bench.memory import GIB
-from ..results import close_record, fill_null_reasons
-from .experts import Residency, drop_rare
-from .generate import generate
+from ..config import ConfigError, Unsupported
+from ..infer.experts import Residency, drop_rare
+from ..infer.generate import generate
+from ..results import fill_null_reasons
+from ..config import unrecorded
+from ..record import Inference
+from .protocol import Task
+from .summary import run_line
 
 WHY = "task=infer generates: no training step"  # the training figures' null reason
-# the record's training settings, which a generation run does not have
-TRAINING = ("optim", "grad_accum_steps", "activation_checkpointing", "lr_schedule", "attention",
-            "gc_every", "checkpoint_every", "checkpoint_async", "comm_hook")
 
 
-def infer(cfg, cfg_dict: dict, rec: dict, out_dir: Path, choices: dict,
-          progress: bool) -> dict:
-    """One measured generation run; never raises but on Ctrl-C (the status says what went
-    wrong), as a bench run."""
-    from ..hardware import device_name, torch_device
-    from ..tracking import Tracker
+class InferTask(Task):
+    name = "infer"
+    noun = "run"
+    title = "moe_exp inference"
+    section = Inference
 
-    device = torch_device(cfg)
-    i = cfg.infer
-    rec.update(task="infer", batching=i.batching, quantize=i.quantize,
-               device_name=device_name(device),
-               torch_version=torch.__version__,
-               world_size=1, micro_batch_size=i.batch_size, seq_len=i.prompt_len + i.new_tokens,
-               **dict.fromkeys(TRAINING))
-    tracker = None
-    try:
-        tracker = Tracker(cfg, cfg_dict, out_dir, [f"{k}={v}" for k, v in sorted(choices.items())],
-                          f"infer-{cfg.model.name}-{cfg.precision.name}", defer=True)
-        _measure(cfg, rec, device, progress)
-        rec["status"] = "ok"
-    except KeyboardInterrupt:
-        rec.update(status="crashed", error="interrupted before the run finished")
-        raise
-    except Exception as e:  # noqa: BLE001 - a run's failure is a status, not a crash
-        from ..bench.runner import failure
+    @staticmethod
+    def check(cfg) -> None:
+        """Check the run suits task=infer: one device, its options, a checkpoint of this model.
 
-        rec.update(failure(e, out_dir))
-    finally:
-        close_record(rec, out_dir, tracker)
-    if rec["status"] == "ok":
-        from ..summary import print_summary
+        Prompt plus output must fit the model's positions; options it does not apply are
+        refused."""
+        from ..ranks import world_size
 
-        print_summary(rec, out_dir / "metrics.json", summary_rows(rec), "moe_exp inference")
-    return rec
+        i, m = cfg.infer, cfg.model
+        if i.prompt_len + i.new_tokens > m.max_seq_len:
+            raise ConfigError("infer.new_tokens", f"infer.prompt_len + new_tokens = "
+                              f"{i.prompt_len + i.new_tokens} exceeds model.max_seq_len="
+                              f"{m.max_seq_len}")
+        if cfg.parallel.name != "none" or world_size(cfg.hardware.devices) != 1:
+            raise ConfigError("parallel", "task=infer runs on one device: parallel=none "
+                              "hardware.devices=1")
+        if cfg.train.compile != "off" and i.warmup < 1:
+            raise ConfigError("infer.warmup", f"must be >= 1 with train.compile="
+                              f"{cfg.train.compile} (the first batch compiles: it must not be "
+                              "measured)")
+        if cfg.precision.name == "fp8":
+            raise ConfigError("precision", "fp8 is a training recipe (torchao's float8 "
+                              "training); task=infer quantizes with infer.quantize=fp8")
+        if (i.experts_resident is not None or i.usage_threshold) and not m.num_experts:
+            raise ConfigError("infer.experts_resident" if i.experts_resident is not None else
+                              "infer.usage_threshold", "a MoE model's option (model.num_experts "
+                              "> 0)")
+        if i.experts_resident is not None and not 1 <= i.experts_resident <= m.num_experts:
+            raise ConfigError("infer.experts_resident", f"must be in 1..model.num_experts="
+                              f"{m.num_experts} or null, got {i.experts_resident}")
+        if i.batching != "none" and i.new_tokens < 2:
+            raise ConfigError("infer.new_tokens", "must be >= 2 with infer.batching (a decode "
+                              "step's cost is measured)")
+        if i.usage_threshold and i.warmup < 1:
+            raise ConfigError("infer.warmup", "must be >= 1 with infer.usage_threshold (the "
+                              "warmup batches' routing picks the experts to drop)")
+        if i.checkpoint is not None:
+            from ..train.checkpoint import check_weights
+
+            check_weights(cfg)
+
+    @staticmethod
+    def check_here(cfg) -> None:
+        """infer.quantize: torchao installed; fp8 on a GPU with float8 matmuls."""
+        import importlib.util
+
+        q = cfg.infer.quantize
+        if q == "fp8" and not (cfg.hardware.device == "cuda" and torch.cuda.is_available() and
+                               torch.cuda.get_device_capability(0) >= (8, 9)):
+            raise Unsupported("infer.quantize", "fp8 needs a CUDA GPU with compute capability "
+                              ">= 8.9 (H100, H200, L4, RTX 40xx)")
+        if q != "none" and importlib.util.find_spec("torchao") is None:
+            raise Unsupported("infer.quantize", "needs torchao: pip install -e \".[fp8]\"")
+        if q != "none":  # (its FqnToConfig names the stacked experts' 3-D weights)
+            from importlib.metadata import version
+
+            have = version("torchao")
+            if tuple(int(x) for x in have.split(".")[:2] if x.isdigit()) < (0, 18):
+                raise Unsupported("infer.quantize", f"needs torchao >= 0.18 (its FqnToConfig "
+                                  f"quantizes the stacked experts), found {have}: pip install "
+                                  "\"torchao>=0.18\"")
+
+    @staticmethod
+    def summary_rows(rec: dict) -> list[tuple[str, str]]:
+        return summary_rows(rec)
+
+    def run(self, rec: dict) -> None:
+        """One measured generation run."""
+        from ..hardware import device_name, torch_device
+
+        cfg = self.ctx.cfg
+        device = torch_device(cfg)
+        i = cfg.infer
+        rec.update(dict.fromkeys(unrecorded("infer")))  # (the training settings)
+        rec.update(task="infer", batching=i.batching, quantize=i.quantize,
+                   device_name=device_name(device), torch_version=torch.__version__,
+                   world_size=1, micro_batch_size=i.batch_size,
+                   seq_len=i.prompt_len + i.new_tokens)
+        _measure(cfg, rec, device, self.ctx.progress)
 
 
 def _measure(cfg, rec: dict, device: torch.device, progress: bool) -> None:
     from tqdm.auto import tqdm
 
-    from ..bench.checkpoint import check_weights, load_weights
+    from ..train.checkpoint import check_weights, load_weights
     from ..bench.experts import load_stats
     from ..bench.flops import param_counts
     from ..bench.memory import MemoryMeter
-    from ..bench.runner import resolve_model_dispatch
     from ..data import prompts
     from ..hardware import setup_backends
     from ..model import build_model
@@ -72,7 +126,6 @@ def _measure(cfg, rec: dict, device: torch.device, progress: bool) -> None:
     i, m = cfg.infer, cfg.model
     setup_backends(cfg)
     torch.manual_seed(cfg.train.seed)
-    resolve_model_dispatch(cfg, device)
     memory = MemoryMeter(device)
     memory.baseline()
     with torch.device(device):
@@ -165,7 +218,7 @@ SERVING = ("request_latency_ms_p50", "request_latency_ms_p90", "request_latency_
 
 
 def _record_serving(cfg, rec: dict, served: dict | None) -> None:
-    """The stream's figures (_serve's); tokens_per_s becomes its served tokens per second."""
+    """Record _serve's stream figures; tokens_per_s becomes its served tokens per second."""
     if served is None:
         rec.update(dict.fromkeys(SERVING))
         rec["null_reasons"].update(dict.fromkeys(SERVING, "infer.batching=none"))
@@ -175,9 +228,11 @@ def _record_serving(cfg, rec: dict, served: dict | None) -> None:
 
 
 def _serve(cfg, model, rows: torch.Tensor, autocast, device, step) -> dict | None:
-    """infer.batching: the stream's figures (None without), on a clock of costs measured
-    here (a prefill and a decode step at batch sizes 1, 2, 4, ... and max_batch_size)."""
-    from . import batching as b
+    """Serve infer.batching's request stream; its figures, or None with infer.batching=none.
+
+    The clock is costs measured here: a prefill and a decode step at batch sizes 1, 2, 4, ...
+    and max_batch_size."""
+    from ..infer import batching as b
 
     i = cfg.infer
     if i.batching == "none":
@@ -189,7 +244,7 @@ def _serve(cfg, model, rows: torch.Tensor, autocast, device, step) -> dict | Non
         generate(model, prompts[:n], i.new_tokens, autocast, device, step=step)  # size)
     runs = [[generate(model, prompts[:n], i.new_tokens, autocast, device, step=step)
              for _ in range(3)]
-            for n in sizes]  # (medians of 3: one noisy generation skewed a whole stream)
+            for n in sizes]  # medians of 3: one noisy generation would skew a whole stream
     cost = b.Cost(sizes, [statistics.median(r.prefill_s for r in rs) for rs in runs],
                   [statistics.median(t for r in rs for t in r.token_s) for rs in runs],
                   i.prompt_len)
@@ -202,7 +257,7 @@ def _serve(cfg, model, rows: torch.Tensor, autocast, device, step) -> dict | Non
 
 
 def _weights(model) -> int:
-    """The parameters' bytes as stored (quantized ones: their int8/fp8 data and scales)."""
+    """The parameters' bytes as stored; a quantized one counts its int8/fp8 data and scales."""
     from ..optimizations.quantize import stored_bytes
 
     return sum(stored_bytes(p) for p in model.parameters())
@@ -217,7 +272,7 @@ def _eval(model, rows: torch.Tensor, autocast) -> float:
 
 def _record_experts(cfg, rec: dict, res, dropped: tuple, model) -> None:
     """Residency's and selective loading's figures, and the weights on the device."""
-    from .experts import expert_bytes, moe_layers
+    from ..infer.experts import expert_bytes, moe_layers
 
     i, why = cfg.infer, rec["null_reasons"]
     keys = ("expert_hit_rate", "expert_bytes_moved_per_token", "expert_prefetch_hit_rate")
@@ -278,12 +333,10 @@ def _record(cfg, rec: dict, runs: list, model, mem: dict, mem_why: dict) -> None
 
 
 def summary_rows(r: dict) -> list[tuple[str, str]]:
-    """The record's headline figures, (label, text) rows (the terminal's table, run.log)."""
+    """The record's headline figures as (label, text) rows, for the terminal's table and run.log."""
     f = lambda x, spec, unit="": "null" if x is None else f"{x:{spec}}{unit}"  # noqa: E731
     rows = [
-        ("run", f"task=infer model={r['model']} precision={r['precision']} "
-                + (f"compile={r['compile']} " if r.get("compile", "off") != "off" else "")
-                + f"on {r['device_name']}"),
+        ("run", f"task=infer {run_line(r)} on {r['device_name']}"),
         ("weights", r.get("weights_from") or "initialized (infer.checkpoint=null)"),
         ("throughput", f"{r['tokens_per_s']:,.0f} generated tokens/s; prefill "
                        f"{r['prefill_tokens_per_s']:,.0f} tokens/s, decode "

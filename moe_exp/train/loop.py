@@ -17,10 +17,10 @@ from ..config import total_steps
 from ..optimizations.collect import Collector
 from .balance import BiasBalancer
 from .evaluate import Evaluator
-from .memory import MemoryMeter
-from .nvml import GpuSampler
-from .load import snapshot, window
-from .timer import StepTimer, device_sync, process_age_s
+from ..bench.memory import MemoryMeter
+from ..bench.nvml import GpuSampler
+from ..bench.load import snapshot, window
+from ..bench.timer import StepTimer, device_sync, process_age_s
 
 
 class Diverged(Exception):
@@ -59,8 +59,6 @@ class LoopResult:
     profiler: object = None  # train.profile: the closed torch.profiler of the last steps
     memory_snapshot: dict | None = None  # train.profile on CUDA: one step's allocations
     checkpoint_s: float = 0.0  # the measured window's time blocked by checkpoint saves
-    tracked_peak: int | None = None  # CPU, train.plan: the last warmup step's live tensors
-    tracked_why: str | None = None  # (why not, where None)
 
 
 def micro_step(model, tokens, targets, autocast, scaler, accum: int, timer=None):
@@ -88,9 +86,11 @@ _KINETO_MARKS = ("USDT:", "STAGE:")
 
 @contextlib.contextmanager
 def _kineto_quiet():
-    """Kineto writes profiler_start/stop marks straight to fd 2 at every start and stop (no
-    log level silences them; each rank would print them): catch fd 2 for just that call and
-    pass every other line on. Where fd 2 cannot be caught, nothing is."""
+    """Hide Kineto's profiler start/stop marks from stderr, passing every other line on.
+
+    Kineto writes them straight to fd 2 at every start and stop, no log level silences them,
+    and each rank would print them. fd 2 is caught for just that call; where it cannot be
+    caught, nothing is."""
     try:
         if sys.stderr is not None:
             sys.stderr.flush()
@@ -114,19 +114,21 @@ def _kineto_quiet():
 
 
 def profiled_steps(cfg, ranks: bool) -> int:
-    """The run's last steps that run under torch.profiler (untimed): parallel.profile_steps
-    with several ranks, train.profile_steps with train.profile; none where they would
-    leave no timed step."""
+    """How many of the run's last steps run under torch.profiler, untimed.
+
+    The larger of parallel.profile_steps with several ranks and train.profile_steps with
+    train.profile; none where they would leave no timed step."""
     t = cfg.train
     n = max(cfg.parallel.profile_steps if ranks else 0, t.profile_steps if t.profile else 0)
     return n if 0 < n < t.steps else 0
 
 
 class _Window:
-    """The measured window: from the end of warmup to the profiled steps (distributed: the
-    last parallel.profile_steps steps run under torch.profiler to time the collectives;
-    they are left out of the step-time figures). Its wall time, CPU ticks and memory go
-    into the loop's result."""
+    """The measured window, from the end of warmup to the profiled steps.
+
+    Its wall time, CPU ticks and memory go into the loop's result. With several ranks the
+    last parallel.profile_steps steps run under torch.profiler to time the collectives, and
+    are left out of the step-time figures."""
 
     def __init__(self, cfg, device, memory: MemoryMeter, res: LoopResult, start: int = 0):
         t = cfg.train
@@ -142,7 +144,7 @@ class _Window:
         self.gpu = GpuSampler(device)
 
     def pause(self, seconds: float) -> None:
-        """Time spent outside training (an eval) leaves the open window's figures."""
+        """Leave time spent outside training, such as an eval, out of the open window."""
         if self.wall0 is not None and self.res.wall_s is None:
             self.wall0 += seconds
         if self.prof is not None:
@@ -152,8 +154,7 @@ class _Window:
         return self.warmup <= step < self.prof_from
 
     def begin(self, step: int, bar) -> None:
-        """At a step's start: the window opens after warmup and closes where the profiled
-        steps begin."""
+        """At a step's start, open the window after warmup or close it at the profiled steps."""
         if step == self.prof_from + 1 and self.snapshot:
             self._take_snapshot()
         if step == self.prof_from:
@@ -215,8 +216,9 @@ class _Window:
 
 
 class _MoeStats:
-    """Expert load and router losses summed over the measured micro-steps, on the device
-    (read once at the end)."""
+    """Expert load and router losses summed over the measured micro-steps.
+
+    The sums stay on the device and are read once at the end."""
 
     def __init__(self, device, top_k: int):
         # balance, z, busiest, sequence balance
@@ -244,9 +246,10 @@ class _MoeStats:
 
 
 class _LossLog:
-    """Each step's loss stays on the device until a log step reads the new ones at once (one
-    sync per train.log_every steps): into the result, the progress bar and the tracker; a
-    non-finite one stops the run (Diverged)."""
+    """Reads the steps' losses at log steps into the result, the progress bar and the tracker.
+
+    Each step's loss stays on the device until a log step reads the new ones at once: one
+    sync per train.log_every steps. A non-finite loss raises Diverged."""
 
     def __init__(self, losses: torch.Tensor, norms: torch.Tensor, res: LoopResult, bar, on_log):
         self.losses, self.norms, self.res, self.bar, self.on_log = losses, norms, res, bar, on_log
@@ -274,15 +277,16 @@ class _LossLog:
                            self.res.losses[:bad])
 
     def unread(self) -> list:
-        """The losses of the steps done since the last log (one process: they are global)."""
+        """The losses of the steps done since the last log; with one process they are global."""
         return self.losses[self.logged: self.res.steps_done].tolist()
 
 
 def optimizer_step(cfg, applied, optimizer, scheduler, scaler, params, timer):
-    """Gradient sync outside DDP/FSDP's hooks (expert parallelism: timed as backward, as
-    under DDP/FSDP), unscale, clip, step, zero the gradients, advance the schedule. Returns
-    the gradient norm before clipping (global across ranks; on the device), or None
-    without clipping."""
+    """Sync, unscale and clip the gradients, step, zero them and advance the schedule.
+
+    The sync is the one outside DDP/FSDP's hooks, expert parallelism's; it is timed as
+    backward, as under DDP/FSDP. Returns the gradient norm before clipping, global across
+    ranks and on the device, or None without clipping."""
     if applied.before_step:
         applied.before_step()
         if timer is not None:
@@ -305,9 +309,11 @@ def optimizer_step(cfg, applied, optimizer, scheduler, scaler, params, timer):
 
 def _checkpoint(ckpt, step: int, read: bool, log: _LossLog, res: LoopResult,
                 measured: bool) -> None:
-    """At a step's end: a checkpoint when due, or when a SIGTERM came (then the run stops:
-    KeyboardInterrupt("SIGTERM") with the checkpoint's dir). With several ranks a SIGTERM
-    is acted on at a loss read, where every rank learns whether any rank got one."""
+    """At a step's end, save a checkpoint when due or when a SIGTERM came.
+
+    After a SIGTERM's save the run stops with KeyboardInterrupt("SIGTERM"), which carries the
+    checkpoint's dir. With several ranks a SIGTERM is acted on at a loss read, where every
+    rank learns whether any rank got one."""
     stop = ckpt.stop_requested(agree=True) if read or not dist.is_initialized() else False
     if not (stop or ckpt.due(step + 1)):
         return
@@ -325,27 +331,15 @@ def _checkpoint(ckpt, step: int, read: bool, log: _LossLog, res: LoopResult,
         raise e
 
 
-def _tracked_step(cfg, device, start: int, warmup: int) -> tuple[int | None, str | None]:
-    """The step whose live tensors are tracked (on CPU, to check the plan against: the
-    last warmup step, which holds the optimizer's state), or None and why not."""
-    t, step = cfg.train, warmup - 1
-    if device.type != "cpu":
-        return None, "tracked on CPU only: a GPU's peak_mem_gib is its allocator's"
-    if not t.plan:
-        return None, "train.plan=false"
-    if t.compile != "off":
-        return None, "train.compile: the tracker follows eager ops, not a compiled step's"
-    if step < max(start, 1):
-        return None, f"train.warmup_steps={t.warmup_steps}: the step tracked is the last " \
-                     "warmup step after the first (with the optimizer's state): >= 2"
-    return step, None
-
-
 def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                memory: MemoryMeter, on_log=None, progress: bool = True,
-               ckpt=None) -> LoopResult:
-    """ckpt: the run's bench.checkpoint.Checkpointer (saves; a resumed run starts at its
-    loaded step, with the loss history before it)."""
+               ckpt=None, watch=None) -> LoopResult:
+    """Run the warmup and measured steps and return the loop's figures.
+
+    ckpt is the run's train.checkpoint.Checkpointer: it saves, and a resumed run starts at
+    its loaded step with the loss history before it. watch, the plan's check of a real
+    step's memory, observes step watch.step: begin(applied, optimizer) before it, micro()
+    after each micro-batch, end() after its optimizer step."""
     t = cfg.train
     model, autocast, scaler, accum = applied.model, applied.autocast, applied.scaler, \
         t.grad_accum_steps
@@ -359,7 +353,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
         res.losses, res.lrs, res.grad_norms = list(h["losses"]), list(h["lrs"]), \
             list(h["grad_norms"])
     # Per-step figures go into buffers made once: small tensors kept from every step would
-    # pin freed heap between them (on CPU the run's peak RSS grew with train.steps).
+    # pin freed heap between them, and on CPU the run's peak RSS would grow with train.steps.
     losses = torch.zeros(total, device=device)  # each step's loss, read at each log
     norms = torch.full((total,), math.nan, device=device)  # each step's gradient norm
     bar = tqdm(total=total, initial=start, desc="warmup", unit="step", disable=not progress,
@@ -372,8 +366,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
     batches = iter(loader)
     model.train()
     collector = Collector(t.gc_every)  # (entered in the try: its exit restores GC)
-    track, res.tracked_why = _tracked_step(cfg, device, start, win.warmup)
-    live = None  # the tracker of step `track` while it runs
+    live = None  # watch, while its step runs
     done = False
     try:
         collector.__enter__()
@@ -385,11 +378,9 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
             if step == start:
                 t0 = time.perf_counter()
             timer.start()
-            if step == track:
-                from ..plan.tracker import live_tracker
-
-                live = live_tracker(cfg, applied, optimizer, device)
-                live.__enter__()
+            if watch is not None and step == watch.step:
+                live = watch
+                live.begin(applied, optimizer)
             step_loss = losses[step]
             for sync_ctx in applied.micro_contexts(accum):
                 tokens, targets = next(batches)
@@ -399,7 +390,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                 with sync_ctx:
                     out = micro_step(model, tokens, targets, autocast, scaler, accum, timer)
                 if live is not None:
-                    live.reset_mod_stats()  # (its per-module figures: one pass's)
+                    live.micro()
                 step_loss += out.ce.detach() / accum
                 if win.measured(step):
                     moe.add(out, tokens.numel())
@@ -410,8 +401,8 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                 norms[step] = norm.detach()
             balancer.step()
             if live is not None:
-                live.__exit__(None, None, None)
-                res.tracked_peak, live = live.peak(), None
+                live.end()
+                live = None
             timer.lap("optimizer")
             if collector.step(step):
                 timer.lap("gc")  # (in the step's time, in no phase)
@@ -441,7 +432,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
         raise
     finally:
         if live is not None:
-            live.__exit__(None, None, None)
+            live.end()
         if ckpt:
             ckpt.__exit__(None if done else Exception, None, None)
         collector.__exit__(None, None, None)

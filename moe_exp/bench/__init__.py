@@ -1,0 +1,1 @@
+"""Instruments: timers, memory, FLOPs, NVML, the profiler, CPU load, expert load."""

@@ -1,0 +1,156 @@
+"""task=comm: measures the latency and bus bandwidth of MoE training's collectives by size.
+
+It follows nccl-tests' conventions. size is the full buffer per rank: all_reduce's tensor,
+all_gather's output, reduce_scatter's input, all_to_all's input. algbw = size / time.
+busbw = algbw x 2(n-1)/n for all_reduce and algbw x (n-1)/n for the others, comparable with
+the link's bandwidth. Times are the max over ranks of the median over comm.iters, each
+bracketed by a device sync.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError
+from ..distributed import collective_device
+from ..results import fill_null_reasons
+from ..record import Comm
+from .protocol import Task
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def _op(name: str, n: int, numel: int, dtype, device):
+    x = torch.ones(numel, dtype=dtype, device=device)
+    if name == "all_reduce":
+        return lambda: dist.all_reduce(x), 2 * (n - 1) / n
+    if name == "all_gather":
+        part = x[: numel // n].clone()
+        return lambda: dist.all_gather_into_tensor(x, part), (n - 1) / n
+    if name == "reduce_scatter":
+        part = x[: numel // n].clone()
+        return lambda: dist.reduce_scatter_tensor(part, x), (n - 1) / n
+    out = torch.empty_like(x)
+    return lambda: dist.all_to_all_single(out, x), (n - 1) / n
+
+
+def sizes(c, world: int) -> tuple[list[int], int]:
+    """The message sizes to measure, and the unit they are whole multiples of, in bytes.
+
+    Sizes are comm.min_bytes x factor^k up to max_bytes, each rounded down to whole elements
+    per rank but at least one, repeats dropped."""
+    unit = world * torch.tensor([], dtype=getattr(torch, c.dtype)).element_size()
+    out, size = [], c.min_bytes
+    while size <= c.max_bytes:
+        out.append(max(unit, size // unit * unit))
+        size *= c.factor
+    return sorted(set(out)), unit
+
+
+def measure(cfg, d, device) -> list[dict]:
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    c = cfg.comm
+    dtype = getattr(torch, c.dtype)
+    esize = torch.tensor([], dtype=dtype).element_size()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rows, measured = [], sizes(c, d.world)[0]
+    for name in c.ops:
+        for nbytes in measured:
+            numel = nbytes // esize
+            fn, bus = _op(name, d.world, numel, dtype, device)
+            times = []
+            for i in range(c.warmup + c.iters):
+                sync()
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                if i >= c.warmup:
+                    times.append(time.perf_counter() - t0)
+            t = torch.tensor([statistics.median(times)], dtype=torch.float64,
+                             device=collective_device(device))
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            sec, real = t.item(), numel * esize
+            rows.append({"op": name, "bytes": real, "latency_us": sec * 1e6,
+                         "algbw_gbps": real / sec / 1e9, "busbw_gbps": real / sec / 1e9 * bus})
+    return rows
+
+
+class CommTask(Task):
+    name = "comm"
+    section = Comm
+    model = False
+
+    @staticmethod
+    def check(cfg) -> None:
+        c = cfg.comm
+        bad = [op for op in c.ops if op not in OPS]
+        if len(set(c.ops)) < len(c.ops):
+            raise ConfigError("comm.ops", f"{list(c.ops)} names an op twice: each is one row")
+        if bad or not c.ops:
+            raise ConfigError("comm.ops", f"{bad or 'empty'}: allowed are {', '.join(OPS)}")
+        if c.max_bytes < c.min_bytes:
+            raise ConfigError("comm.max_bytes", f"must be >= comm.min_bytes={c.min_bytes}")
+
+    @staticmethod
+    def ranked(cfg) -> bool:
+        return True
+
+    def run_name(self) -> str:
+        return f"comm-{dist.get_backend()}x{self.ctx.dist.world}"
+
+    def run(self, rec: dict) -> None:
+        import pandas as pd
+
+        from ..hardware import device_name, torch_device
+
+        cfg, d, out_dir = self.ctx.cfg, self.ctx.dist, self.ctx.out_dir
+        device = torch_device(cfg)
+        measured, unit = sizes(cfg.comm, d.world)
+        if d.main and cfg.comm.min_bytes % unit:
+            print(f"[comm] sizes are whole elements per rank: multiples of {unit} bytes "
+                  f"({d.world} ranks x {cfg.comm.dtype}); comm.min_bytes="
+                  f"{cfg.comm.min_bytes} is measured as {measured[0]}", file=sys.stderr,
+                  flush=True)
+        rows = measure(cfg, d, device)
+        if not d.main:
+            return
+        df = pd.DataFrame(rows)
+        df.to_csv(out_dir / "comm.csv", index=False)
+        (out_dir / "comm.md").write_text(df.to_markdown(index=False, floatfmt=".3f") + "\n")
+        best = df.loc[df.groupby("op")["busbw_gbps"].idxmax()]
+        rec.update(task="comm", comm=rows, world_size=d.world,
+                   device_name=device_name(device), torch_version=torch.__version__,
+                   comm_backend=dist.get_backend(),
+                   **{f"busbw_gbps_{r.op}": r.busbw_gbps for r in best.itertuples()})
+        fill_null_reasons(rec, "task=comm measures collectives, not training")
+        if self.ctx.tracker:
+            self.ctx.tracker.table("comm", df)
+
+    def show(self, rec: dict) -> None:
+        import pandas as pd
+
+        _print(pd.DataFrame(rec["comm"]), self.ctx.dist, self.ctx.out_dir)
+
+
+def _print(df, d, out_dir: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"collectives on {d.world} ranks ({dist.get_backend()})")
+    for col in ("op", "size", "latency", "algbw", "busbw"):
+        t.add_column(col, justify="left" if col == "op" else "right")
+    for r in df.itertuples():
+        size = f"{r.bytes / 2**20:.2f} MiB" if r.bytes >= 2**20 else \
+            f"{r.bytes / 1024:.0f} KiB" if r.bytes >= 1024 else f"{r.bytes} B"
+        t.add_row(r.op, size, f"{r.latency_us:,.1f} us", f"{r.algbw_gbps:.3f} GB/s",
+                  f"{r.busbw_gbps:.3f} GB/s")
+    Console(width=120).print(t)
+    print(f"record: {out_dir / 'metrics.json'} (table: comm.csv, comm.md)", file=sys.stderr)

@@ -1,0 +1,81 @@
+"""task=plan: predicts a training step's memory and time on the hardware named.
+
+plan/predict.py traces the step on fake tensors; nothing is allocated or measured."""
+from __future__ import annotations
+
+from ..config import ConfigError
+from ..plan.predict import HEADROOM, KINDS, plan_step
+from ..record import Plan
+from .protocol import Task
+from .summary import run_line
+
+
+class PlanTask(Task):
+    name = "plan"
+    noun = "plan"
+    section = Plan
+    title = "moe_exp plan"
+    here = False  # (planned for the hardware named: this machine need not have it)
+
+    @staticmethod
+    def check(cfg) -> None:
+        """Check the step can be traced, its comm record read and the memory to fit known.
+
+        plan.trace.unplannable says what the trace cannot follow."""
+        from ..plan.predict import plan_memory_gib
+        from ..plan.trace import unplannable
+
+        if why := unplannable(cfg):
+            raise ConfigError(*why)
+        if cfg.hardware.comm_from:
+            from ..plan.roofline import comm_curves
+
+            try:
+                comm_curves(cfg.hardware.comm_from)
+            except ValueError as e:
+                raise ConfigError("hardware.comm_from", str(e)) from None
+        if plan_memory_gib(cfg.hardware) is None:
+            raise ConfigError("hardware.memory_gib", f"hardware={cfg.hardware.name} reads its "
+                              "memory from the device, which is not here: a plan needs it (set "
+                              "hardware.memory_gib=<GiB per device>)")
+
+    @staticmethod
+    def summary_rows(rec: dict) -> list[tuple[str, str]]:
+        return summary_rows(rec)
+
+    def run(self, rec: dict) -> None:
+        rec.update(task="plan", device_name=f"{self.ctx.cfg.hardware.name} (planned)")
+        plan_step(self.ctx.cfg, rec)
+
+
+def gib_text(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def summary_rows(r: dict) -> list[tuple[str, str]]:
+    """The plan's headline figures as (label, text) rows, for the terminal's table and run.log."""
+    mem, ok = r.get("planned_memory_gib"), r.get("planned_fits")
+    if ok is None:
+        fits = f"null: {r['null_reasons'].get('planned_fits', '')}"
+    else:
+        fits = f"{'yes' if ok else 'NO'}: {r['planned_peak_gib']:.3g} of {mem:.3g} GiB less " \
+               f"{HEADROOM:.0%} headroom ({mem * (1 - HEADROOM):.3g} GiB)"
+    split = ", ".join(f"{k} {r[f'planned_{k}_gib']:,.3f}" for k in KINDS
+                      if r.get(f"planned_{k}_gib"))
+    step, world = r.get("planned_step_ms"), r.get("world_size") or 1
+    where = "one device" if world == 1 else f"rank 0 of {world} ({r['parallel']})"
+    return [
+        ("plan", f"{run_line(r)} micro-batch {r['micro_batch_size']} on {r['hardware']}, "
+                 f"{where} (traced in {r['plan_s']:.1f} s)"),
+        ("peak memory", f"{r['planned_peak_gib']:,.3f} GiB per device: {split}"),
+        ("fits", fits),
+        *([("collectives", ", ".join(f"{k} {gib_text(v['gib'])} GiB in {v['calls']} calls"
+                                     for k, v in r["planned_comm"].items())
+            + " a step (each rank)")] if r.get("planned_comm") else []),
+        ("step", f"{r['planned_flops_per_step']:.3g} FLOPs" + (
+            f"; {step:,.1f} ms ({r['planned_compute_ms']:,.1f} computing at the profile's "
+            f"roofline, {r['planned_comm_ms']:,.1f} communicating, no overlap), "
+            f"{r['planned_tokens_per_s']:,.0f} tokens/s"
+            + (f", MFU {r['planned_mfu']:.0%}" if r.get("planned_mfu") is not None else "")
+            if step is not None else f"; time: null ({r['null_reasons']['planned_step_ms']})")),
+    ]

@@ -1,0 +1,1 @@
+"""Training: building a run, the measured loop, checkpoints, held-out evaluation."""
