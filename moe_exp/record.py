@@ -246,6 +246,11 @@ def types(section) -> dict[str, Any]:
     return typing.get_type_hints(section)
 
 
+def text_keys(section=Header) -> tuple[str, ...]:
+    """The keys of a section that hold text."""
+    return tuple(k for k, t in types(section).items() if t in (str, S))
+
+
 def columns() -> dict[str, str]:
     """{record column: its knob's dotted key}, by each Knob.column in config.py."""
     from .config import KNOBS
@@ -273,11 +278,14 @@ def _schema_type(key: str):
 def check(rec: dict) -> list[str]:
     """What in a record its declaration does not allow: undeclared keys, wrong-typed values.
 
-    A combined record's <key>_min / _max keys count as declared."""
+    A combined record's <key>_min / _max keys count as declared, and its numbers, medians
+    of its repeats', may be fractions where one run's are whole."""
     known, bad = declared(), []
     for k, v in rec.items():
         typ = known.get(k)
         if typ is None and k.endswith(("_min", "_max")) and k[:-4] in known:
+            typ = F
+        if rec.get("combined") and typ == I:
             typ = F
         if typ is None:
             bad.append(f"{k}: not declared (record.py)")

@@ -341,13 +341,15 @@ def dispatch_here(cfg) -> None:
 
 
 def check_parallel(cfg) -> None:
+    from .tasks import TASKS
+
     p, hw, m = cfg.parallel, cfg.hardware, cfg.model
-    n = hw.devices
-    if p.name == "none" and n != 1 and cfg.task != "comm":
+    n, own = hw.devices, TASKS[cfg.task].own_ranks
+    if p.name == "none" and n != 1 and not own:
         raise ConfigError("hardware.devices", f"parallel=none runs one rank; got hardware."
                           f"devices={n} (use parallel=ddp, fsdp, hsdp, expert or expert_fsdp)")
     launched = world_size(n)
-    if p.name == "none" and launched > 1 and cfg.task != "comm":
+    if p.name == "none" and launched > 1 and not own:
         raise ConfigError("parallel", f"launched as {launched} ranks (torchrun), but "
                           "parallel=none runs one: set parallel=ddp, fsdp, hsdp, expert or "
                           "expert_fsdp")
@@ -386,9 +388,6 @@ def check_parallel(cfg) -> None:
         if cfg.precision.name in ("fp16", "fp8"):
             raise ConfigError("precision", f"parallel={p.name} supports precision fp32, tf32 "
                               f"and bf16 here, not {cfg.precision.name}")
-    if cfg.task == "comm" and n < 2:
-        raise ConfigError("hardware.devices", "task=comm measures collectives between ranks: "
-                          "set hardware.devices >= 2")
 
 
 def _check_hook(cfg) -> None:
@@ -529,9 +528,9 @@ def check_rendezvous(cfg) -> None:
 
     A process with RANK and WORLD_SIZE set joins torch's env:// rendezvous. Without them the
     environment is not ready, status error; this is checked after the config's mistakes."""
-    p = cfg.parallel
-    if rank_env() is not None and (p.name != "none" or cfg.hardware.devices > 1
-                                   or cfg.task == "comm"):
+    from .tasks import TASKS
+
+    if rank_env() is not None and TASKS[cfg.task].ranked(cfg):
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
         if missing:
             raise NotReady(missing[0], f"RANK and WORLD_SIZE are set (a rank of torchrun or "
@@ -576,18 +575,18 @@ def check_memory(cfg) -> None:
 
     The bounds are bench.flops': fp32 weights, gradients and optimizer state as sharded,
     then with them the activations no setting avoids. For task=comm it is the largest
-    message's buffers. A GPU holds one rank; a CPU's memory, all of which memory_gib counts,
+    message's buffers (tasks/comm.py). A GPU holds one rank; a CPU's memory, all of which memory_gib counts,
     holds this machine's ranks together."""
     from .bench.flops import activation_lower_bound, state_lower_bound
+    from .tasks import TASKS
 
     mem, m, p, n = cfg.hardware.memory_gib, cfg.model, cfg.parallel, cfg.hardware.devices
     if mem is None:
         return
     local = n if cfg.hardware.device == "cpu" else 1
     where = f"{n} CPU ranks together" if local > 1 else "one device"
-    if cfg.task == "comm":
-        return _comm_memory(cfg, mem)
-    if cfg.task == "infer":  # (its weights at least: bench.flops' state bound is training's)
+    task = TASKS[cfg.task]
+    if not task.trains:  # (task=comm checks its buffers: CommTask.check_here)
         return
     world = world_size(n) if p.name != "none" else 1
     need = state_lower_bound(cfg, world) * local / 2**30
@@ -598,7 +597,7 @@ def check_memory(cfg) -> None:
                           f"hardware={cfg.hardware.name} has {_gib(mem)} GiB (shard it: "
                           "parallel=fsdp or expert_fsdp over more devices, or a smaller model)")
     act = activation_lower_bound(cfg) * local / 2**30
-    if need + act > mem and cfg.task == "bench":  # (tune_batch's probes check their own)
+    if need + act > mem and task.model:  # (tune_batch's probes check their own)
         t = cfg.train
         raise Unsupported("train.micro_batch_size", f"{t.micro_batch_size} x seq_len "
                           f"{t.seq_len} needs >= {_gib(act)} GiB of activations per step "
@@ -606,24 +605,6 @@ def check_memory(cfg) -> None:
                           f"{_gib(need)} GiB of weights and optimizer state; hardware="
                           f"{cfg.hardware.name} has {_gib(mem)} GiB (a smaller "
                           "train.micro_batch_size, with train.grad_accum_steps for the batch)")
-
-
-def _comm_memory(cfg, mem: float) -> None:
-    """Skip task=comm where its largest size's buffers, per rank, do not fit."""
-    from .tasks.comm import sizes
-
-    c, n = cfg.comm, world_size(cfg.hardware.devices)
-    local = n if cfg.hardware.device == "cpu" else 1
-    largest = sizes(c, n)[0][-1]
-    # all_reduce: in place; all_gather / reduce_scatter: + a rank's part; all_to_all: x2
-    bufs = max({"all_reduce": 1, "all_to_all": 2}.get(op, 1 + 1 / n) for op in c.ops)
-    need = bufs * largest * local / 2**30
-    if need > mem:
-        where = f"{local} CPU ranks together" if local > 1 else "one device"
-        many = f"{bufs:g} buffer" + ("s" if bufs != 1 else "")
-        raise Unsupported("comm.max_bytes", f"its largest size ({largest:,} bytes) needs >= "
-                          f"{_gib(need)} GiB on {where} ({many} of it per rank); "
-                          f"hardware={cfg.hardware.name} has {_gib(mem)} GiB")
 
 
 def validate(cfg, overrides=(), in_sweep: bool = False) -> None:

@@ -539,7 +539,7 @@ def _inject_failure(tmp_path, fail_rank) -> dict:
     inject.mkdir(exist_ok=True)
     (inject / "sitecustomize.py").write_text(  # (RANK read when called: the app's own
         "import os\n"  # launch sets it after the interpreter started)
-        "import moe_exp.bench.loop as loop\n"
+        "import moe_exp.train.loop as loop\n"
         "step = loop.micro_step\n"
         "def boom(*a, **k):\n"
         "    if os.environ.get('RANK') == os.environ.get('FAIL_RANK'):\n"

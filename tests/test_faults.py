@@ -316,8 +316,7 @@ def test_a_sweep_on_a_full_disk_ends_with_the_rows_it_has(when, disk, tmp_path, 
     temporary file; the table holds job 0's row."""
     import pandas as pd
 
-    from moe_exp import report
-    from moe_exp.sweep import callback
+    from moe_exp.sweep import callback, report
 
     if when == "config":
         update = callback._update_table

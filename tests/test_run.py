@@ -701,18 +701,6 @@ def test_per_step_expert_imbalance_is_recorded_and_noted_for_compiled_padded(tmp
         assert (note in rows["NOTE"]) if note else "NOTE" not in rows, rows
 
 
-def test_docs_name_every_record_field():
-    """The record's contract (results.FIELDS and EXTRAS) is documented, field by field
-    (docs/record.md)."""
-    import re
-
-    from moe_exp.results import EXTRAS, FIELDS
-
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "record.md").read_text()
-    named = set(re.findall(r"[a-z_0-9]+", " ".join(re.findall(r"`([^`]+)`", doc))))
-    assert [k for k in (*FIELDS, *EXTRAS) if k not in named] == []
-
-
 def test_cudagraph_skips_counted_where_cuda_graphs_were_asked_for():
     """reduce-overhead / max-autotune on CUDA: graphs inductor ran without CUDA graphs are
     counted (the loop dispatch's data-dependent shapes skip them) and the summary says so;

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from ..record import columns
+
 
 class SweepError(Exception):
     """A sweep check's failure, one line: `key: what`.
@@ -130,9 +132,9 @@ class _Baseline:
 
     check_baseline checks the swept keys; this checks the rest, keys the sweep fixes
     elsewhere."""
-    # record columns new_record fills from the config and nothing changes later
-    FIXED = {"model", "precision", "parallel", "data", "optim", "activation_checkpointing",
-             "compile", "micro_batch_size", "grad_accum_steps", "seq_len", "task"}
+    # the knobs' record columns, filled from the config, but those a run resolves
+    # (hardware=auto) or its launch decides (the world size)
+    FIXED = set(columns()) - {"hardware", "world_size"}
 
     def __init__(self, config: DictConfig) -> None:
         from ..results import EXTRAS, FIELDS

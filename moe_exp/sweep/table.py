@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..bench.load import OTHER_LOAD_WARN, busy
 from ..config import OFF
+from ..record import text_keys
 from ..results import FIELDS
 
 # Finished outcomes that a re-run would repeat: resume keeps them (error/crashed re-run).
@@ -33,10 +34,9 @@ def number_or_none(x) -> float | None:
 
 # keys every record has (results.new_record): a file without them is not one
 RECORD_KEYS = ("status", "config_hash", "model", "precision", "overrides")
-# record fields that hold text; the others hold numbers or null
-TEXT_FIELDS = ("status", "error", "model", "precision", "parallel", "hardware", "data", "optim",
-         "activation_checkpointing", "compile", "overrides", "config_hash", "device_name",
-         "torch_version", "timestamp")
+# the contract's fields that hold text (record.Header's types) and the overrides' list; the
+# others hold numbers or null
+TEXT_FIELDS = (*(k for k in text_keys() if k in FIELDS), "overrides")
 
 
 def _not_a_number(rec: dict) -> str | None:

@@ -18,6 +18,7 @@ from .summary import summary_rows
 
 class BenchTask(Task):
     name = "bench"
+    trains = True
     section = Training
 
     @staticmethod

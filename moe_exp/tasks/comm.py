@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import ConfigError
+from ..config import ConfigError, Unsupported
 from ..distributed import collective_device
 from ..results import fill_null_reasons
 from ..record import Comm
@@ -87,6 +87,7 @@ class CommTask(Task):
     name = "comm"
     section = Comm
     model = False
+    own_ranks = True
 
     @staticmethod
     def check(cfg) -> None:
@@ -98,6 +99,31 @@ class CommTask(Task):
             raise ConfigError("comm.ops", f"{bad or 'empty'}: allowed are {', '.join(OPS)}")
         if c.max_bytes < c.min_bytes:
             raise ConfigError("comm.max_bytes", f"must be >= comm.min_bytes={c.min_bytes}")
+        if cfg.hardware.devices < 2:
+            raise ConfigError("hardware.devices", "task=comm measures collectives between "
+                              "ranks: set hardware.devices >= 2")
+
+    @staticmethod
+    def check_here(cfg) -> None:
+        """Skip where the largest size's buffers, per rank, do not fit hardware.memory_gib
+        (a CPU's holds this machine's ranks together)."""
+        from ..ranks import world_size
+
+        c, mem, n = cfg.comm, cfg.hardware.memory_gib, world_size(cfg.hardware.devices)
+        if mem is None:
+            return
+        local = n if cfg.hardware.device == "cpu" else 1
+        largest = sizes(c, n)[0][-1]
+        # all_reduce: in place; all_gather / reduce_scatter: + a rank's part; all_to_all: x2
+        bufs = max({"all_reduce": 1, "all_to_all": 2}.get(op, 1 + 1 / n) for op in c.ops)
+        need = bufs * largest * local / 2**30
+        if need > mem:
+            where = f"{local} CPU ranks together" if local > 1 else "one device"
+            many = f"{bufs:g} buffer" + ("s" if bufs != 1 else "")
+            gib = lambda x: f"{x:,.0f}" if x >= 10 else f"{x:.2g}"  # noqa: E731
+            raise Unsupported("comm.max_bytes", f"its largest size ({largest:,} bytes) needs "
+                              f">= {gib(need)} GiB on {where} ({many} of it per rank); "
+                              f"hardware={cfg.hardware.name} has {gib(mem)} GiB")
 
     @staticmethod
     def ranked(cfg) -> bool:

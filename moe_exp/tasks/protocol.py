@@ -51,6 +51,8 @@ class Task:
     tracked = True  # logs a W&B run (deferred to the run's end)
     here = True  # runs on this machine (plan: on hardware it need not have)
     model = True  # builds the model in its own process (its MoE dispatch resolved there)
+    trains = False  # a training step: the memory it needs is checked before any work
+    own_ranks = False  # runs on ranks whatever parallel= says (task=comm's collectives)
 
     def __init__(self, ctx: RunContext):
         self.ctx = ctx

@@ -91,6 +91,7 @@ class TuneTask(Task):
     The record holds that probe's measurements, tune_max_micro_batch, tune_best_micro_batch,
     tune_limit and every probe as a row."""
     name = "tune_batch"
+    trains = True
     noun = "tune_batch"
     section = Tune
     tracked = False  # (its probes are runs of their own)
