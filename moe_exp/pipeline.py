@@ -231,10 +231,11 @@ def rank_main(cfg_dict: dict, out_dir: str, overrides, choices, progress,
     from .tasks.protocol import execute
 
     parent = os.getppid()  # (launched here: the process that runs launch)
-    d = distributed.init(typed(cfg_dict))
+    cfg = typed(cfg_dict)
+    d = distributed.init(cfg)
     d.launched_here = launched_here
     try:
-        ctx = context(cfg_dict, Path(out_dir), overrides, choices, progress, dist=d,
+        ctx = context(cfg_dict, Path(out_dir), overrides, choices, progress, cfg=cfg, dist=d,
                       known=known or {})
         rec = execute(TASKS[ctx.cfg.task](ctx))
         return rec if d.main else None

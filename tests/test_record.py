@@ -44,6 +44,24 @@ def test_a_record_holds_each_knobs_column_with_its_value():
     assert contract <= set(columns()) and contract <= set(FIELDS)
 
 
+@pytest.mark.parametrize("overrides", [[], ["model=tiny_deepseek", "++hardware.peak_flops.fp32=1",
+                                        "+extra.x=1", "hardware=h100", "parallel=fsdp"],
+                                       ["task=comm", "comm.ops=[all_reduce]"]])
+def test_the_typed_config_is_omegaconfs_object_of_the_schema(overrides):
+    """config.typed builds what OmegaConf.to_object makes of the structured config."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from moe_exp.config import RunConfig, typed
+    from moe_exp.pipeline import container
+
+    d = container(compose(overrides))
+    got = typed(d)
+    assert got == OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), d))
+    assert dataclasses.asdict(got) == d
+
+
 def test_the_type_check_names_what_a_record_must_not_hold():
     from moe_exp.record import check
 
