@@ -105,9 +105,10 @@ def _rank_step(overrides):
         distributed.finish()
 
 
-def cpu_peaks(reps: int = 5) -> dict:
-    """This CPU's matmul FLOP/s (fp32, bf16) and copy bandwidth (bytes read + written/s),
-    medians."""
+def cpu_peaks(reps: int = 5, dtypes=("fp32", "bf16")) -> dict:
+    """This CPU's matmul FLOP/s (of `dtypes`: fp32, bf16) and copy bandwidth (bytes read +
+    written/s), medians. bf16 only where a row runs it: a CPU without bf16 matmul units
+    (AVX2) takes a minute for each 2048^3 one."""
     import statistics
 
     def med(fn):
@@ -121,6 +122,8 @@ def cpu_peaks(reps: int = 5) -> dict:
 
     n, out = 2048, {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        if name not in dtypes:
+            continue
         x = torch.randn(n, n, dtype=dtype)
         out[name] = 2 * n**3 / med(lambda: x @ x)
     src = torch.ones(2**26)  # 256 MiB
@@ -135,14 +138,15 @@ def _benches(runs, rows) -> None:
 
     from moe_exp.run import run
 
-    peaks = cpu_peaks()
-    print(f"\nthis CPU: fp32 matmul {peaks['fp32'] / 1e9:,.0f} GFLOP/s, bf16 "
-          f"{peaks['bf16'] / 1e9:,.0f} GFLOP/s, copy {peaks['bandwidth'] / 1e9:,.1f} GB/s")
+    half = any(r["precision"] != "fp32" for r in rows)
+    peaks = cpu_peaks(dtypes=("fp32", "bf16") if half else ("fp32",))
+    print(f"\nthis CPU: fp32 matmul {peaks['fp32'] / 1e9:,.0f} GFLOP/s, " + (
+        f"bf16 {peaks['bf16'] / 1e9:,.0f} GFLOP/s, " if half else "") +
+        f"copy {peaks['bandwidth'] / 1e9:,.1f} GB/s")
     print("| model | precision | AC | planned MiB | tracked MiB | peak error | planned ms | "
           "step ms | step error |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    hw = [f"++hardware.peak_flops.fp32={peaks['fp32']:.4g}",
-          f"++hardware.peak_flops.bf16={peaks['bf16']:.4g}",
+    hw = [*(f"++hardware.peak_flops.{k}={v:.4g}" for k, v in peaks.items() if k != "bandwidth"),
           f"hardware.memory_bandwidth={peaks['bandwidth']:.4g}", "logger=none"]
     for o, row in zip(runs, rows):
         with tempfile.TemporaryDirectory() as d:

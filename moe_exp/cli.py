@@ -18,7 +18,7 @@ from .hydra_internals import (flag_error, flags, hydra_args, hydra_error_line,
                               interpolation_error_line)
 from .pipeline import hydra_info, run
 from .results import stop_on_sigterm, stop_signal
-from .sweep.callback import no_job_ok
+from .sweep.callback import no_job_ok, release_held
 
 
 EXIT_INVALID, EXIT_FAILED = 2, 1
@@ -94,6 +94,29 @@ def group_value_error(args) -> str | None:
                     str(v).lower() if isinstance(v, bool) else str(v)
                 return f"{key}: '{text}' is not one of: {', '.join(group_options(key))}"
     return None
+
+def bool_value_error(args) -> str | None:
+    """One line for a value other than true or false given to a true/false key.
+
+    OmegaConf reads any non-zero number, and yes or on, as true: train.profile=2 would run."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+
+    from .config import DEFAULTS
+
+    for o in _overrides(args):
+        key = o.split("=", 1)[0].lstrip("+~")
+        if not isinstance(DEFAULTS.get(key), bool) or "=" not in o or o.startswith("~"):
+            continue
+        try:
+            value = OverridesParser.create().parse_override(o).value()
+        except Exception:  # noqa: BLE001 - a syntax error: Hydra's own line says it
+            continue
+        for v in value.list if isinstance(value, ChoiceSweep) else [value]:
+            if not isinstance(v, bool):
+                return f"{key}: must be true or false, got {v}"
+    return None
+
 
 def group_options_all() -> list[str]:
     """moe_exp's config groups, less conf/hydra/, which holds Hydra's own."""
@@ -289,7 +312,7 @@ def cli() -> None:
     args = sys.argv[1:]
     if (line := flag_error(args) or job_name_error(args) or output_dir_error(args) or
             group_value_error(args) or group_override_error(args) or
-            big_int_error(args)) is not None and \
+            big_int_error(args) or bool_value_error(args)) is not None and \
             (not full or line.startswith(("sweep.", "hydra.run", "hydra.sweep"))):  # (no
         # Hydra error to show for those)
         print(f"error: {line}", file=sys.stderr)
@@ -340,3 +363,5 @@ def cli() -> None:
         term = stop_signal(e) == "SIGTERM"
         print("terminated (SIGTERM)" if term else "interrupted", file=sys.stderr)
         sys.exit(143 if term else 130)
+    finally:
+        release_held()  # a sweep's lock files, however it ended

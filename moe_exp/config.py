@@ -87,8 +87,14 @@ MAX_STEPS = 10_000_000  # steps, and micro-batches of a run: a benchmark, not a 
 MAX_POSITIONS = 2**20  # model.max_seq_len (the model builds its RoPE table for each)
 SEEDS = 2**32  # (numpy's range, the narrowest a seed goes to)
 MAX_MEMORY_GIB = 2**20  # 1 PiB a device: a larger value could overflow a byte count mid-run
+MAX_DEVICES = 16_384  # ranks: a plan's FSDP2 set-up costs ~12 ms a rank on 2 CPU cores (tiny_moe)
+MAX_BATCH = 65_536  # requests a generated batch holds
+MAX_REQUESTS = 1_000_000  # a simulated request stream (each a record of its own)
+MAX_BANDWIDTH = 1e16  # bytes/s: 10 PB/s, past any link or memory
+MAX_FLOPS = 1e20  # FLOP/s a device: past any accelerator
 MAX_BUCKET_MB = 2**20  # DDP takes the bytes as a C++ int64: a larger value could overflow it
 RANKED = ("ddp", "fsdp", "expert", "expert_fsdp", "hsdp")  # parallel options with several ranks
+BANDWIDTH = Range(1, MAX_BANDWIDTH, note="bytes/s or null")
 MOE = Reads("model.num_experts", positive=True, what="a MoE model")
 ROUTINGS = ("learned", "balanced", "skewed")  # model.routing (model/moe.py: Router)
 GQA = Reads("model.attention_type", ("gqa",), what="model.attention_type=gqa")
@@ -113,6 +119,7 @@ SERVING = Reads("infer.batching", BATCHING, what="a served stream (infer.batchin
                 "dynamic or continuous)")
 PLAN_TASK = ("plan",)  # reads what bench reads (knobs.LIKE_BENCH)
 TASKS = BOTH + TUNE_TASK + INFER_TASK + PLAN_TASK
+PLANNED = ("bench", "tune_batch")  # runs that plan their step (train.plan): read the plan's keys
 
 
 @dataclass
@@ -292,10 +299,11 @@ class HardwareConfig:
     name: str = knob("auto", "the hardware profile (labels the run)", column="hardware")
     device: str = knob("auto", "auto | cpu | cuda | hpu", choices=("auto", "cpu", "cuda", "hpu"),
                        tasks=BOTH)
-    devices: int = knob(1, "ranks launched on this machine", tasks=BOTH, column="world_size")
+    devices: int = knob(1, "ranks launched on this machine (a plan's: its world size)",
+                        tasks=BOTH, column="world_size", check=Range(1, MAX_DEVICES, note="ranks"))
     memory_gib: Optional[float] = knob(None, "per device; null = read from the device",
                                        check=Range(0, MAX_MEMORY_GIB, lo_open=True,
-                                       note="GiB (per device) or null"))
+                                       note="GiB (per device) or null"), also_in=COMM_TASK)
     # null = unknown (MFU is then null)
     peak_flops: Dict[str, Optional[float]] = knob(doc="dense peak FLOP/s per device for each "
                                                   "precision", factory=dict)
@@ -303,22 +311,24 @@ class HardwareConfig:
     # a prediction, not what is measured)
     spec_memory_gib: Optional[float] = knob(
         None, "the part's memory per device as CUDA reports it: a plan's where memory_gib "
-        "is null (the device is not here)", since=None, tasks=PLAN_TASK)
+        "is null (the device is not here)", since=None, tasks=PLAN_TASK, also_in=PLANNED,
+        check=Range(0, MAX_MEMORY_GIB, lo_open=True, note="GiB (per device) or null"))
     memory_bandwidth: Optional[float] = knob(
         None, "device memory bytes/s (the plan's roofline)", since=None, tasks=PLAN_TASK,
-        check=above(0, "bytes/s or null"))
+        check=BANDWIDTH, also_in=PLANNED)
     link_bandwidth: Optional[float] = knob(
         None, "bytes/s each way per device between the devices of a node (NVLink)",
-        since=None, tasks=PLAN_TASK, check=above(0, "bytes/s or null"))
+        since=None, tasks=PLAN_TASK, check=BANDWIDTH, also_in=PLANNED)
     network_bandwidth: Optional[float] = knob(
         None, "bytes/s each way per device between nodes (its NIC)", since=None,
-        tasks=PLAN_TASK, check=above(0, "bytes/s or null"))
+        tasks=PLAN_TASK, check=BANDWIDTH, also_in=PLANNED)
     comm_from: Optional[str] = knob(
         None, "a task=comm record (its metrics.json or run dir): the plan's collectives "
-        "take the times it measured, not the bandwidths'", since=None, tasks=PLAN_TASK)
+        "take the times it measured, not the bandwidths'", since=None, tasks=PLAN_TASK,
+        also_in=PLANNED)
     devices_per_node: int = knob(8, "devices that share a node's links (a plan's group "
                                  "within one uses link_bandwidth)", since=8, tasks=PLAN_TASK,
-                                 check=at_least(1))
+                                 check=at_least(1), also_in=PLANNED)
     precisions: List[str] = knob(doc="precisions this hardware runs",
                                  factory=lambda: ["fp32", "fp16", "bf16"])
     cudnn_benchmark: bool = knob(True, "cuDNN autotuning")
@@ -439,28 +449,30 @@ class TrainConfig:
                                         "seconds to it (needs train.eval_every)", since=None,
                                         check=above(0, "(a loss)"))
     profile: bool = knob(False, "torch.profiler trace of the last train.profile_steps steps "
-                         "(untimed): trace.json, profile.txt, profile_shares", since=False)
+                         "(untimed): trace.json, profile.txt, profile_shares", since=False,
+                         not_in=PLAN_TASK)
     profile_steps: int = knob(2, "steps train.profile traces (the run's last; untimed)",
-                              read_by=PROFILE, since=2, check=at_least(1))
+                              read_by=PROFILE, since=2, check=at_least(1), not_in=PLAN_TASK)
     checkpoint_every: int = knob(0, "save a checkpoint (torch.distributed.checkpoint) every N "
                                  "steps, and on SIGTERM (0: off)", off=0, since=0,
-                                 column="checkpoint_every", check=at_least(0, "(0 = off)"))
+                                 column="checkpoint_every", check=at_least(0, "(0 = off)"),
+                                 not_in=PLAN_TASK)
     checkpoint_dir: Optional[str] = knob(None, "where checkpoints go (null: checkpoints/ in "
                                          "the run's dir; a path: <path>/<run>/)",
-                                         read_by=CHECKPOINT, since=None)
+                                         read_by=CHECKPOINT, since=None, not_in=PLAN_TASK)
     checkpoint_async: bool = knob(False, "save in the background (DCP's async_save): the "
                                   "step waits only for the copy to host memory",
                                   read_by=CHECKPOINT, off=False, since=False,
-                                  column="checkpoint_async")
+                                  column="checkpoint_async", not_in=PLAN_TASK)
     checkpoint_keep: int = knob(1, "the latest checkpoints kept (0: all)", read_by=CHECKPOINT,
-                                since=1, check=at_least(0, "(0 = all)"))
+                                since=1, check=at_least(0, "(0 = all)"), not_in=PLAN_TASK)
     plan: bool = knob(True, "trace the step first (task=plan) and record its prediction "
                       "beside the measurement (planned_peak_gib, planned_peak_error); the "
                       "pre-flight skips a run whose planned peak exceeds the memory",
                       since=True)
     resume_from: Optional[str] = knob(None, "continue from a checkpoint: its step_* dir, a dir "
                                       "of them (the latest) or the run dir that holds them",
-                                      since=None)
+                                      since=None, not_in=PLAN_TASK)
 
 
 @dataclass
@@ -475,14 +487,15 @@ class TuneConfig:
 class InferConfig:
     """task=infer: greedy generation with a KV cache; see docs/inference.md."""
     batch_size: int = knob(8, "requests generated together", tasks=INFER_TASK, since=8,
-                           check=at_least(1))
+                           check=Range(1, MAX_BATCH))
     prompt_len: int = knob(64, "tokens per prompt (held-out walks of the data)",
-                           tasks=INFER_TASK, since=64, check=at_least(1))
+                           tasks=INFER_TASK, since=64, check=Range(1, MAX_POSITIONS))
     new_tokens: int = knob(32, "tokens generated per request", tasks=INFER_TASK, since=32,
-                           check=at_least(1))
+                           check=Range(1, MAX_POSITIONS))
     batches: int = knob(3, "measured batches (after infer.warmup)", tasks=INFER_TASK, since=3,
-                        check=at_least(1))
-    warmup: int = knob(1, "unmeasured batches first", tasks=INFER_TASK, since=1, check=at_least(0))
+                        check=Range(1, MAX_REQUESTS))
+    warmup: int = knob(1, "unmeasured batches first", tasks=INFER_TASK, since=1,
+                       check=Range(0, MAX_REQUESTS))
     checkpoint: Optional[str] = knob(None, "weights from a checkpoint (train.checkpoint_every's"
                                      " step_* dir, a dir of them or a run dir); null: the "
                                      "seed's initialization", tasks=INFER_TASK, since=None)
@@ -498,7 +511,7 @@ class InferConfig:
                                   tasks=INFER_TASK, since=0.0, check=Range(0, 1.0, hi_open=True))
     eval_sequences: int = knob(16, "held-out sequences (prompt_len + new_tokens long) the "
                                "eval loss is measured on (0: none)", tasks=INFER_TASK, since=16,
-                               check=at_least(0))
+                               check=Range(0, MAX_REQUESTS))
     quantize: str = knob("none", "weights through torchao: none | int8 (weight-only) | fp8 "
                          "(weights and activations; GPUs with fp8)", choices=("none", "int8",
                                                                              "fp8"),
@@ -508,15 +521,17 @@ class InferConfig:
                          " only)", choices=("none",) + BATCHING, tasks=INFER_TASK, off="none",
                          since="none")
     max_batch_size: int = knob(8, "the most requests a batch holds", read_by=SERVING,
-                               tasks=INFER_TASK, since=8, check=at_least(1))
+                               tasks=INFER_TASK, since=8, check=Range(1, MAX_BATCH))
     timeout_ms: float = knob(50.0, "dynamic batching: a batch leaves when its oldest request "
                              "waited this long", tasks=INFER_TASK, since=50.0,
                              read_by=Reads("infer.batching", ("dynamic",),
-                                           what="infer.batching=dynamic"), check=at_least(0))
+                                           what="infer.batching=dynamic"),
+                             check=Range(0, 3_600_000, note="ms"))
     arrival_rate: float = knob(20.0, "requests a second (Poisson arrivals)", read_by=SERVING,
-                               tasks=INFER_TASK, since=20.0, check=above(0))
+                               tasks=INFER_TASK, since=20.0,
+                               check=Range(1e-6, 1e9, note="requests/s"))
     requests: int = knob(64, "requests in the stream", read_by=SERVING, tasks=INFER_TASK,
-                         since=64, check=at_least(1))
+                         since=64, check=Range(1, MAX_REQUESTS))
     length_spread: float = knob(0.5, "prompt and output lengths uniform in [L(1 - spread), L] "
                                 "(L: prompt_len, new_tokens)", read_by=SERVING,
                                 tasks=INFER_TASK, since=0.5, check=Range(0, 1.0, hi_open=True))
@@ -569,9 +584,10 @@ class RunConfig:
     hardware: HardwareConfig = group(HardwareConfig, "the device profile", reads_in=INFER_TASK)
     data: DataConfig = group(DataConfig, "the data source and loader", reads_in=INFER_TASK)
     optim: OptimConfig = group(OptimConfig, "AdamW or Muon and the schedule")
-    logger: LoggerConfig = group(LoggerConfig, "W&B or none", hashed=False)
+    logger: LoggerConfig = group(LoggerConfig, "W&B or none", hashed=False, reads_in=TASKS)
     train: TrainConfig = group(TrainConfig, "the measured loop")
-    sweep: SweepConfig = group(SweepConfig, "how a multirun runs", hashed=False)
+    sweep: SweepConfig = group(SweepConfig, "how a multirun runs", hashed=False,
+                               reads_in=TASKS)
     comm: CommConfig = group(CommConfig, "task=comm's collectives")
     tune: TuneConfig = group(TuneConfig, "task=tune_batch's micro-batch search")
     infer: InferConfig = group(InferConfig, "task=infer's generation")
@@ -581,7 +597,7 @@ class RunConfig:
                      " and time, traced on fake tensors: docs/plan.md)",
                      choices=TASKS, tasks=TASKS, column="task")
     extra: Dict[str, Any] = field(default_factory=dict, metadata={  # free-form notes
-        "knob": Knob("free-form labels, kept in the record"), "hashed": False})
+        "knob": Knob("free-form labels, kept in the record", tasks=TASKS), "hashed": False})
 
 
 KNOBS = declarations(RunConfig)  # {dotted key: its declaration}

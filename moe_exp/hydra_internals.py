@@ -152,6 +152,36 @@ def plan(config: DictConfig) -> tuple[list[list[str]] | None, dict]:
     return jobs, varying
 
 
+def search_space(config: DictConfig) -> tuple[list[str], dict[str, list[str]]]:
+    """A search's fixed overrides, and each swept key's values to check before any trial.
+
+    The values are a choice's or a range's as written, an interval's two bounds; a key swept
+    by hydra.sweeper.params and the command line takes the command line's. Raises ValueError
+    for an interval whose low bound is not below its high one, or a log one not above 0."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import IntervalSweep
+
+    params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
+    parsed = OverridesParser.create().parse_overrides(
+        params + override_texts(config.hydra.overrides.task))
+    fixed, space = [], {}
+    for o in parsed:
+        key = o.get_key_element()
+        if not o.is_sweep_override():
+            fixed.append(o.input_line)
+            continue
+        v = o.value()
+        if isinstance(v, IntervalSweep):
+            if not v.start < v.end or "log" in v.tags and v.start <= 0:
+                low = "above 0 and " if "log" in v.tags else ""
+                raise ValueError(f"{key}: interval({v.start:g}, {v.end:g}): its low bound must "
+                                 f"be {low}below its high one")
+            space[key] = [str(v.start), str(v.end)]
+        else:
+            space[key] = list(o.sweep_string_iterator())
+    return fixed, space
+
+
 def is_search(sweeper) -> bool:
     """Whether hydra.sweeper is the Optuna sweeper: +sweep=search's, or the plugin's own.
 

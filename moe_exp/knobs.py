@@ -110,6 +110,8 @@ class Knob:
     choices: tuple | None = None  # allowed values of a string key
     read_by: tuple = ()  # Reads, any of which holds where the key is read; () = always
     tasks: tuple = ("bench",)  # the tasks that read it (task=comm hashes only its own keys)
+    also_in: tuple = ()  # tasks that read it without its changing what they measure (unhashed)
+    not_in: tuple = ()  # tasks that read what bench reads, but not this key
     since: Any = NEW  # its value before it existed: left out of the hash at that value
     # where unread, the hash: "default" counts it at its default (setting it splits no row),
     # "drop" leaves it out (it came with that option: muon's keys), "keep" keeps it, and it
@@ -128,6 +130,11 @@ class Knob:
     def records(self, task: str) -> bool:
         """Whether `task`'s record holds this knob's value in its column; else it is null."""
         return self.column is not None and (self.read_in(task) or task in self.recorded_in)
+
+    def used_in(self, task: str) -> bool:
+        """Whether any part of `task` reads this key; set on the command line for a task
+        that does not, it is refused."""
+        return (self.read_in(task) or task in self.also_in) and task not in self.not_in
 
     def read_in(self, task: str) -> bool:
         """Whether `task` reads this key.

@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -145,6 +146,17 @@ def why_died(rc: int) -> str:
     return f"exited with code {rc} before writing its record"
 
 
+def finite(obj):
+    """obj with each nan and inf, at any depth, as None: JSON has neither."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
 def write_json_atomic(path: str | Path, obj) -> None:
     """Write obj as JSON to path atomically, through a temporary file and a rename.
 
@@ -156,7 +168,7 @@ def write_json_atomic(path: str | Path, obj) -> None:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         os.chmod(tmp, 0o644)  # mkstemp's 0600 would outlive the rename
         with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, default=str)
+            json.dump(finite(obj), f, indent=2, default=str, allow_nan=False)
             f.write("\n")
         os.replace(tmp, path)
     except BaseException as e:
@@ -218,6 +230,10 @@ def close_record(rec: dict, out_dir, tracker=None, noun: str = "run",
     if show_error and rec["status"] != "ok" and rec["error"]:
         print(f"error: {noun} {rec['status']}: {rec['error']}\nrecord: "
               f"{out_dir / 'metrics.json'}", file=sys.stderr)
+    for k, v in rec.items():  # (written as null: JSON has no nan)
+        if isinstance(v, float) and not math.isfinite(v) and k != "null_reasons":
+            rec["null_reasons"].setdefault(k, f"not a finite number ({v})")
+            rec[k] = None
     fill_null_reasons(rec, f"not measured: run {rec['status']}")
     write_json_atomic(out_dir / "metrics.json", rec)
     if tracker:

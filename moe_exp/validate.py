@@ -13,8 +13,8 @@ import os
 import torch
 from omegaconf import OmegaConf
 
-from .config import (CHOICES, CONF, FSDP2, MAX_STEPS, ConfigError, NotReady, Unsupported,
-                     default_choices, env_source, group_options, no_such_key)
+from .config import (CHOICES, CONF, FSDP2, MAX_FLOPS, MAX_STEPS, ConfigError, NotReady,
+                     Unsupported, default_choices, env_source, group_options, no_such_key)
 from .ranks import rank_env, world_size
 
 
@@ -235,8 +235,9 @@ def check_precision(cfg) -> None:
             raise ConfigError(f"hardware.{key}", f"'{bad[0]}' is not a precision (allowed: "
                               f"{', '.join(names)})")
     for key, peak in hw.peak_flops.items():
-        if peak is not None and not peak > 0:
-            raise ConfigError(f"hardware.peak_flops.{key}", f"must be > 0 FLOP/s or null, got {peak}")
+        if peak is not None and not 1 <= peak <= MAX_FLOPS:
+            raise ConfigError(f"hardware.peak_flops.{key}", f"must be in [1, {MAX_FLOPS:g}] "
+                              f"FLOP/s or null, got {peak}")
     if cfg.precision.autocast_dtype not in (None, "bfloat16", "float16"):
         raise ConfigError("precision.autocast_dtype", "must be null, bfloat16 or float16")
     # The name labels every result: its autocast dtype (and, without autocast, its tf32) may
@@ -433,6 +434,19 @@ def parallel_here(cfg) -> None:
         raise Unsupported("parallel.backend", "nccl needs CUDA GPUs; on CPU use gloo (or auto)")
 
 
+def check_comm_from(cfg) -> None:
+    """Read hardware.comm_from's record where the task's plan uses it: all of it checked."""
+    from .config import KNOBS
+
+    if cfg.hardware.comm_from and KNOBS["hardware.comm_from"].used_in(cfg.task):
+        from .plan.roofline import comm_curves
+
+        try:
+            comm_curves(cfg.hardware.comm_from)
+        except ValueError as e:
+            raise ConfigError("hardware.comm_from", str(e)) from None
+
+
 def check_data(cfg, overrides=()) -> None:
     d = cfg.data
     for key, on in (("prefetch_factor", d.prefetch_factor is not None),
@@ -468,13 +482,23 @@ def unread_keys(cfg, overrides=()) -> dict[str, tuple[tuple[str, ...], str, Conf
     where it differs from its default unless Knob.unread == "keep" says a preset may have
     set it. At the value its group's chosen option gives it, such as logger=none's mode:
     disabled, it is no mistake."""
-    from .config import DEFAULTS, KNOBS, override_word
+    from .config import DEFAULTS, KNOBS, TASKS
 
     out = {}
     get = lambda k: OmegaConf.select(cfg, k, throw_on_missing=False)  # noqa: E731
     for key, knob in KNOBS.items():
-        if not knob.read_by or knob.unread_ok or not knob.read_in(cfg.task) or \
-                any(r.holds(get) for r in knob.read_by):
+        if knob.unread_ok:
+            continue
+        if not knob.used_in(cfg.task):  # (only where the command line sets it: presets and
+            if _chosen(overrides, key):  # the hardware's resolution fill keys for all tasks)
+                value = OmegaConf.select(cfg, key, throw_on_missing=False,
+                                         throw_on_resolution_failure=False)
+                users = " or ".join(t for t in TASKS if knob.used_in(t))
+                out[key] = (("task",), f"task={users}", ConfigError(
+                    key, f"read by task={users} only; this run has task={cfg.task} (use "
+                    f"task={users.split(' or ')[0]} {_shown(key, value)})"))
+            continue
+        if not knob.read_by or any(r.holds(get) for r in knob.read_by):
             continue
         value = get(key)
         chosen = _chosen(overrides, key)
@@ -484,14 +508,20 @@ def unread_keys(cfg, overrides=()) -> dict[str, tuple[tuple[str, ...], str, Conf
         r = knob.read_by[0]
         picks = tuple(dict.fromkeys(x for r in knob.read_by for x in (r.group, r.key)))
         now = ", ".join(f"{x.key}={get(x.key)}" for x in knob.read_by)
-        shown = override_word(key, value) if isinstance(value, str) else f"{key}=" + (
-            "null" if value is None else str(value).lower() if isinstance(value, bool) else
-            json.dumps(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value))
-        use = f" (use {r.first()} {shown})" if r.values else ""
+        use = f" (use {r.first()} {_shown(key, value)})" if r.values else ""
         out[key] = (picks, " or ".join(x.option() for x in knob.read_by), ConfigError(
             key, f"read by {' or '.join(x.option() for x in knob.read_by)} only; this run "
             f"has {now}{use}"))
     return out
+
+
+def _shown(key: str, value) -> str:
+    """key=value as the command line would give it."""
+    from .config import override_word
+
+    return override_word(key, value) if isinstance(value, str) else f"{key}=" + (
+        "null" if value is None else str(value).lower() if isinstance(value, bool) else
+        json.dumps(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value))
 
 
 def _option_gives(cfg, key: str, value) -> bool:
@@ -516,6 +546,20 @@ def check_unread(cfg, overrides=(), in_sweep: bool = False) -> None:
     for picks, _, err in unread_keys(cfg, overrides).values():
         if not (in_sweep and any(_chosen(overrides, k) for k in picks)):
             raise err
+
+
+def check_groups(cfg, overrides=(), in_sweep: bool = False) -> None:
+    """Refuse model.topk_groups set on the command line where model.n_groups=1 reads none.
+
+    A preset's value (tiny_deepseek's 2) is no mistake with n_groups=1 set after it, nor a
+    sweep job's whose command line sweeps n_groups."""
+    m = cfg.model
+    if m.num_experts and m.n_groups == 1 and m.topk_groups != 1 and \
+            _chosen(overrides, "model.topk_groups") and \
+            not (in_sweep and _chosen(overrides, "model.n_groups")):
+        raise ConfigError("model.topk_groups", f"read with model.n_groups > 1 only (group-"
+                          f"limited routing); this run has model.n_groups=1 (set model."
+                          f"n_groups, or leave model.topk_groups={m.topk_groups} out)")
 
 
 def _chosen(overrides, group: str) -> bool:
@@ -631,7 +675,9 @@ def validate(cfg, overrides=(), in_sweep: bool = False) -> None:
     check_mla_kernel(cfg)
     check_parallel(cfg)
     check_unread(cfg, overrides, in_sweep)
+    check_groups(cfg, overrides, in_sweep)
     check_data(cfg, overrides)
+    check_comm_from(cfg)
     task = TASKS[cfg.task]
     task.check(cfg)
     check_logger(cfg)

@@ -145,3 +145,107 @@ def test_checkpoint_mistakes_are_one_line_invalid(whole, tmp_path):
             continue
         assert rec["status"] == "invalid" and rec["error"].startswith(says), rec["error"]
         assert "\n" not in rec["error"]
+
+
+def _corrupt(step: "os.PathLike", how: str) -> None:
+    """Damage one file of a checkpoint dir as a cut-short copy, a full disk or a stray
+    edit would: loop.pt, DCP's .metadata and shards, a rank's rank<r>.pt."""
+    import pickle
+    from pathlib import Path
+
+    import torch
+
+    step = Path(step)
+    loop = step / "loop.pt"
+    good = torch.load(loop, weights_only=True)
+    shard = next(step.glob("*.distcp"))
+    if how == "loop truncated":
+        loop.write_bytes(loop.read_bytes()[:100])
+    elif how == "loop empty":
+        loop.write_bytes(b"")
+    elif how == "loop garbage":
+        loop.write_bytes(os.urandom(512))
+    elif how == "loop a list":
+        torch.save([1, 2], loop)
+    elif how == "loop text":
+        loop.write_text("step: 3\n")
+    elif how in ("loop without step", "loop step a string", "loop without identity",
+                 "loop without scheduler"):
+        key = how.split()[-1] if "without" in how else "step"
+        bad = {k: v for k, v in good.items() if k != key} if "without" in how else \
+            {**good, "step": "3"}
+        torch.save(bad, loop)
+    elif how == "loop an unsafe pickle":
+        loop.write_bytes(pickle.dumps({"step": 3, "f": os.system}))
+    elif how == "metadata missing":
+        (step / ".metadata").unlink()
+    elif how == "metadata garbage":
+        (step / ".metadata").write_bytes(os.urandom(256))
+    elif how == "shard truncated":
+        shard.write_bytes(shard.read_bytes()[:1000])
+    elif how == "shard empty":
+        shard.write_bytes(b"")
+    elif how == "shard missing":
+        shard.unlink()
+    elif how == "rank state missing":
+        (step / "rank0.pt").unlink()
+    else:
+        raise AssertionError(how)
+
+
+DAMAGE = {  # what the one-line refusal says, after "train.resume_from: "
+    "loop truncated": "is not a checkpoint's loop.pt", "loop empty": "is not a checkpoint's",
+    "loop garbage": "is not a checkpoint's", "loop a list": "holds a list",
+    "loop text": "is not a checkpoint's", "loop without step": "step is None",
+    "loop step a string": "step is '3'", "loop without identity": "no identity",
+    "loop without scheduler": "no schedule state", "loop an unsafe pickle": "is not a checkp",
+    "metadata missing": "its DCP .metadata cannot be read",
+    "metadata garbage": "its DCP .metadata cannot be read", "shard truncated": "bytes, ",
+    "shard empty": "holds 0 bytes", "shard missing": "__0_0.distcp is missing",
+    "rank state missing": "no rank<r>.pt",
+}
+
+
+def test_each_damaged_checkpoint_file_is_refused_in_one_line(whole, tmp_path):
+    """Every kind of damage to each file is a one-line refusal naming the file, before any
+    work: train.resume_from and infer.checkpoint read it through one checked loader."""
+    import shutil
+
+    from moe_exp.train.checkpoint import DONE
+
+    for how, says in DAMAGE.items():
+        step = tmp_path / how.replace(" ", "_") / "step_000003"
+        shutil.copytree(whole[1] / "checkpoints" / "step_000003", step)
+        _corrupt(step, how)
+        for key in ("train.resume_from", "infer.checkpoint"):
+            o = [*TINY, f"{key}={step}"] + (["task=infer"] if key.startswith("infer") else [])
+            if key.startswith("infer"):
+                o = [x for x in o if not x.startswith("train.")] + \
+                    ["infer.prompt_len=8", "infer.new_tokens=8"]
+            _, rec = prepare(compose(o), o)
+            assert rec is not None and rec["status"] == "invalid", (how, key)
+            assert rec["error"].startswith(f"{key}: ") and says in rec["error"], \
+                (how, rec["error"])
+            assert "\n" not in rec["error"] and str(step) in rec["error"]
+    # a prune cut short: loop.pt goes first, so what is left is no checkpoint at all
+    left = tmp_path / "pruned" / "step_000003"
+    shutil.copytree(whole[1] / "checkpoints" / "step_000003", left)
+    (left / DONE).unlink()
+    o = [*TINY, f"train.resume_from={left}"]
+    _, rec = prepare(compose(o), o)
+    assert rec["status"] == "invalid" and "no complete checkpoint" in rec["error"]
+
+
+def test_a_rank_state_that_cannot_be_read_is_a_record_with_the_reason(whole, tmp_path):
+    """Damage found only at the load (rank0.pt's content) ends the run as a record with its
+    status and reason, not a traceback."""
+    import shutil
+
+    step = tmp_path / "step_000003"
+    shutil.copytree(whole[1] / "checkpoints" / "step_000003", step)
+    (step / "rank0.pt").write_bytes(b"not a pickle")
+    rec = run_inproc([*TINY, f"train.resume_from={step}"], tmp_path / "run")
+    assert rec["status"] == "error" and (
+        f"{step / 'rank0.pt'} is not a rank's RNG state (not a torch file of plain tensors and "
+        "values: Unsupported operand 110)") in rec["error"], rec["error"]
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["error"] == rec["error"]

@@ -339,9 +339,7 @@ def test_a_sweep_on_a_full_disk_ends_with_the_rows_it_has(when, disk, tmp_path, 
             "report": "results."}[when] in line
     no_tmp_files(disk)
     assert list(pd.read_csv(disk / "s" / "results.csv")["job"]) == [0]
-    # a sweep that reached its end (its report) removed its lock files (8.); one stopped
-    # before leaves them: harmless, a lock is the flock of an open file (callback.release)
-    assert bool(list((disk / "s").glob(".*.lock"))) == (when != "report")
+    assert not list((disk / "s").glob(".*.lock"))  # removed, however the sweep ended
 
 
 # ---- 6. the launcher of a run's ranks killed with SIGKILL
@@ -403,6 +401,55 @@ def test_kill_9_of_an_expert_parallel_launcher_is_recorded_as_such(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL) if _group_alive(proc.pid) else None
         err.close()
+
+
+def _processes_naming(text: str) -> dict[int, str]:
+    """{pid: environ} of the live processes whose command line names `text`."""
+    out = {}
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            if text in (d / "cmdline").read_bytes().decode(errors="replace") and \
+                    (d / "stat").read_text().split(") ")[-1][:1] != "Z":
+                out[int(d.name)] = (d / "environ").read_bytes().decode(errors="replace")
+        except OSError:  # (gone meanwhile)
+            pass
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_kill_9_of_a_sweep_leaves_no_job_running(tmp_path):
+    """A job runs in a session of its own: it watches its sweep's pid, and stops (and
+    removes its compile cache) within 5 s of the sweep's kill -9."""
+    import os
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moe_exp.run", "-m", *TINY, "train.steps=100000",
+         "train.seed=1,2", "hydra.sweep.dir=s"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        start_new_session=True)
+    try:
+        log = tmp_path / "s" / "0" / "job.log"
+        for _ in range(240):  # the job in its measured steps
+            if log.is_file() and "bench:" in log.read_text(errors="replace"):
+                break
+            time.sleep(0.5)
+        jobs = _processes_naming(str(tmp_path / "s"))
+        assert jobs, "no job process"
+        caches = [v.split("=", 1)[1] for env in jobs.values() for v in env.split("\0")
+                  if v.startswith("MOE_EXP_JOB_CACHE=")]
+        assert caches and all(Path(c).is_dir() for c in caches)
+        proc.kill()
+        proc.wait()
+        t0 = time.monotonic()
+        while _processes_naming(str(tmp_path / "s")) and time.monotonic() - t0 < 5:
+            time.sleep(0.1)
+        assert not _processes_naming(str(tmp_path / "s")), "a job outlived its sweep by 5 s"
+        assert not any(Path(c).exists() for c in caches), "the job's compile cache is left"
+    finally:
+        for pid in _processes_naming(str(tmp_path)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _group_alive(pgid: int) -> bool:

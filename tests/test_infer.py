@@ -119,7 +119,7 @@ def test_a_compiled_decode_step_generates_the_eager_tokens(tmp_path):
 
 
 @pytest.mark.parametrize("override, says", [
-    ("infer.new_tokens=0", "error: infer.new_tokens: must be >= 1, got 0"),
+    ("infer.new_tokens=0", "error: infer.new_tokens: must be in 1..1,048,576, got 0"),
     ("infer.prompt_len=120", "error: infer.new_tokens: infer.prompt_len + new_tokens = 152 "
                              "exceeds model.max_seq_len=128"),
     ("parallel=ddp", "error: parallel: task=infer runs on one device"),
@@ -135,8 +135,8 @@ def test_a_compiled_decode_step_generates_the_eager_tokens(tmp_path):
     ("infer.batching=static infer.timeout_ms=10", "error: infer.timeout_ms: read by "
                                                   "infer.batching=dynamic only"),
     ("infer.max_batch_size=4", "error: infer.max_batch_size: read by a served stream"),
-    ("infer.batching=dynamic infer.arrival_rate=0", "error: infer.arrival_rate: must be > 0, "
-                                                    "got 0"),
+    ("infer.batching=dynamic infer.arrival_rate=0", "error: infer.arrival_rate: must be in "
+                                                    "[1e-06, 1,000,000,000] requests/s, got 0"),
     ("infer.batching=fifo", "error: infer.batching: 'fifo' is not one of"),
 ])
 def test_bad_inference_options_fail_before_any_work(override, says, tmp_path):

@@ -43,21 +43,37 @@ def comm_curves(path: str) -> dict:
     """A task=comm record's measured latency by collective and message size.
 
     `path` is its metrics.json or the run dir that holds it. Returns {op: (world size,
-    [(bytes, seconds)])}; raises ValueError naming what is wrong."""
+    [(bytes, seconds)])}; raises ValueError naming the file and what is wrong."""
     import json
+    import math
     from pathlib import Path
 
     f = Path(path) / "metrics.json" if Path(path).is_dir() else Path(path)
     try:
         rec = json.loads(f.read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError) as e:  # (UnicodeDecodeError is a ValueError)
         raise ValueError(f"cannot read a record from {f} ({type(e).__name__})") from None
-    if rec.get("task") != "comm" or rec.get("status") != "ok" or not rec.get("comm"):
+    if not isinstance(rec, dict) or rec.get("task") != "comm" or rec.get("status") != "ok" \
+            or not isinstance(rec.get("comm"), list) or not rec["comm"]:
         raise ValueError(f"{f} is not a finished task=comm record")
+    whole = lambda x: isinstance(x, int) and not isinstance(x, bool)  # noqa: E731
+    world = rec.get("world_size")
+    if not whole(world) or world < 1:
+        raise ValueError(f"{f}: world_size is {world!r}, not a count of ranks")
     out = {}
-    for r in rec["comm"]:
-        out.setdefault(r["op"], (rec["world_size"], []))[1].append(
-            (r["bytes"], r["latency_us"] / 1e6))
+    for i, r in enumerate(rec["comm"]):
+        op = r.get("op") if isinstance(r, dict) else None
+        if not isinstance(op, str):
+            raise ValueError(f"{f}: comm row {i} names no collective (op)")
+        size, us = r.get("bytes"), r.get("latency_us")
+        if not whole(size) or size < 1:
+            raise ValueError(f"{f}: comm row {i} ({op}) has bytes {size!r}, not a positive "
+                             "whole number")
+        if not isinstance(us, (int, float)) or isinstance(us, bool) or not math.isfinite(us) \
+                or us <= 0:
+            raise ValueError(f"{f}: comm row {i} ({op}) has latency_us {us!r}, not a positive "
+                             "time")
+        out.setdefault(op, (world, []))[1].append((size, us / 1e6))
     return {op: (n, sorted(points)) for op, (n, points) in out.items()}
 
 

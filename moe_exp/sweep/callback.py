@@ -23,6 +23,7 @@ from .table import read_record
 
 # set at the end of a multirun where no job finished ok: `python -m moe_exp.run -m` exits 1
 NO_JOB_OK = False
+HELD: list = []  # (callback, sweep dir) of the sweeps this process holds the lock of
 
 
 def no_job_ok() -> bool:
@@ -69,16 +70,20 @@ class SweepCallback(Callback):
             (config.hydra.sweeper.n_trials if self.search else None)
         # (a search's trials draw from its sweeper's params: each job's progress line names them)
         self.varying = list(swept) or [str(k) for k in config.hydra.sweeper.get("params") or {}]
-        from .checks import SweepError, check_jobs, check_sweep, claim_dir, resume_warning
+        from .checks import (SweepError, check_jobs, check_search, check_sweep, claim_dir,
+                             resume_warning)
 
         launcher = str(config.hydra.launcher.get("_target_", ""))
         try:  # before any job
             if self.search and (line := direction_error(config.hydra.sweeper)) is not None:
                 raise SweepError(line)
             check_sweep(config, swept)
+            if self.search:
+                check_search(config)
             if jobs:  # (submitit: jobs resolve their hardware where they run)
                 check_jobs(config, jobs, validate="submitit" not in launcher)
             self.lock = claim_dir(Path(config.hydra.sweep.dir))
+            HELD.append((self, Path(config.hydra.sweep.dir)))
         except (SweepError, InterpolationResolutionError) as e:
             from ..hydra_internals import interpolation_error_line
 
@@ -188,6 +193,13 @@ class SweepCallback(Callback):
         finally:
             self.lock.close()
             self.lock = None
+
+
+def release_held() -> None:
+    """Remove the lock files of the sweeps this process holds: at its exit, however it ends."""
+    while HELD:
+        callback, sweep_dir = HELD.pop()
+        callback.release(sweep_dir)
 
 
 def _is_sweep_job(config: DictConfig) -> bool:

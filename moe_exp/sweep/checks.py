@@ -36,6 +36,51 @@ def check_sweep(config: DictConfig, params: dict) -> None:
     check_baseline(config, params)
 
 
+def check_search(config: DictConfig) -> None:
+    """Checks a search's n_trials, and each value its space can give against the key alone.
+
+    Each choice and each interval's two bounds must be of the key's type (an integer key's
+    bounds integers) and in its declared range (Knob.check): a value that no trial could
+    run with is refused, not tried n_trials times. A value wrong only with others, such as
+    a seq_len over some model's max_seq_len, stays a failed trial, as in a grid."""
+    from ..config import DEFAULTS, KNOBS
+    from ..hydra_internals import search_space
+
+    n = config.hydra.sweeper.get("n_trials")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise SweepError(f"hydra.sweeper.n_trials: must be a whole number >= 1, got {n}")
+    try:
+        _, space = search_space(config)
+    except ValueError as e:
+        raise SweepError(str(e)) from None
+    except Exception:  # noqa: BLE001 - bad syntax: Hydra's own line, when the sweeper parses
+        return
+    for key, values in space.items():
+        k = key.lstrip("+")
+        if k not in KNOBS:
+            continue
+        default, check = DEFAULTS.get(k), KNOBS[k].check
+        for text in values:
+            v = _number(_unquoted(text))
+            if isinstance(default, int) and not isinstance(default, bool) and \
+                    not isinstance(v, int):
+                raise SweepError(f"{k}: the search's value {text} is not an integer")
+            if isinstance(default, float) and not isinstance(v, (int, float)):
+                raise SweepError(f"{k}: the search's value {text} is not a number")
+            for why in filter(None, (r.error(v) for r in check)):
+                raise SweepError(f"{k}: {why} (the search's {k}={text})")
+
+
+def _number(text: str):
+    """A value as written, as the int or float it reads as, else the text."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def check_jobs(config: DictConfig, jobs: list[list[str]], validate: bool = True) -> None:
     """Checks every job's configuration before any runs.
 

@@ -60,6 +60,10 @@ class InferTask(Task):
         if i.experts_resident is not None and not 1 <= i.experts_resident <= m.num_experts:
             raise ConfigError("infer.experts_resident", f"must be in 1..model.num_experts="
                               f"{m.num_experts} or null, got {i.experts_resident}")
+        if i.experts_resident is not None and i.prefetch > i.experts_resident:
+            raise ConfigError("infer.prefetch", f"must be at most infer.experts_resident="
+                              f"{i.experts_resident} (the experts loaded ahead are held among "
+                              f"the resident ones), got {i.prefetch}")
         if i.batching != "none" and i.new_tokens < 2:
             raise ConfigError("infer.new_tokens", "must be >= 2 with infer.batching (a decode "
                               "step's cost is measured)")

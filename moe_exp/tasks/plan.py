@@ -3,7 +3,7 @@
 plan/predict.py traces the step on fake tensors; nothing is allocated or measured."""
 from __future__ import annotations
 
-from ..config import ConfigError
+from ..config import FSDP2, ConfigError
 from ..plan.predict import HEADROOM, KINDS, plan_step
 from ..record import Plan
 from .protocol import Task
@@ -19,7 +19,7 @@ class PlanTask(Task):
 
     @staticmethod
     def check(cfg) -> None:
-        """Check the step can be traced, its comm record read and the memory to fit known.
+        """Check the step can be traced and the memory to fit known.
 
         plan.trace.unplannable says what the trace cannot follow."""
         from ..plan.predict import plan_memory_gib
@@ -27,13 +27,6 @@ class PlanTask(Task):
 
         if why := unplannable(cfg):
             raise ConfigError(*why)
-        if cfg.hardware.comm_from:
-            from ..plan.roofline import comm_curves
-
-            try:
-                comm_curves(cfg.hardware.comm_from)
-            except ValueError as e:
-                raise ConfigError("hardware.comm_from", str(e)) from None
         if plan_memory_gib(cfg.hardware) is None:
             raise ConfigError("hardware.memory_gib", f"hardware={cfg.hardware.name} reads its "
                               "memory from the device, which is not here: a plan needs it (set "
@@ -44,8 +37,15 @@ class PlanTask(Task):
         return summary_rows(rec)
 
     def run(self, rec: dict) -> None:
-        rec.update(task="plan", device_name=f"{self.ctx.cfg.hardware.name} (planned)")
-        plan_step(self.ctx.cfg, rec)
+        cfg = self.ctx.cfg
+        rec.update(task="plan", device_name=f"{cfg.hardware.name} (planned)")
+        if cfg.hardware.devices >= 1024 and cfg.parallel.name in FSDP2:
+            import sys
+
+            print(f"[plan] tracing rank 0 of {cfg.hardware.devices:,} ranks: FSDP2 makes a "
+                  "chunk per rank of each parameter (about a minute per 4,096 ranks for "
+                  "tiny_moe on 2 CPU cores)", file=sys.stderr, flush=True)
+        plan_step(cfg, rec)
 
 
 def gib_text(x: float) -> str:

@@ -141,7 +141,9 @@ def execute(task: Task) -> dict:
         if ctx.tracker:  # no W&B start-up for a run the user stopped
             ctx.tracker.discard()
         raise
-    except Exception as e:  # noqa: BLE001 - a run's failure is a status, not a crash
+    except BaseException as e:  # (DCP's CheckpointException is a BaseException)
+        if isinstance(e, (SystemExit, GeneratorExit)):
+            raise
         if not task.failed(e, rec) and ctx.dist is not None:  # the launcher stops every
             raise  # rank and records which failed
     finally:
@@ -154,7 +156,20 @@ def execute(task: Task) -> dict:
     return rec
 
 
-def failure(e: Exception, out_dir: Path, log: bool = True, cap=None, rank: str = "") -> dict:
+def first_line(e: BaseException) -> str:
+    """An exception's first line of text (DCP's CheckpointException: its first rank's
+    failure), or its type's name where it has none."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:  # {rank: (exception, traceback)}
+        inner = next(iter(failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, BaseException):
+            return f"rank {next(iter(failures))}: {type(inner).__name__}: {first_line(inner)}"
+    text = e.args[0] if len(e.args) > 1 and isinstance(e.args[0], str) else str(e)
+    return (text.strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+def failure(e: BaseException, out_dir: Path, log: bool = True, cap=None, rank: str = "") -> dict:
     """An exception as a record's status and one-line error.
 
     The line is an OOM's with the memory cap, a nondeterministic op's message, or the
@@ -166,7 +181,7 @@ def failure(e: Exception, out_dir: Path, log: bool = True, cap=None, rank: str =
     oom = is_oom(e)
     if not oom and log:
         (out_dir / "error.log").write_text(traceback.format_exc())
-    first = (str(e).strip().splitlines() or [""])[0][:300]
+    first = first_line(e)
     if oom:
         first = oom_line(first, cap)
     elif det := nondeterministic_error(e):

@@ -24,7 +24,7 @@ from .summary import summary_rows
 
 FITS, NO_FIT = ("ok", "diverged"), ("oom", "crashed", "skipped")
 # the probes' own keys (set by the search), and what only the search's record carries
-OWN = ("task=", "train.micro_batch_size=", "logger=", "logger.", "sweep.", "hydra.")
+OWN = ("task=", "train.micro_batch_size=", "logger=", "logger.", "sweep.", "hydra.", "tune.")
 KEEP = ("task", "overrides", "config_hash", "timestamp", "extra", "status", "error")
 
 

@@ -56,8 +56,80 @@ def find(path: str, key: str = "train.resume_from") -> Path:
                       f"with {DONE}, a dir of them, or a run dir with checkpoints/)")
 
 
-def meta(path: Path) -> dict:
-    return torch.load(path / DONE, weights_only=True)
+def meta(path: Path, key: str = "train.resume_from") -> dict:
+    """A checkpoint's loop.pt, and its files checked: a ConfigError naming what is wrong.
+
+    Read with weights_only; the DCP files its .metadata lists must be there, whole, and each
+    rank's rank<r>.pt too. `key`: the knob that named the checkpoint, for the error."""
+    f = path / DONE
+    try:
+        loop = torch.load(f, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - truncated, empty, garbage, an unsafe pickle
+        raise ConfigError(key, f"{f} is not a checkpoint's {DONE} ({_why(e)})") from None
+    why = _loop_problem(loop) or _files_problem(path)
+    if why:
+        raise ConfigError(key, f"{path} is not a whole checkpoint: {why}")
+    return loop
+
+
+def _why(e: BaseException) -> str:
+    """A load's failure in a few words: torch's weights-only refusal by its reason."""
+    text = str(e)
+    if "WeightsUnpickler error:" in text:  # (after a paragraph on torch 2.6's default)
+        reason = text.split("WeightsUnpickler error:", 1)[1].strip().splitlines()[0][:120]
+        return f"not a torch file of plain tensors and values: {reason}"
+    if isinstance(e, EOFError):
+        return "empty or cut short"
+    first = (text.strip().splitlines() or [""])[0][:120]
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def _loop_problem(loop) -> str | None:
+    """What a loop.pt lacks, or None."""
+    if not isinstance(loop, dict):
+        return f"{DONE} holds a {type(loop).__name__}, not a run's loop state"
+    step = loop.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"{DONE}'s step is {step!r}, not a count of steps"
+    if not isinstance(loop.get("identity"), dict) or \
+            not isinstance(loop["identity"].get("model"), dict):
+        return f"{DONE} has no identity of the run that saved it"
+    if not isinstance(loop.get("scheduler"), dict):
+        return f"{DONE} has no schedule state"
+    if not (loop.get("scaler") is None or isinstance(loop["scaler"], dict)):
+        return f"{DONE}'s scaler state is a {type(loop['scaler']).__name__}"
+    history = loop.get("history")
+    if not isinstance(history, dict) or any(
+            not isinstance(history.get(k), list) for k in ("losses", "lrs", "grad_norms")):
+        return f"{DONE} has no loss history"
+    return None
+
+
+def _files_problem(path: Path) -> str | None:
+    """What of DCP's files and the ranks' rank<r>.pt is missing or cut short, or None."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(path)).read_metadata().storage_data
+        items = list(storage.values())
+    except Exception as e:  # noqa: BLE001 - missing, truncated or not DCP's metadata
+        return f"its DCP .metadata cannot be read ({_why(e)})"
+    sizes: dict[str, int] = {}
+    for item in items:
+        end = getattr(item, "offset", 0) + getattr(item, "length", 0)
+        name = getattr(item, "relative_path", None)
+        if not isinstance(name, str):
+            return "its DCP .metadata lists no files"
+        sizes[name] = max(sizes.get(name, 0), end)
+    for name, end in sorted(sizes.items()):
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size < end:
+            return f"{name} holds {f.stat().st_size:,} bytes, {end:,} expected"
+    if not any(path.glob("rank*.pt")):
+        return "no rank<r>.pt (the ranks' RNG states)"
+    return None
 
 
 def identity(cfg, world: int) -> dict:
@@ -82,12 +154,35 @@ def _differ(mine: dict, theirs: dict) -> tuple[str, str]:
             ", ".join(f"{k}={mine.get(k)}" for k in keys))
 
 
+def check_dir(where: str | None) -> None:
+    """train.checkpoint_dir: null (the run dir), or a dir this process can write or make."""
+    import tempfile
+
+    if where is None:
+        return
+    if not where.strip():
+        raise ConfigError("train.checkpoint_dir", "empty: checkpoints would go into the "
+                          "current dir; name a dir, or leave it out (null: the run dir's "
+                          "checkpoints/)")
+    d = Path(where).expanduser().absolute()
+    have = next(p for p in (d, *d.parents) if p.exists())
+    if not have.is_dir():
+        raise ConfigError("train.checkpoint_dir", f"{have} is not a directory")
+    try:  # (a file made and gone: root passes os.access on a read-only disk)
+        tempfile.TemporaryFile(dir=have).close()
+    except OSError as e:
+        raise ConfigError("train.checkpoint_dir", f"cannot write in {have}: {e.strerror}"
+                          + ("" if have == d else f" (to make {d})")) from None
+
+
 def check(cfg, world: int, profiled: int) -> None:
-    """Check train.resume_from before any work.
+    """Check train.checkpoint_dir, and train.resume_from, before any work.
 
     It must name a checkpoint that this configuration saved, early enough to leave a
     measured step."""
     t = cfg.train
+    if t.checkpoint_every:
+        check_dir(t.checkpoint_dir)
     if t.resume_from is None:
         return
     path = find(t.resume_from)
@@ -110,7 +205,7 @@ def check_weights(cfg) -> Path:
 
     It must be saved without expert parallelism, whose ranks each hold other experts."""
     path = find(cfg.infer.checkpoint, "infer.checkpoint")
-    mine, theirs = identity(cfg, 1)["model"], meta(path)["identity"]
+    mine, theirs = identity(cfg, 1)["model"], meta(path, "infer.checkpoint")["identity"]
     if theirs["model"] != mine:
         old, new = _differ(mine, theirs["model"])
         raise ConfigError("infer.checkpoint", f"{path} holds another model ({old}; this run "
@@ -262,7 +357,8 @@ class Checkpointer:
         if self.keep:
             older = sorted(x for x in self.root.glob("step_*") if x.name < path.name)
             for x in older[:max(0, len(older) - self.keep + 1)]:
-                shutil.rmtree(x, ignore_errors=True)
+                (x / DONE).unlink(missing_ok=True)  # first: a prune cut short leaves no
+                shutil.rmtree(x, ignore_errors=True)  # checkpoint that looks whole
 
     def wait(self) -> None:
         """Wait for the async save in flight; its error, or its loop.pt's, is raised here."""
@@ -284,6 +380,12 @@ class Checkpointer:
 
         t0 = time.perf_counter()
         loop = meta(path)
+        f = path / f"rank{self.rank}.pt"
+        try:  # (first: damage found before the weights are overwritten)
+            rng = torch.load(f, weights_only=True)
+            rng["cpu"], rng["cuda"]  # noqa: B018 - both must be there
+        except Exception as e:  # noqa: BLE001 - missing, cut short, not this rank's state
+            raise RuntimeError(f"{f} is not a rank's RNG state ({_why(e)})") from None
         state = self._state()  # (DCP loads into these tensors, in place)
         dcp.load(state, checkpoint_id=path)
         model, optim = state["model"], state["optim"]
@@ -295,7 +397,6 @@ class Checkpointer:
         self.scheduler.load_state_dict(loop["scheduler"])
         if self.scaler and loop["scaler"]:
             self.scaler.load_state_dict(loop["scaler"])
-        rng = torch.load(path / f"rank{self.rank}.pt", weights_only=True)
         torch.set_rng_state(rng["cpu"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
