@@ -481,6 +481,14 @@ class TuneConfig:
     multiple: int = knob(1, "micro-batch sizes probed are multiples of this (the search's "
                          "resolution)", tasks=TUNE_TASK, since=1, check=at_least(1))
     max_micro_batch: int = knob(4096, "the doubling stops here", tasks=TUNE_TASK, since=4096)
+    goal: str = knob("fastest", "fastest: stop once tokens/s stops rising (the two largest "
+                     "micro-batches that fit under 5% above the best before them); largest: "
+                     "search on to the largest that fits", choices=("fastest", "largest"),
+                     tasks=TUNE_TASK, since="largest", unread="drop")
+    max_seconds: Optional[float] = knob(None, "stop probing after this long, the best probe "
+                                        "so far the answer; null: no limit", tasks=TUNE_TASK,
+                                        since=None, check=above(0, "seconds or null"),
+                                        unread="drop")
 
 
 @dataclass

@@ -74,3 +74,38 @@ def test_answer_reads_numpy_bools_and_nan_as_verdicts():
     assert "Faster, but the loss is not ok: job 2 (" in text
     df["loss_ok"] = df["loss_ok"].astype(object).where(df["job"] != 1, float("nan"))
     assert "fits (its loss not judged) is job 1 (" in answer_text(df)
+
+
+def test_a_plan_sweep_names_its_fastest_layout_that_fits():
+    """A sweep of task=plan rows: the answer is read from the planned columns, the fastest
+    plan that fits (not "no row finished": plans have no measured tokens/s)."""
+    def plan(job, tps, peak, fits, **opts):
+        r = rec(job, None, None, **opts)
+        r.update(task="plan", planned_tokens_per_s=tps, planned_peak_gib=peak,
+                 planned_fits=fits, planned_memory_gib=79.1)
+        return r
+
+    rows = [plan(0, 9_000.0, 40.0, True, **{"parallel.expert_parallel_size": 1}),
+            plan(1, 12_000.0, 30.0, True, **{"parallel.expert_parallel_size": 2}),
+            plan(2, 20_000.0, 90.0, False, **{"parallel.expert_parallel_size": 4}),
+            plan(3, 11_000.0, 20.0, True, **{"parallel.expert_parallel_size": 8})]
+    text = answer_text(build_table(rows))
+    assert "the fastest planned layout that fits is job 1 (parallel.expert_parallel_size=2): " \
+        "12,000 tokens/s planned, peak 30.0 of 79.1 GiB a device (predicted" in text, text
+    assert "python -m moe_exp.run model=m parallel.expert_parallel_size=2" in text
+    none = answer_text(build_table([plan(0, 5.0, 90.0, False), plan(1, 6.0, 95.0, False)]))
+    assert "none: no plan fits in memory; the lowest planned peak is job 0" in none, none
+
+
+def test_an_answer_measured_under_load_says_so_first():
+    """Rows measured while other processes used the CPU: the answer opens with that."""
+    rows = [rec(0, 100.0, 2.0), rec(1, 130.0, 2.5, precision="bf16")]
+    for r in rows:
+        r["cpu_other_load"] = 0.7
+    lines = [ln for ln in answer_text(build_table(rows)).splitlines() if ln.strip()]
+    assert lines[1].startswith("**Measured while the machine was busy**: measured while other "
+                               "processes used over"), lines
+    assert "job 0 (70%); job 1 (70%)" in lines[1]
+    assert lines[2].startswith("the fastest configuration that fits")
+    quiet = [rec(0, 100.0, 2.0), rec(1, 130.0, 2.5, precision="bf16")]
+    assert "busy" not in answer_text(build_table(quiet))

@@ -67,6 +67,7 @@ def test_infer_records_throughput_latency_memory_and_expert_load(tmp_path):
     assert 0 < rec["token_latency_ms_p50"] <= rec["token_latency_ms_p90"] \
         <= rec["token_latency_ms_p99"]
     assert rec["ttft_ms"] > 0 and rec["step_time_ms"] == rec["token_latency_ms_p50"]
+    assert 0 <= rec["cpu_other_load"] <= 1  # (the measured batches' window, as bench's)
     # the KV cache: layers x (k, v) x batch x kv heads x 14 positions x head dim, fp32
     m = compose(["model=tiny_moe"]).model
     d = m.hidden_size // m.num_heads

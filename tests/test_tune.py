@@ -42,6 +42,8 @@ def test_tune_batch_finds_the_limit_of_a_memory_cap(tmp_path):
                key=lambda p: p["tokens_per_s"])
     assert rec["tune_best_micro_batch"] == best["micro_batch_size"] == rec["micro_batch_size"]
     assert rec["tokens_per_s"] == best["tokens_per_s"] and rec["task"] == "tune_batch"
+    assert rec["cpu_other_load"] == max(p["cpu_other_load"] for p in probes.values()
+                                        if p["status"] == "ok")  # (the pick's reliability)
     assert (tmp_path / "probes.csv").read_text().count("\n") == len(probes) + 1
 
 
@@ -62,3 +64,38 @@ def test_tune_batch_survives_a_probe_killed_without_a_record(tmp_path, monkeypat
     probes = {p["micro_batch_size"]: p for p in rec["tune_probes"]}
     assert set(probes) == {2, 3, 4} and probes[2]["status"] == "ok"
     assert probes[4]["status"] == "crashed" and "killed by SIGKILL" in probes[4]["error"]
+
+
+def test_the_fastest_goal_stops_once_tokens_per_s_stops_rising(tmp_path, monkeypatch):
+    """tune.goal=fastest (the default) ends after two larger micro-batches fit under 5% above
+    the best before them; tune.goal=largest searches on to the memory's limit; both from
+    planted probes (no process each), as are tune.max_seconds' early end."""
+    import moe_exp.tasks.tune as tune
+
+    tps = {1: 100.0, 2: 190.0, 4: 300.0, 8: 310.0, 16: 305.0, 32: 320.0, 64: 330.0}
+
+    def probe(overrides, n, out_dir):
+        return {"status": "ok", "tokens_per_s": tps[n], "cpu_other_load": 0.0,
+                "peak_mem_gib": n / 64} if n in tps \
+            else {"status": "oom", "error": "planted"}
+
+    monkeypatch.setattr(tune, "run_probe", probe)
+    monkeypatch.setattr(tune.TuneTask, "summary_rows", staticmethod(lambda rec: []))  # (a
+    # planted probe is no bench record)
+    args = [*TINY, "task=tune_batch", "train.micro_batch_size=1"]
+    rec = run_inproc(args, tmp_path / "fastest")
+    assert rec["status"] == "ok", rec["error"]
+    assert [p["micro_batch_size"] for p in rec["tune_probes"]] == [1, 2, 4, 8, 16]
+    assert rec["tune_limit"] == "throughput" and rec["tune_best_micro_batch"] == 8
+    assert rec["tune_max_micro_batch"] == 16
+    rec = run_inproc([*args, "tune.goal=largest"], tmp_path / "largest")
+    assert rec["tune_limit"] == "memory" and rec["tune_max_micro_batch"] == 64
+    assert rec["tune_best_micro_batch"] == 64
+    assert not tune.plateaued({1: {"status": "ok", "tokens_per_s": 1.0},
+                               2: {"status": "ok", "tokens_per_s": 2.0}})
+    import types
+
+    monkeypatch.setattr(tune, "time", types.SimpleNamespace(
+        monotonic=iter(range(0, 10_000, 100)).__next__))
+    rec = run_inproc([*args, "tune.goal=largest", "tune.max_seconds=150"], tmp_path / "budget")
+    assert rec["tune_limit"] == "tune.max_seconds" and rec["tune_max_micro_batch"] == 2

@@ -9,7 +9,7 @@ from __future__ import annotations
 import shlex
 
 from .plots import pareto_mask
-from .table import cell_text, number_or_none, override_items
+from .table import cell_text, contended, number_or_none, override_items
 
 
 def _groups(df):
@@ -95,12 +95,48 @@ def _row_line(row, base, hint: bool = False) -> str:
             f"tokens/s, {vs}, {mem}, {_loss(row, base, hint)}")
 
 
+def plan_answer(df) -> list[str]:
+    """A plan sweep's answer: the fastest planned layout that fits, from its planned columns.
+
+    Plans are predictions, and the line says so. Where no plan has a time, the one that fits
+    with the lowest planned peak is named; where none fits, the lowest peak of all."""
+    import pandas as pd
+
+    ok = df[df["status"] == "ok"]
+    fit = ok[ok["planned_fits"].map(lambda v: verdict(v) is True)]
+    peak = lambda g: pd.to_numeric(g["planned_peak_gib"], errors="coerce")  # noqa: E731
+    if not len(fit):
+        if not len(ok):
+            return ["none: no plan was made (the table's status and error columns).", ""]
+        low = ok.loc[peak(ok).idxmin()]
+        return [f"none: no plan fits in memory; the lowest planned peak is job {low['job']} "
+                f"({low['label']}), {cell_text(low['planned_peak_gib'], ',.1f')} GiB a device.",
+                ""]
+    fast = pd.to_numeric(fit["planned_tokens_per_s"], errors="coerce")
+    if fast.notna().any():
+        best = fit.loc[fast.idxmax()]
+        what = (f"the fastest planned layout that fits is job {best['job']} ({best['label']}): "
+                f"{cell_text(best['planned_tokens_per_s'], ',.0f')} tokens/s planned")
+    else:
+        best = fit.loc[peak(fit).idxmin()]
+        what = (f"no plan has a time (null_reasons.planned_step_ms says why); the one that "
+                f"fits with the lowest peak is job {best['job']} ({best['label']})")
+    return [f"{what}, peak {cell_text(best['planned_peak_gib'], ',.1f')} of "
+            f"{cell_text(best['planned_memory_gib'], ',.1f')} GiB a device (predicted, not "
+            "measured).", "", f"    {command(best)}", ""]
+
+
 def answer_text(df) -> str:
     """The report's opening section, in markdown; '' for an empty or non-training table."""
     if not len(df) or ("task" in df and (df["task"] == "comm").all()):
         return ""
+    if "task" in df and (df["task"] == "plan").all():
+        return "\n".join(["## The answer", "", *plan_answer(df)])
     many = df["model"].nunique() > 1 or df["baseline_job"].nunique() > 1
     lines = ["## The answer", ""]
+    if busy := contended(df):  # (said first: an answer from such rows is not firm)
+        lines += [f"**Measured while the machine was busy**: {busy}. Re-measure them: delete "
+                  "those jobs' dirs and run the same sweep again with sweep.resume=true.", ""]
     for g in _groups(df):
         base = g[g["baseline"] == True]  # noqa: E712 - pandas mask
         base = base.iloc[0] if len(base) else None

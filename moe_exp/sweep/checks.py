@@ -296,11 +296,16 @@ def _recorded_jobs(d: Path) -> int:
 
 
 def resume_warning(config: DictConfig) -> str | None:
-    """A warning for sweep.resume on a dir with no records, said once the dir is this sweep's.
+    """A warning for sweep.resume, set on the command line, on a dir with no records, said
+    once the dir is this sweep's.
 
     It may be a typo, or a requeued job's first start, which is why the sweep still runs."""
+    from ..config import override_texts
+
     d = Path(config.hydra.sweep.dir)
-    if config.sweep.resume and not _recorded_jobs(d):
+    asked = any(o.lstrip("+").startswith("sweep.resume=")  # (not a preset's: +sweep=search
+                for o in override_texts(config.hydra.overrides.task))  # sets it itself)
+    if config.sweep.resume and asked and not _recorded_jobs(d):
         return (f"[sweep] warning: sweep.resume=true, but '{d}' holds no job records: nothing "
                 "to resume, every job runs")
     return None

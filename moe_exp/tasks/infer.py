@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ..bench.memory import GIB
+from ..bench.load import busy, other_load, snapshot
 from ..config import ConfigError, Unsupported
 from ..infer.experts import Residency, drop_rare
 from ..infer.generate import generate
@@ -163,9 +164,11 @@ def _measure(cfg, rec: dict, device: torch.device, progress: bool) -> None:
         why["quantized_layers"] = "infer.quantize=none"
     res = Residency(model, i.experts_resident, i.prefetch) if i.experts_resident else None
     usage, runs, dropped = [], [], ([], 0, [])
+    load0 = snapshot() if not i.warmup else None  # (the measured batches' CPU window)
     try:
         for k in tqdm(range(n), desc="infer", unit="batch", disable=not progress):
             if k == i.warmup:
+                load0 = snapshot()
                 if i.usage_threshold:  # selective loading: from the warmup's routing
                     dropped = drop_rare(model, sum(usage), i.usage_threshold)
                     if res:
@@ -182,6 +185,9 @@ def _measure(cfg, rec: dict, device: torch.device, progress: bool) -> None:
             runs.append(generate(model, rows[k * b:(k + 1) * b], i.new_tokens, autocast,
                                  device, on_step if res or i.usage_threshold else None, step))
         mem, mem_why = memory.read()
+        rec["cpu_other_load"] = other_load(load0, snapshot())
+        if rec["cpu_other_load"] is None:
+            why["cpu_other_load"] = "no /proc to read the machine's CPU time from"
         changed = sum(dropped[0]) or i.quantize != "none"
         after = _eval(model, held, autocast) if i.eval_sequences and changed else base
         served = _serve(cfg, model, rows, autocast, device, step)  # (the row's model: its drops)
@@ -353,6 +359,9 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                    f"{r['weights_gib']:.3f} GiB, KV cache {r['kv_cache_gib']:.4f} GiB, "
                    f"the rest {f(r['infer_other_gib'], '.3f', ' GiB')}"),
     ]
+    if busy(load := r.get("cpu_other_load")):  # (said first: its figures are not firm)
+        rows.insert(1, ("WARNING", f"other processes used {load:.0%} of this machine's CPU "
+                                   "during the measured batches: its timings are not reliable"))
     if r.get("expert_load_cv") is not None:
         rows.append(("expert load", f"decode: CV {r['expert_load_cv']:.3f}, max/mean "
                                     f"{r['expert_load_max_over_mean']:.2f}"))

@@ -48,8 +48,14 @@ class PlanTask(Task):
         plan_step(cfg, rec)
 
 
-def gib_text(x: float) -> str:
-    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+def size_text(gib: float) -> str:
+    """A size given in GiB, in the unit that reads best: 1,350 GiB, 2.5 GiB, 12 KiB."""
+    x, unit = gib, "GiB"
+    for nxt in ("MiB", "KiB", "bytes"):
+        if x >= 1 or x == 0:
+            break
+        x, unit = x * 1024, nxt
+    return f"{x:,.0f} {unit}" if x >= 100 or unit == "bytes" else f"{x:.3g} {unit}"
 
 
 def summary_rows(r: dict) -> list[tuple[str, str]]:
@@ -69,7 +75,7 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                  f"{where} (traced in {r['plan_s']:.1f} s)"),
         ("peak memory", f"{r['planned_peak_gib']:,.3f} GiB per device: {split}"),
         ("fits", fits),
-        *([("collectives", ", ".join(f"{k} {gib_text(v['gib'])} GiB in {v['calls']} calls"
+        *([("collectives", ", ".join(f"{k} {size_text(v['gib'])} in {v['calls']} calls"
                                      for k, v in r["planned_comm"].items())
             + " a step (each rank)")] if r.get("planned_comm") else []),
         ("step", f"{r['planned_flops_per_step']:.3g} FLOPs" + (

@@ -14,8 +14,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+from ..bench.load import busy
 from ..config import ConfigError
 from ..results import fill_null_reasons, why_died
 from ..record import Tune
@@ -23,6 +25,7 @@ from .protocol import Task
 from .summary import summary_rows
 
 FITS, NO_FIT = ("ok", "diverged"), ("oom", "crashed", "skipped")
+RISE = 0.05  # tune.goal=fastest: tokens/s "still rising" means this much above the best
 # the probes' own keys (set by the search), and what only the search's record carries
 OWN = ("task=", "train.micro_batch_size=", "logger=", "logger.", "sweep.", "hydra.", "tune.")
 KEEP = ("task", "overrides", "config_hash", "timestamp", "extra", "status", "error")
@@ -54,6 +57,21 @@ def search(fits, start: int, top: int) -> tuple[int | None, int | None]:
     return lo, hi
 
 
+class Stop(Exception):
+    """Ends the search before its limit is found; its text is the record's tune_limit."""
+
+
+def plateaued(recs: dict) -> bool:
+    """Whether tokens/s has stopped rising: the two largest micro-batches that fit each give
+    under RISE more than the best of the smaller ones."""
+    done = sorted((n, r["tokens_per_s"]) for n, r in recs.items()
+                  if r["status"] in FITS and r.get("tokens_per_s") is not None)
+    if len(done) < 3:
+        return False
+    best = max(t for _, t in done[:-2])
+    return all(t < best * (1 + RISE) for _, t in done[-2:])
+
+
 def probe_args(overrides: list[str], n: int, out: Path) -> list[str]:
     """The probe's command line: the run's overrides, as a bench run at micro-batch n."""
     kept = [o for o in overrides if not o.lstrip("~+").startswith(OWN)]
@@ -82,7 +100,8 @@ def run_probe(overrides: list[str], n: int, out_dir: Path) -> dict:
 
 def row(n: int, rec: dict) -> dict:
     return {"micro_batch_size": n, "status": rec["status"],
-            **{k: rec.get(k) for k in ("tokens_per_s", "mfu", "peak_mem_gib", "error")}}
+            **{k: rec.get(k) for k in ("tokens_per_s", "mfu", "peak_mem_gib", "cpu_other_load",
+                                       "error")}}
 
 
 class TuneTask(Task):
@@ -112,7 +131,7 @@ class TuneTask(Task):
     def run(self, rec: dict) -> str:
         cfg, out_dir = self.ctx.cfg, self.ctx.out_dir
         unit, top = cfg.tune.multiple, cfg.tune.max_micro_batch // cfg.tune.multiple
-        recs, failed = self.recs, []
+        recs, failed, t0 = self.recs, [], time.monotonic()
 
         def fits(k: int) -> bool:
             n = k * unit
@@ -128,14 +147,26 @@ class TuneTask(Task):
                       flush=True)
             if r["status"] not in FITS + NO_FIT:
                 failed.append(r)
+            elif r["status"] in FITS and cfg.tune.goal == "fastest" and plateaued(recs):
+                raise Stop("throughput")
+            if cfg.tune.max_seconds and time.monotonic() - t0 > cfg.tune.max_seconds:
+                raise Stop("tune.max_seconds")
             return r["status"] in FITS
 
         rec["task"] = "tune_batch"
-        largest, first_no = search(fits, cfg.train.micro_batch_size // unit, top)
+        try:
+            largest, first_no = search(fits, cfg.train.micro_batch_size // unit, top)
+            limit = "memory" if first_no else "tune.max_micro_batch"
+        except Stop as e:  # (the largest probed that fit: not the memory's limit)
+            limit, first_no = str(e), None
+            largest = max((n // unit for n, r in recs.items() if r["status"] in FITS),
+                          default=None)
         done = {n: r for n, r in recs.items() if r["status"] in FITS}
         timed = {n: r for n, r in done.items() if r.get("tokens_per_s") is not None}
         if failed:
             rec.update(status=failed[0]["status"], error=f"probe: {failed[0].get('error')}")
+        elif largest is None and first_no is None:
+            rec.update(status="error", error=f"no probe fit before {limit} ended the search")
         elif largest is None:
             r = recs[first_no * unit]
             rec.update(status="oom", error=f"no micro-batch fits, not even {first_no * unit} "
@@ -145,9 +176,13 @@ class TuneTask(Task):
         else:
             best = max(timed, key=lambda n: timed[n]["tokens_per_s"])
             rec.update({k: v for k, v in timed[best].items() if k not in KEEP})
+            loads = [r["cpu_other_load"] for r in timed.values()
+                     if r.get("cpu_other_load") is not None]
+            rec["cpu_other_load"] = max(loads) if loads else None  # (the fastest is picked
+            # among all: one loaded probe makes the pick unreliable)
             rec.update(status="ok", error=None, tune_max_micro_batch=largest * unit,
                        tune_best_micro_batch=best,
-                       tune_limit="memory" if first_no else "tune.max_micro_batch")
+                       tune_limit=limit)
         self._probes(rec)
         return rec["status"]
 
@@ -168,7 +203,16 @@ class TuneTask(Task):
             fill_null_reasons(rec, f"not measured: tune_batch {rec['status']}")
 
     def show(self, rec: dict) -> None:
-        print(f"tune_batch: largest micro-batch that fits {rec['tune_max_micro_batch']} "
-              f"(bounded by {rec['tune_limit']}); fastest {rec['tune_best_micro_batch']}: "
+        if busy(load := rec.get("cpu_other_load")):  # (before the answer it makes unreliable)
+            print(f"WARNING: other processes used up to {load:.0%} of this machine's CPU "
+                  "during the probes: the fastest micro-batch below is not reliable (re-run "
+                  "task=tune_batch on a quiet machine)")
+        limit = rec["tune_limit"]
+        largest = f"largest micro-batch that fits {rec['tune_max_micro_batch']} (bounded by " \
+            f"{limit})" if limit in ("memory", "tune.max_micro_batch") else \
+            f"largest probed that fits {rec['tune_max_micro_batch']} (the search stopped: " + \
+            ("tokens/s stopped rising; tune.goal=largest searches on" if limit == "throughput"
+             else "tune.max_seconds passed") + ")"
+        print(f"tune_batch: {largest}; fastest {rec['tune_best_micro_batch']}: "
               f"{rec['tokens_per_s']:,.0f} tokens/s, peak {rec['peak_mem_gib']:.2f} GiB"
               f"\nrecord: {self.ctx.out_dir / 'metrics.json'}")

@@ -373,6 +373,9 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
         if ckpt:
             ckpt.__enter__()  # (its SIGTERM handler; exited in the finally)
         for step in range(start, total):
+            if t.compile != "off" and step - start < 2:  # (its first step compiles: a word
+                bar.set_description("compiling the step" if step == start else  # while
+                                    "bench" if win.measured(step) else "warmup")  # it waits)
             win.begin(step, bar)
             collector.timing = win.measured(step)
             if step == start:
