@@ -70,51 +70,49 @@ def _overrides(args) -> list[str]:
     a = flags(args)
     return list(a.overrides) if a is not None and not a.shell_completion else []
 
-def group_value_error(args) -> str | None:
-    """One line for a number or bool as a config group's option, e.g. model=5, hardware=true.
-
-    Hydra raises a ValueError for it, with a traceback."""
+def _values(args, keep):
+    """(key, override text, its parsed value, each value it gives) of the command line's
+    overrides whose key keep(key) takes; one Hydra cannot parse is Hydra's to report."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ChoiceSweep
 
-    from .config import group_options
-
-    groups = set(group_options_all())
     for o in _overrides(args):
         key = o.split("=", 1)[0].lstrip("+~")
-        if key not in groups or "=" not in o:
+        if "=" not in o or not keep(key):
             continue
         try:
             value = OverridesParser.create().parse_override(o).value()
         except Exception:  # noqa: BLE001 - a syntax error: Hydra's own line says it
             continue
         for v in value.list if isinstance(value, ChoiceSweep) else [value]:
-            if isinstance(v, (bool, int, float)):
-                text = o.split("=", 1)[1] if not isinstance(value, ChoiceSweep) else \
-                    str(v).lower() if isinstance(v, bool) else str(v)
-                return f"{key}: '{text}' is not one of: {', '.join(group_options(key))}"
+            yield key, o, value, v
+
+
+def group_value_error(args) -> str | None:
+    """One line for a number or bool as a config group's option, e.g. model=5, hardware=true.
+
+    Hydra raises a ValueError for it, with a traceback."""
+    from hydra.core.override_parser.types import ChoiceSweep
+
+    from .config import group_options
+
+    groups = set(group_options_all())
+    for key, o, value, v in _values(args, groups.__contains__):
+        if isinstance(v, (bool, int, float)):
+            text = o.split("=", 1)[1] if not isinstance(value, ChoiceSweep) else \
+                str(v).lower() if isinstance(v, bool) else str(v)
+            return f"{key}: '{text}' is not one of: {', '.join(group_options(key))}"
     return None
 
 def bool_value_error(args) -> str | None:
     """One line for a value other than true or false given to a true/false key.
 
     OmegaConf reads any non-zero number, and yes or on, as true: train.profile=2 would run."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import ChoiceSweep
-
     from .config import DEFAULTS
 
-    for o in _overrides(args):
-        key = o.split("=", 1)[0].lstrip("+~")
-        if not isinstance(DEFAULTS.get(key), bool) or "=" not in o or o.startswith("~"):
-            continue
-        try:
-            value = OverridesParser.create().parse_override(o).value()
-        except Exception:  # noqa: BLE001 - a syntax error: Hydra's own line says it
-            continue
-        for v in value.list if isinstance(value, ChoiceSweep) else [value]:
-            if not isinstance(v, bool):
-                return f"{key}: must be true or false, got {v}"
+    for key, o, _, v in _values(args, lambda k: isinstance(DEFAULTS.get(k), bool)):
+        if not o.startswith("~") and not isinstance(v, bool):
+            return f"{key}: must be true or false, got {v}"
     return None
 
 
