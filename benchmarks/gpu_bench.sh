@@ -58,9 +58,9 @@ stage() {  # NAME: the stage's commands
            --variant "on:hardware.cudnn_benchmark=true" --json "$res/cudnn_benchmark.json" -- \
            logger=none model=moe_1b precision=bf16 train.micro_batch_size=4 \
            train.steps=20 train.warmup_steps=3 ;;
-    tune) "$PY" -m moe_exp.run -m task=tune_batch logger=none model=moe_1b precision=bf16 \
-           train.steps=3 train.warmup_steps=2 tune.multiple=8 tune.max_micro_batch=256 \
-           train.activation_checkpointing=none,full hydra.sweep.dir="$res/tune_batch_moe_1b" ;;
+    tune) "$PY" -m moe_exp.run -m task=tune_batch tune.goal=largest logger=none model=moe_1b \
+           precision=bf16 train.steps=3 train.warmup_steps=2 tune.multiple=8 \
+           tune.max_micro_batch=256 train.activation_checkpointing=none,full hydra.sweep.dir="$res/tune_batch_moe_1b" ;;
   esac
 }
 

@@ -95,6 +95,8 @@ MAX_FLOPS = 1e20  # FLOP/s a device: past any accelerator
 MAX_BUCKET_MB = 2**20  # DDP takes the bytes as a C++ int64: a larger value could overflow it
 RANKED = ("ddp", "fsdp", "expert", "expert_fsdp", "hsdp")  # parallel options with several ranks
 BANDWIDTH = Range(1, MAX_BANDWIDTH, note="bytes/s or null")
+FLOPS = Range(1, MAX_FLOPS, note="FLOP/s or null")  # hardware.peak_flops.<precision>
+MEMORY = Range(0, MAX_MEMORY_GIB, lo_open=True, note="GiB (per device) or null")
 MOE = Reads("model.num_experts", positive=True, what="a MoE model")
 ROUTINGS = ("learned", "balanced", "skewed")  # model.routing (model/moe.py: Router)
 GQA = Reads("model.attention_type", ("gqa",), what="model.attention_type=gqa")
@@ -302,8 +304,7 @@ class HardwareConfig:
     devices: int = knob(1, "ranks launched on this machine (a plan's: its world size)",
                         tasks=BOTH, column="world_size", check=Range(1, MAX_DEVICES, note="ranks"))
     memory_gib: Optional[float] = knob(None, "per device; null = read from the device",
-                                       check=Range(0, MAX_MEMORY_GIB, lo_open=True,
-                                       note="GiB (per device) or null"), also_in=COMM_TASK)
+                                       check=MEMORY, also_in=COMM_TASK)
     # null = unknown (MFU is then null)
     peak_flops: Dict[str, Optional[float]] = knob(doc="dense peak FLOP/s per device for each "
                                                   "precision", factory=dict)
@@ -312,7 +313,7 @@ class HardwareConfig:
     spec_memory_gib: Optional[float] = knob(
         None, "the part's memory per device as CUDA reports it: a plan's where memory_gib "
         "is null (the device is not here)", since=None, tasks=PLAN_TASK, also_in=PLANNED,
-        check=Range(0, MAX_MEMORY_GIB, lo_open=True, note="GiB (per device) or null"))
+        check=MEMORY)
     memory_bandwidth: Optional[float] = knob(
         None, "device memory bytes/s (the plan's roofline)", since=None, tasks=PLAN_TASK,
         check=BANDWIDTH, also_in=PLANNED)

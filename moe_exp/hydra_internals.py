@@ -130,17 +130,14 @@ def plan(config: DictConfig) -> tuple[list[list[str]] | None, dict]:
     command line, takes the command line's values."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.override_parser.overrides_parser import OverridesParser
 
     search = is_search(config.hydra.sweeper)
     if "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", "")) and not search:
         return None, {}
-    params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
     try:  # (the config loader lists a group's options for glob(...), as the sweeper's does)
         loader = GlobalHydra.instance().hydra.config_loader if GlobalHydra.instance(
         ).is_initialized() else None
-        parsed = OverridesParser.create(config_loader=loader).parse_overrides(
-            params + override_texts(config.hydra.overrides.task))
+        parsed = swept(config, loader)
         jobs = None if search else BasicSweeper.split_arguments(parsed, None)[0]
     except Exception:  # noqa: BLE001 - progress is a nicety; Hydra reports real errors
         return None, {}
@@ -152,34 +149,38 @@ def plan(config: DictConfig) -> tuple[list[list[str]] | None, dict]:
     return jobs, varying
 
 
-def search_space(config: DictConfig) -> tuple[list[str], dict[str, list[str]]]:
-    """A search's fixed overrides, and each swept key's values to check before any trial.
-
-    The values are a choice's or a range's as written, an interval's two bounds; a key swept
-    by hydra.sweeper.params and the command line takes the command line's. Raises ValueError
-    for an interval whose low bound is not below its high one, or a log one not above 0."""
+def swept(config: DictConfig, loader=None) -> list:
+    """The sweep's overrides as Hydra parses them: hydra.sweeper.params, then the command
+    line's (so a key given in both takes the command line's)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import IntervalSweep
 
     params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
-    parsed = OverridesParser.create().parse_overrides(
+    return OverridesParser.create(config_loader=loader).parse_overrides(
         params + override_texts(config.hydra.overrides.task))
-    fixed, space = [], {}
-    for o in parsed:
-        key = o.get_key_element()
+
+
+def search_space(config: DictConfig) -> dict[str, list]:
+    """A search's swept keys, each with the values to check before any trial, as Hydra
+    parsed them: a choice's or a range's, an interval's two bounds.
+
+    Raises ValueError for an interval whose low bound is not below its high one, or a log
+    one not above 0."""
+    from hydra.core.override_parser.types import IntervalSweep
+
+    space = {}
+    for o in swept(config):
         if not o.is_sweep_override():
-            fixed.append(o.input_line)
             continue
-        v = o.value()
+        key, v = o.get_key_element(), o.value()
         if isinstance(v, IntervalSweep):
             if not v.start < v.end or "log" in v.tags and v.start <= 0:
                 low = "above 0 and " if "log" in v.tags else ""
                 raise ValueError(f"{key}: interval({v.start:g}, {v.end:g}): its low bound must "
                                  f"be {low}below its high one")
-            space[key] = [str(v.start), str(v.end)]
+            space[key] = [v.start, v.end]
         else:
-            space[key] = list(o.sweep_string_iterator())
-    return fixed, space
+            space[key] = list(o.sweep_iterator())
+    return space
 
 
 def is_search(sweeper) -> bool:

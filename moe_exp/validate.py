@@ -13,7 +13,7 @@ import os
 import torch
 from omegaconf import OmegaConf
 
-from .config import (CHOICES, CONF, FSDP2, MAX_FLOPS, MAX_STEPS, ConfigError, NotReady,
+from .config import (CHOICES, CONF, FLOPS, FSDP2, MAX_STEPS, ConfigError, NotReady,
                      Unsupported, default_choices, env_source, group_options, no_such_key)
 from .ranks import rank_env, world_size
 
@@ -235,9 +235,8 @@ def check_precision(cfg) -> None:
             raise ConfigError(f"hardware.{key}", f"'{bad[0]}' is not a precision (allowed: "
                               f"{', '.join(names)})")
     for key, peak in hw.peak_flops.items():
-        if peak is not None and not 1 <= peak <= MAX_FLOPS:
-            raise ConfigError(f"hardware.peak_flops.{key}", f"must be in [1, {MAX_FLOPS:g}] "
-                              f"FLOP/s or null, got {peak}")
+        if why := FLOPS.error(peak):
+            raise ConfigError(f"hardware.peak_flops.{key}", why)
     if cfg.precision.autocast_dtype not in (None, "bfloat16", "float16"):
         raise ConfigError("precision.autocast_dtype", "must be null, bfloat16 or float16")
     # The name labels every result: its autocast dtype (and, without autocast, its tf32) may

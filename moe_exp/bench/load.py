@@ -24,6 +24,12 @@ def busy(load) -> bool:
     return isinstance(load, (int, float)) and load == load and load > OTHER_LOAD_WARN
 
 
+def load_warning(load: float, during: str) -> str:
+    """The summary's line for a busy cpu_other_load measured during `during`."""
+    return f"other processes used {load:.0%} of this machine's CPU during {during}: its " \
+        "timings are not reliable"
+
+
 def _cpus() -> set[int]:
     try:
         return set(os.sched_getaffinity(0))

@@ -50,7 +50,7 @@ def check_search(config: DictConfig) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise SweepError(f"hydra.sweeper.n_trials: must be a whole number >= 1, got {n}")
     try:
-        _, space = search_space(config)
+        space = search_space(config)
     except ValueError as e:
         raise SweepError(str(e)) from None
     except Exception:  # noqa: BLE001 - bad syntax: Hydra's own line, when the sweeper parses
@@ -59,26 +59,17 @@ def check_search(config: DictConfig) -> None:
         k = key.lstrip("+")
         if k not in KNOBS:
             continue
-        default, check = DEFAULTS.get(k), KNOBS[k].check
-        for text in values:
-            v = _number(_unquoted(text))
+        default = DEFAULTS.get(k)
+        for v in values:
             if isinstance(default, int) and not isinstance(default, bool) and \
-                    not isinstance(v, int):
-                raise SweepError(f"{k}: the search's value {text} is not an integer")
-            if isinstance(default, float) and not isinstance(v, (int, float)):
-                raise SweepError(f"{k}: the search's value {text} is not a number")
-            for why in filter(None, (r.error(v) for r in check)):
-                raise SweepError(f"{k}: {why} (the search's {k}={text})")
-
-
-def _number(text: str):
-    """A value as written, as the int or float it reads as, else the text."""
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+                    (isinstance(v, bool) or not isinstance(v, int)):
+                raise SweepError(f"{k}: the search's value {v} is not an integer (Hydra's "
+                                 "interval(...) gives floats: int(interval(...)) integers)")
+            if isinstance(default, float) and (isinstance(v, bool) or
+                                               not isinstance(v, (int, float))):
+                raise SweepError(f"{k}: the search's value {v} is not a number")
+            for why in filter(None, (r.error(v) for r in KNOBS[k].check)):
+                raise SweepError(f"{k}: {why} (the search's {k}={v})")
 
 
 def check_jobs(config: DictConfig, jobs: list[list[str]], validate: bool = True) -> None:

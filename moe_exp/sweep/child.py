@@ -9,7 +9,6 @@ import os
 import sys
 from pathlib import Path
 
-CACHE_ENV = "MOE_EXP_JOB_CACHE"  # the job's compile-cache dir, removed on every exit
 
 
 def main(spec_path: str) -> int:
@@ -37,7 +36,10 @@ def main(spec_path: str) -> int:
 
 
 def remove_cache() -> None:
+    """Remove the job's compile-cache dir (job.CACHE_ENV), on every exit."""
     import shutil
+
+    from .job import CACHE_ENV
 
     if os.environ.get(CACHE_ENV):
         shutil.rmtree(os.environ[CACHE_ENV], ignore_errors=True)

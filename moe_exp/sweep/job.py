@@ -33,6 +33,9 @@ from .search import trial_values
 from .table import DONE, combine, read_record
 
 
+CACHE_ENV = "MOE_EXP_JOB_CACHE"  # a job's compile-cache dir: child.py removes it on exit
+
+
 def run_job(cfg) -> dict:
     from hydra.core.hydra_config import HydraConfig
 
@@ -231,7 +234,7 @@ def run_child(cfg_dict: dict, overrides, choices, out_dir: Path, s) -> dict:
     if s.fresh_compile_cache:  # this job's compile time is its own, not a cache hit
         cache = tempfile.mkdtemp(prefix="moe_exp_compile_")
         env.update(TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"),
-                   MOE_EXP_JOB_CACHE=cache)  # (the child removes it too: see child.py)
+                   **{CACHE_ENV: cache})  # (the child removes it too: see child.py)
     tail: deque = deque(maxlen=40)
     cmd = [sys.executable, "-m", "moe_exp.sweep.child", str(spec)]
     with open(out_dir / "job.log", "wb", buffering=0) as log:  # (nothing left to fail at close)

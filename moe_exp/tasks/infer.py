@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ..bench.memory import GIB
-from ..bench.load import busy, other_load, snapshot
+from ..bench.load import busy, load_warning, other_load, snapshot
 from ..config import ConfigError, Unsupported
 from ..infer.experts import Residency, drop_rare
 from ..infer.generate import generate
@@ -164,7 +164,7 @@ def _measure(cfg, rec: dict, device: torch.device, progress: bool) -> None:
         why["quantized_layers"] = "infer.quantize=none"
     res = Residency(model, i.experts_resident, i.prefetch) if i.experts_resident else None
     usage, runs, dropped = [], [], ([], 0, [])
-    load0 = snapshot() if not i.warmup else None  # (the measured batches' CPU window)
+    load0 = None  # (the measured batches' CPU window: opened at k == i.warmup)
     try:
         for k in tqdm(range(n), desc="infer", unit="batch", disable=not progress):
             if k == i.warmup:
@@ -360,8 +360,7 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                    f"the rest {f(r['infer_other_gib'], '.3f', ' GiB')}"),
     ]
     if busy(load := r.get("cpu_other_load")):  # (said first: its figures are not firm)
-        rows.insert(1, ("WARNING", f"other processes used {load:.0%} of this machine's CPU "
-                                   "during the measured batches: its timings are not reliable"))
+        rows.insert(1, ("WARNING", load_warning(load, "the measured batches")))
     if r.get("expert_load_cv") is not None:
         rows.append(("expert load", f"decode: CV {r['expert_load_cv']:.3f}, max/mean "
                                     f"{r['expert_load_max_over_mean']:.2f}"))

@@ -6,7 +6,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ..bench.load import busy
+from ..bench.load import busy, load_warning
 
 
 def _f(v, fmt: str, unit: str = "") -> str:
@@ -167,8 +167,7 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
         rows.append(("checkpoints", ckpt))
     load = r.get("cpu_other_load")
     if busy(load):
-        rows.append(("WARNING", f"other processes used {load:.0%} of this machine's CPU during "
-                                "the measured steps: its timings are not reliable"))
+        rows.append(("WARNING", load_warning(load, "the measured steps")))
     return rows
 
 
