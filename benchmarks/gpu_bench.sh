@@ -14,6 +14,8 @@
 #   attention  attention.py at moe_1b bf16 (flash, efficient, cudnn, math, flex, auto),
 #            then ab_runs.py: hardware.cudnn_benchmark off vs on (seed 002)   79 s
 #   tune     task=tune_batch at moe_1b bf16, checkpointing none and full (H100: 121 s)
+#   plan     task=calibrate (its calibration.json is what hardware.calibration ships),
+#            then plan_rows.py --rows gpu: issue 50's rows, each planned with it
 #
 # (times measured on an H200, 2026-11-26, tune on an H100; the machine's start adds a
 # minute or two.) Each stage's JSON is written after every row and its printout goes to <stage>.txt beside it
@@ -24,7 +26,7 @@
 # Pass GIT_SHA=<commit> (the device's copy has no .git): it goes into provenance-<pack>.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGES=(check layer mfu compile optim det attention tune)
+STAGES=(check layer mfu compile optim det attention tune plan)
 for s in "$@"; do  # all checked before any work
   [[ " ${STAGES[*]} " == *" $s "* ]] || {
     echo "error: stage '$s' is not one of: ${STAGES[*]}" >&2; exit 2; }
@@ -61,6 +63,9 @@ stage() {  # NAME: the stage's commands
     tune) "$PY" -m moe_exp.run -m task=tune_batch tune.goal=largest logger=none model=moe_1b \
            precision=bf16 train.steps=3 train.warmup_steps=2 tune.multiple=8 \
            tune.max_micro_batch=256 train.activation_checkpointing=none,full hydra.sweep.dir="$res/tune_batch_moe_1b" ;;
+    plan) "$PY" -m moe_exp.run task=calibrate logger=none hydra.run.dir="$res/calibrate" &&
+          "$PY" benchmarks/plan_rows.py --rows gpu --steps 6 --only "${PLAN_ROWS:-0,4,5,6,7,1,3,2}" \
+            --calibration "$res/calibrate/calibration.json" --json "$res/plan_rows.json" ;;
   esac
 }
 

@@ -120,7 +120,8 @@ BATCHING = ("static", "dynamic", "continuous")
 SERVING = Reads("infer.batching", BATCHING, what="a served stream (infer.batching=static, "
                 "dynamic or continuous)")
 PLAN_TASK = ("plan",)  # reads what bench reads (knobs.LIKE_BENCH)
-TASKS = BOTH + TUNE_TASK + INFER_TASK + PLAN_TASK
+CALIBRATE_TASK = ("calibrate",)  # reads the hardware group
+TASKS = BOTH + TUNE_TASK + INFER_TASK + PLAN_TASK + CALIBRATE_TASK
 PLANNED = ("bench", "tune_batch")  # runs that plan their step (train.plan): read the plan's keys
 
 
@@ -327,6 +328,10 @@ class HardwareConfig:
         None, "a task=comm record (its metrics.json or run dir): the plan's collectives "
         "take the times it measured, not the bandwidths'", since=None, tasks=PLAN_TASK,
         also_in=PLANNED)
+    calibration: Optional[str] = knob(
+        None, "the plan's time at the rates a task=calibrate run measured: its file, a "
+        "shipped name (h100) or auto (this machine's, made on first use); null: the "
+        "datasheet's peaks, a floor", since=None, tasks=PLAN_TASK, also_in=PLANNED)
     devices_per_node: int = knob(8, "devices that share a node's links (a plan's group "
                                  "within one uses link_bandwidth)", since=8, tasks=PLAN_TASK,
                                  check=at_least(1), also_in=PLANNED)
@@ -590,7 +595,8 @@ class RunConfig:
                                reads_in=INFER_TASK)
     precision: PrecisionConfig = group(PrecisionConfig, "mixed precision", reads_in=INFER_TASK)
     parallel: ParallelConfig = group(ParallelConfig, "DDP, FSDP2, expert parallel")
-    hardware: HardwareConfig = group(HardwareConfig, "the device profile", reads_in=INFER_TASK)
+    hardware: HardwareConfig = group(HardwareConfig, "the device profile",
+                                     reads_in=INFER_TASK + CALIBRATE_TASK)
     data: DataConfig = group(DataConfig, "the data source and loader", reads_in=INFER_TASK)
     optim: OptimConfig = group(OptimConfig, "AdamW or Muon and the schedule")
     logger: LoggerConfig = group(LoggerConfig, "W&B or none", hashed=False, reads_in=TASKS)
@@ -603,7 +609,8 @@ class RunConfig:
     task: str = knob("bench", "what a run does: bench (train and measure) | comm (collectives)"
                      " | tune_batch (the largest and the fastest micro-batch that fit)"
                      " | infer (generate with a KV cache) | plan (a training step's memory"
-                     " and time, traced on fake tensors: docs/plan.md)",
+                     " and time, traced on fake tensors: docs/plan.md) | calibrate (this"
+                     " device's kernel rates, for a plan's time)",
                      choices=TASKS, tasks=TASKS, column="task")
     extra: Dict[str, Any] = field(default_factory=dict, metadata={  # free-form notes
         "knob": Knob("free-form labels, kept in the record", tasks=TASKS), "hashed": False})

@@ -88,6 +88,9 @@ class Planned:
     planned_comm_ms: F = None
     planned_tokens_per_s: F = None
     planned_comm_gib: F = None
+    planned_time_basis: S = None  # datasheet (a floor) | calibration <its file> (...)
+    planned_kernel_ms: F = None  # the device's busy time (a calibrated plan's)
+    calibration_s: F = None  # making the calibration in this run (hardware.calibration=auto)
 
 
 @dataclass
@@ -235,7 +238,20 @@ class Sweep:
     resumed_from: S = None
 
 
-SECTIONS = (Training, Tune, Comm, Inference, Plan, Sweep)
+@dataclass
+class Calibrated:
+    """task=calibrate: what the device's kernels achieve, for a plan's time."""
+    calibration_file: S = None
+    calibration_cached: S = None  # the copy hardware.calibration=auto reads
+    calibration_s: F = None
+    calibration_points: I = None
+    dispatch_us: D = None  # an eager step's cost per op dispatched, by precision
+    sync_us: F = None
+    matmul_tflops: D = None  # the best matmul rate measured, by precision
+    bandwidth_gbps: F = None  # the best elementwise bandwidth measured (bytes moved)
+
+
+SECTIONS = (Training, Tune, Comm, Inference, Plan, Calibrated, Sweep)
 
 
 def names(section) -> tuple[str, ...]:

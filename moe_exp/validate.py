@@ -446,6 +446,29 @@ def check_comm_from(cfg) -> None:
             raise ConfigError("hardware.comm_from", str(e)) from None
 
 
+def check_calibration(cfg) -> None:
+    """Read hardware.calibration's file where the task's plan uses it; auto only where this
+    machine is the hardware planned."""
+    from .config import KNOBS
+
+    value = cfg.hardware.calibration
+    if not value or not KNOBS["hardware.calibration"].used_in(cfg.task):
+        return
+    if value == "auto":
+        here = "cuda" if torch.cuda.is_available() else "cpu"
+        if cfg.hardware.device not in ("auto", here):
+            raise ConfigError("hardware.calibration", f"auto is this machine's ({here}), not "
+                              f"hardware={cfg.hardware.name}'s ({cfg.hardware.device}): name "
+                              "a calibration made there (a file, or a shipped name)")
+        return
+    from .plan.calibration import CalibrationError, load, path_of
+
+    try:
+        load(path_of(value))
+    except CalibrationError as e:
+        raise ConfigError("hardware.calibration", str(e)) from None
+
+
 def check_data(cfg, overrides=()) -> None:
     d = cfg.data
     for key, on in (("prefetch_factor", d.prefetch_factor is not None),
@@ -677,6 +700,7 @@ def validate(cfg, overrides=(), in_sweep: bool = False) -> None:
     check_groups(cfg, overrides, in_sweep)
     check_data(cfg, overrides)
     check_comm_from(cfg)
+    check_calibration(cfg)
     task = TASKS[cfg.task]
     task.check(cfg)
     check_logger(cfg)

@@ -16,6 +16,41 @@ NO_DATA = {torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.aten.em
             torch.ops.aten.resize_, torch.ops.aten._unsafe_view}
 
 
+# ops whose result the host reads (a value), so it waits for the device's queue
+SYNCS = {torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero}
+
+
+def layout(a: torch.Tensor, b: torch.Tensor) -> str:
+    """A matmul's operands as stored: n (rows contiguous) or t (transposed), a's then b's.
+
+    A linear's forward is nt, its input's gradient nn, its weight's gradient tn; a CPU's
+    kernels differ by several times between them."""
+    t = lambda x: "t" if x.shape[-1] > 1 and x.stride(-1) != 1 else "n"  # noqa: E731
+    return t(a) + t(b)
+
+
+def shape_key(name: str, args) -> tuple | None:
+    """A compute op's shape for a calibration's rates: ("mm", M, N, K, layout, batch) for
+    the matmuls (a bmm's batch folded into M), ("gmm", groups, rows, N, K) for grouped_mm (its weights' gradient "gmm_w") and
+    ("sdpa", op, query length, key length, head size) for attention's kernels; else None."""
+    t = [a for a in args if isinstance(a, torch.Tensor)]
+    if name in ("mm", "addmm", "bmm", "baddbmm"):
+        a, b = (t[1], t[2]) if name in ("addmm", "baddbmm") else (t[0], t[1])
+        batch = a.numel() // (a.shape[-2] * a.shape[-1]) if a.dim() == 3 else 1
+        return ("mm", a.numel() // a.shape[-1], b.shape[-1], a.shape[-1], layout(a, b), batch)
+    if name == "grouped_mm":
+        a, b = t[0], t[1]
+        if a.dim() == 2 and b.dim() == 2:  # the weights' gradient: (M, rows) x (rows, N)
+            return ("gmm_w", t[2].numel() if len(t) > 2 else 1, a.shape[0], b.shape[-1],
+                    a.shape[-1])
+        groups = b.shape[0] if b.dim() == 3 else a.shape[0]
+        return ("gmm", groups, a.numel() // a.shape[-1], b.shape[-1], a.shape[-1])
+    if "scaled_dot_product" in name:
+        q, k = (t[1], t[2]) if name.endswith("backward") else (t[0], t[1])
+        return ("sdpa", name, q.shape[-2], k.shape[-2], q.shape[-1])
+    return None
+
+
 @functools.cache
 def _formulas() -> dict:
     """torch's flop_registry plus the project's formulas, as FlopCounterMode's custom_mapping.
@@ -40,8 +75,11 @@ class StepOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.on = False  # _steps turns it on
-        self.ops: list[tuple[float, int, torch.dtype | None]] = []
+        # (FLOPs, bytes, dtype, shape): shape is shape_key's, ("sync",) where the host
+        # waits for the device (a value read), else None
+        self.ops: list[tuple[float, int, torch.dtype | None, tuple | None]] = []
         self.calls: list[tuple[str, int, tuple]] = []
+        self.dispatched = 0  # every op dispatched while on, views and metadata included
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.utils._pytree import tree_leaves
@@ -49,7 +87,12 @@ class StepOps(TorchDispatchMode):
         kwargs = kwargs or {}
         packet = func.overloadpacket
         out = func(*args, **kwargs)
-        if not self.on or func.is_view or func.namespace == "prim" or packet in NO_DATA:
+        if not self.on:
+            return out
+        self.dispatched += func.namespace != "prim"  # (prim.device: a fake tensor's .device)
+        if packet in SYNCS:
+            self.ops.append((0.0, 0, None, ("sync",)))
+        if func.is_view or func.namespace == "prim" or packet in NO_DATA:
             return out
         name = packet.__name__.strip("_")
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -66,12 +109,12 @@ class StepOps(TorchDispatchMode):
         formulas = _formulas()
         flops = formulas[packet](*args, **kwargs, out_val=out) if packet in formulas else 0
         dtype = next((t.dtype for t in tensors if t.is_floating_point()), None)
-        self.ops.append((float(flops), moved, dtype))
+        self.ops.append((float(flops), moved, dtype, shape_key(name, args) if flops else None))
         return out
 
     @property
     def flops(self) -> float:
-        return sum(f for f, _, _ in self.ops)
+        return sum(op[0] for op in self.ops)
 
     @property
     def comm(self) -> dict:

@@ -53,7 +53,8 @@ def plan_step(cfg, rec: dict) -> None:
 
 # what a task=bench run records of its plan (train.plan)
 BENCH = ("plan_s", "planned_peak_gib", "planned_step_ms", "planned_compute_ms",
-         "planned_comm_ms", "planned_tokens_per_s", "planned_comm_gib")
+         "planned_comm_ms", "planned_tokens_per_s", "planned_comm_gib", "planned_time_basis",
+         "planned_kernel_ms", "calibration_s")
 
 
 def bench_plan(cfg) -> dict:
@@ -106,11 +107,20 @@ def plan_memory_gib(hw) -> float | None:
 
 
 def _times(cfg, rec: dict, step, tokens: int) -> None:
-    """The roofline's step time, tokens/s and MFU into rec; `tokens` counts every rank's."""
+    """The step time, tokens/s and MFU into rec; `tokens` counts every rank's.
+
+    The compute's time is the calibration's where hardware.calibration names one, else the
+    datasheet's roofline."""
     from .roofline import comm_ms, compute_ms
 
     why, hw = rec["null_reasons"], cfg.hardware
-    rec["planned_compute_ms"], why_compute = compute_ms(step.ops, hw, cfg.precision.name)
+    if hw.calibration:
+        rec["planned_compute_ms"], why_compute = _calibrated_ms(cfg, rec, step.ops)
+    else:
+        rec["planned_compute_ms"], why_compute = compute_ms(step.ops, hw, cfg.precision.name)
+        rec["planned_time_basis"] = "datasheet"
+        why["planned_kernel_ms"] = why["calibration_s"] = "hardware.calibration=null: the " \
+            "datasheet's roofline, a floor"
     rec["planned_comm_ms"], why_comm = comm_ms(step.ops, hw)
     peak = (hw.peak_flops or {}).get(cfg.precision.name)
     if why_compute or why_comm:
@@ -126,3 +136,23 @@ def _times(cfg, rec: dict, step, tokens: int) -> None:
     if not peak:
         why["planned_mfu"] = f"no peak FLOP/s known for hardware={hw.name} at precision=" \
                              f"{cfg.precision.name}"
+
+
+def _calibrated_ms(cfg, rec: dict, ops) -> tuple[float | None, str | None]:
+    """The compute's time at a calibration's rates, in ms, or None and why not; its kernels'
+    busy time, its source and (where made now) its making's time into rec."""
+    from .calibrate import calibration_for
+    from .calibration import CalibrationError
+
+    why = rec["null_reasons"]
+    try:
+        cal, made = calibration_for(cfg)
+        seconds, busy = cal.step_s(ops, cfg.precision.name,
+                                   cfg.train.activation_checkpointing)
+    except CalibrationError as e:
+        return None, str(e)
+    rec["planned_time_basis"] = f"calibration {cal.label()}"
+    rec["planned_kernel_ms"], rec["calibration_s"] = busy * 1e3, made
+    if made is None:
+        why["calibration_s"] = f"read from {cal.source}: made before this run"
+    return seconds * 1e3, None

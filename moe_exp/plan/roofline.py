@@ -27,7 +27,9 @@ def compute_ms(ops, hw, precision: str) -> tuple[float | None, str | None]:
         return None, f"hardware={hw.name} gives no memory_bandwidth: set " \
                      "hardware.memory_bandwidth=<bytes/s per device>"
     seconds = 0.0
-    for flops, nbytes, dtype in ops.ops:
+    for flops, nbytes, dtype, shape in ops.ops:
+        if shape == ("sync",):
+            continue
         t = nbytes / hw.memory_bandwidth
         if flops:
             name, peak = _peak(hw, dtype, precision)

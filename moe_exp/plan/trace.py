@@ -53,7 +53,7 @@ class StepMemory:
     ops: object = None  # the step's StepOps (its ops and collectives, for the roofline)
 
 
-def _build(cfg, micro_batch: int, device: torch.device, world: int):
+def build_step(cfg, micro_batch: int, device: torch.device, world: int):
     """The model as a run builds and wraps it, its optimizer, and a micro-batch."""
     from ..model import build_model
     from ..optim import build_optimizer
@@ -122,6 +122,14 @@ def _eager(cfg, device: torch.device | None = None):
     from ..optimizations.dispatch import resolve_model_dispatch
 
     cfg = copy.deepcopy(cfg)
+    m = cfg.model
+    if m.dispatch == "auto" and m.num_experts and cfg.hardware.device == "cuda":
+        if torch.cuda.is_available():  # as the run picks it, compiled or not
+            resolve_model_dispatch(cfg, torch.device("cuda"))
+        else:  # a GPU's plan made without one: as CUDA would pick
+            hopper = cfg.hardware.name.startswith(("h100", "h200"))  # (grouped_fast: sm90)
+            m.dispatch = "grouped" if hopper and cfg.precision.autocast_dtype == "bfloat16" \
+                else "loop"
     cfg.train.compile = "off"
     if device is not None:
         cfg.hardware.device = device.type
@@ -141,10 +149,6 @@ def planned_config(cfg):
     # state at the step, which real ones do not; the loop's temporaries are one parameter's
     if cfg.parallel.name != "none":
         cfg.optim.impl = "for-loop"
-    # grouped_mm's shape function takes bf16 only; the loop's memory is the grouped
-    # kernel's: the same rows, the same saved inputs
-    if cfg.model.dispatch == "grouped" and cfg.precision.autocast_dtype != "bf16":
-        cfg.model.dispatch = "loop"
     return cfg
 
 
@@ -169,7 +173,7 @@ def trace_step(cfg, micro_batch: int | None = None) -> StepMemory:
     ops = StepOps()
     with mock.patch.object(Transformer, "reset_parameters", _no_init), fake_world(world):
         with FakeTensorMode():
-            built = _build(cfg, b, FAKE_DEVICE, world)
+            built = build_step(cfg, b, FAKE_DEVICE, world)
             if cfg.parallel.name == "ddp":
                 ddp_buckets(built[0].model)
             got = _tracked(cfg, built, FAKE_DEVICE, [Shadows(rows, experts), ops], ops)
@@ -194,7 +198,7 @@ def measure_step(cfg, micro_batch: int | None = None) -> StepMemory:
     device = torch.device(cfg.hardware.device)
     torch.manual_seed(cfg.train.seed)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    built = _build(cfg, micro_batch or cfg.train.micro_batch_size, device, world)
+    built = build_step(cfg, micro_batch or cfg.train.micro_batch_size, device, world)
     ops = StepOps()
     got = _tracked(cfg, built, device, [ops], ops)
     got.flops, got.comm, got.ops = ops.flops, ops.comm, ops

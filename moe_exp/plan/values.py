@@ -70,6 +70,9 @@ class Shadows(BalancedCounts):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+            offs = args[2] if len(args) > 2 else kwargs.get("offs")
+            return _grouped_out(args[0], args[1], offs, kwargs.get("out_dtype"))
         if func is torch.ops.aten._local_scalar_dense.default:
             from torch.utils._python_dispatch import _disable_current_modes
 
@@ -136,3 +139,17 @@ def _written(func, args) -> list:
     """The tensors an op writes in place: its schema's mutable arguments."""
     return [a for a, s in zip(args, func._schema.arguments) if isinstance(a, torch.Tensor)
             and s.alias_info is not None and s.alias_info.is_write]
+
+
+def _grouped_out(a, b, offs, out_dtype=None):
+    """grouped_mm's output in another dtype than bf16, which its shape function refuses: a
+    new tensor of its shape, as the kernel (the CPU's, or CUDA's fp32 one) allocates."""
+    if a.dim() == 2 and b.dim() == 3:
+        shape = (a.shape[0], b.shape[-1])
+    elif a.dim() == 3 and b.dim() == 2:
+        shape = (a.shape[1], b.shape[-1])
+    elif a.dim() == 2:  # 2D x 2D, the weights' gradient: a group per offs element
+        shape = (offs.numel(), a.shape[0], b.shape[-1])
+    else:
+        shape = (b.shape[0], a.shape[-2], b.shape[-1])
+    return torch.empty(shape, dtype=out_dtype or a.dtype, device=a.device)

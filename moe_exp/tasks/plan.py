@@ -79,9 +79,19 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                                      for k, v in r["planned_comm"].items())
             + " a step (each rank)")] if r.get("planned_comm") else []),
         ("step", f"{r['planned_flops_per_step']:.3g} FLOPs" + (
-            f"; {step:,.1f} ms ({r['planned_compute_ms']:,.1f} computing at the profile's "
-            f"roofline, {r['planned_comm_ms']:,.1f} communicating, no overlap), "
+            f"; {step:,.1f} ms ({r['planned_compute_ms']:,.1f} computing {_basis(r)}, "
+            f"{r['planned_comm_ms']:,.1f} communicating, no overlap), "
             f"{r['planned_tokens_per_s']:,.0f} tokens/s"
             + (f", MFU {r['planned_mfu']:.0%}" if r.get("planned_mfu") is not None else "")
             if step is not None else f"; time: null ({r['null_reasons']['planned_step_ms']})")),
     ]
+
+
+def _basis(r: dict) -> str:
+    """What the compute's time rests on, as the summary says it."""
+    basis = r.get("planned_time_basis") or "datasheet"
+    if basis == "datasheet":
+        return "at the datasheet's peaks: a floor, hardware.calibration for a prediction"
+    kernels = r.get("planned_kernel_ms")
+    return f"at the rates of {basis.removeprefix('calibration ')}" + (
+        f", kernels {kernels:,.1f} of it" if kernels is not None else "")

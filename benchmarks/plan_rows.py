@@ -1,0 +1,118 @@
+"""A plan's step time and peak against measured runs: each row is a task=bench run that
+plans its own step first (train.plan), its record's planned_step_error and
+planned_peak_error. With --calibration the plan's time comes from that calibration
+(task=calibrate); without, from the profile's datasheet (a floor).
+
+--rows gpu: issue 50's table on a GPU (moe_1b bf16 micro-batch 8 x 2048 eager, balanced,
+compiled and fully checkpointed; seed_moe8 at hidden 1024, 8 layers, fp32 and bf16, with
+and without full checkpointing). --rows cpu: tiny_moe and small_moe x fp32, bf16 x none,
+full, selective x eager, compiled (24 rows). --repeat N runs each row N times (CPU steps
+move +-20% between processes) and reports the median error.
+
+    PYTHONPATH=. python benchmarks/plan_rows.py --rows gpu|cpu [--calibration FILE]
+        [--repeat 1] [--only 0,3] [--json out.json] [override ...]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import at_least, check_config, compose, out_file, save_json  # noqa: E402
+
+MOE_1B = ["model=moe_1b", "precision=bf16", "train.micro_batch_size=8", "train.seq_len=2048"]
+SEED = ["model=seed_moe8", "model.hidden_size=1024", "model.num_layers=8"]
+ROWS = {
+    "gpu": [MOE_1B, MOE_1B + ["model.routing=balanced"], MOE_1B + ["train.compile=default"],
+            MOE_1B + ["train.activation_checkpointing=full"],
+            SEED + ["precision=fp32"], SEED + ["precision=bf16"],
+            SEED + ["precision=bf16", "train.activation_checkpointing=full"],
+            SEED + ["precision=fp32", "train.activation_checkpointing=full"]],
+    "cpu": [[f"model={m}", f"precision={p}", f"train.activation_checkpointing={a}",
+             f"train.compile={c}", "hardware=cpu", "train.micro_batch_size=4"]
+            for m, p, a, c in itertools.product(("tiny_moe", "small_moe"), ("fp32", "bf16"),
+                                                ("none", "full", "selective"),
+                                                ("off", "default"))],
+}
+KEYS = ("status", "planned_step_ms", "planned_kernel_ms", "step_time_ms", "planned_step_error",
+        "planned_peak_gib", "peak_mem_gib", "tracked_peak_gib", "planned_peak_error",
+        "planned_time_basis", "plan_s", "compile_s", "device_name", "error")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", choices=sorted(ROWS), default="gpu")
+    ap.add_argument("--only", help="row numbers to run, e.g. 0,3")
+    ap.add_argument("--calibration", help="hardware.calibration for every row")
+    ap.add_argument("--repeat", type=at_least(1), default=1)
+    ap.add_argument("--steps", type=at_least(1), default=8)
+    ap.add_argument("--json", type=out_file)
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+    rows = ROWS[a.rows]
+    if a.only:
+        rows = [rows[int(i)] for i in a.only.split(",")]
+    common = ["logger=none", f"train.steps={a.steps}", "train.warmup_steps=3",
+              *([f"hardware.calibration={a.calibration}"] if a.calibration else []),
+              *a.overrides]
+    runs = [[*r, *common] for r in rows]
+    check_config(ap, runs)
+    from moe_exp.run import run
+
+    print("| row | status | planned ms | kernels ms | measured ms | step error | planned GiB "
+          "| measured GiB | peak error |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    out, device = [], None
+    for r, o in zip(rows, runs):
+        recs = []
+        for _ in range(a.repeat):
+            with tempfile.TemporaryDirectory() as d:
+                rec = run(compose(o), out_dir=d, progress=False, overrides=o)
+            recs.append({k: rec.get(k) for k in KEYS})
+            recs[-1]["null_reasons"] = {k: v for k, v in rec["null_reasons"].items()
+                                        if k in KEYS}
+        device = device or recs[0]["device_name"]
+        row = {"row": " ".join(r), "runs": recs, **_medians(recs)}
+        out.append(row)
+        _print(row)
+        if a.json:
+            save_json(a.json, device or "", out)
+    errs = [abs(r["planned_step_error"]) for r in out if r["planned_step_error"] is not None]
+    peaks = [abs(r["planned_peak_error"]) for r in out if r["planned_peak_error"] is not None]
+    if errs:
+        print(f"worst step error {max(errs):.1%}, worst peak error "
+              f"{max(peaks, default=float('nan')):.1%} over {len(out)} rows"
+              f"{f' (medians of {a.repeat})' if a.repeat > 1 else ''}; {device}")
+
+
+def _medians(recs: list) -> dict:
+    """The median of each figure over a row's runs (its ok runs)."""
+    ok = [r for r in recs if r["status"] == "ok"] or recs
+    med = {}
+    for k in ("planned_step_ms", "planned_kernel_ms", "step_time_ms", "planned_step_error",
+              "planned_peak_gib", "peak_mem_gib", "tracked_peak_gib", "planned_peak_error"):
+        vals = [r[k] for r in ok if r.get(k) is not None]
+        med[k] = statistics.median(vals) if vals else None
+    med["status"] = ok[0]["status"]
+    return med
+
+
+def _print(r: dict) -> None:
+    f = lambda v, fmt: "—" if v is None else format(v, fmt)  # noqa: E731
+    measured = r["peak_mem_gib"] if r["tracked_peak_gib"] is None else r["tracked_peak_gib"]
+    print(f"| {r['row']} | {r['status']} | {f(r['planned_step_ms'], ',.1f')} | "
+          f"{f(r['planned_kernel_ms'], ',.1f')} | {f(r['step_time_ms'], ',.1f')} | "
+          f"{f(r['planned_step_error'], '+.1%')} | {f(r['planned_peak_gib'], ',.3f')} | "
+          f"{f(measured, ',.3f')} | {f(r['planned_peak_error'], '+.1%')} |", flush=True)
+    if r["status"] != "ok":
+        print(f"  ({r['runs'][0].get('error')})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

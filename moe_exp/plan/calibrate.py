@@ -1,0 +1,376 @@
+"""Measures a calibration (plan/calibration.py) on the device at hand: task=calibrate's work.
+
+Each grid point is timed in batches of calls long enough to time (CUDA events on a GPU), the
+median of 3 batches. A point whose predicted time exceeds POINT_S is not measured: it takes
+the best rate measured at a point no larger in any size (rates level off at large sizes).
+On a CPU, the cost of dispatching one tiny op is taken off each point, since the plan adds
+the measured dispatch cost of a whole eager step's ops itself."""
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import statistics
+import sys
+import time
+
+import torch
+
+from .calibration import VERSION, Calibration
+
+POINT_S = 0.05  # the longest call measured: larger points take a smaller one's rate
+BATCH_S = 2e-3  # a timed batch of calls lasts at least this long
+DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
+          "fp16": torch.float16}
+GRIDS = {  # (M, N, K) of the matmuls; (groups, rows per group, N, K); (sequence, head size)
+    "cpu": dict(mm=([16, 128, 1024, 8192], [64, 256, 1024, 4096], [64, 256, 1024, 4096]),
+                sdpa=([128, 512, 2048], [64, 128]), bytes_max=2**26),
+    "cuda": dict(mm=([16, 128, 1024, 8192, 32768], [128, 512, 2048, 8192, 32768],
+                     [128, 512, 2048, 8192, 32768]),
+                 gmm=([4, 16, 64], [16, 128, 1024, 4096], [256, 1024, 4096],
+                      [256, 1024, 4096]),
+                 sdpa=([256, 1024, 4096, 16384], [64, 128, 192]), bytes_max=2**30),
+}
+SDPA = {"cuda": ("flash", "efficient", "cudnn"), "cpu": ("flash",)}
+
+
+class Timer:
+    """Seconds per call of fn on device: batches of calls, the median of 3."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.raw = 0.0
+        x = torch.ones(1, device=device)
+        self.raw = self(lambda: torch.add(x, x), sub=False)  # one tiny op's dispatch
+
+    def _batch(self, fn, n: int) -> float:
+        if self.cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(n):
+                fn()
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b) / 1e3 / n
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n
+
+    def __call__(self, fn, sub: bool = True) -> float:
+        first = self._batch(fn, 1)  # (also the warm-up)
+        n = max(1, min(1000, int(BATCH_S / max(first, 1e-7))))
+        t = statistics.median(self._batch(fn, n) for _ in range(3))
+        if sub and not self.cuda:  # the plan adds each op's dispatch itself
+            t = max(t - self.raw, 0.05 * t)
+        return t
+
+
+def _filled(axes, measured: dict) -> list:
+    """The grid's rates as nested lists, each point not measured given the best rate
+    measured at a point no larger in any size."""
+    def rate(p):
+        if p in measured:
+            return measured[p]
+        below = [r for q, r in measured.items() if all(a <= b for a, b in zip(q, p))]
+        return max(below)
+
+    def nest(prefix, rest):
+        if not rest:
+            return rate(prefix)
+        return [nest(prefix + (x,), rest[1:]) for x in rest[0]]
+
+    return nest((), list(axes))
+
+
+def _grid(timer, axes, make, flops_of, bar) -> dict:
+    """Measures make(point)'s call at each grid point, smallest first: rate = FLOPs / s."""
+    measured, best = {}, 0.0
+    for p in itertools.product(*axes):
+        bar.update()
+        f = flops_of(p)
+        if best and f / best > POINT_S:
+            continue
+        fn = make(p)
+        if fn is None:
+            continue
+        measured[p] = f / timer(fn)
+        best = max(best, measured[p])
+        del fn
+    return {"axes": [list(a) for a in axes], "rates": _filled(axes, measured),
+            "measured": len(measured)}
+
+
+LAYOUTS = ("nn", "nt", "tn")  # a linear's input gradient, forward, weight gradient
+
+
+def _matmuls(timer, dtype, axes, layout: str, bar) -> dict:
+    dev = timer.device
+
+    def operand(rows, cols, t):
+        x = torch.randn(cols, rows, device=dev, dtype=dtype).t() if t == "t" else \
+            torch.randn(rows, cols, device=dev, dtype=dtype)
+        return x
+
+    def make(p):
+        m, n, k = p
+        a, b = operand(m, k, layout[0]), operand(k, n, layout[1])
+        return lambda: a @ b
+
+    return _grid(timer, axes, make, lambda p: 2 * p[0] * p[1] * p[2], bar)
+
+
+def _grouped(timer, dtype, axes, bar) -> dict | None:
+    from ..model.moe import grouped_mm, grouped_mm_supported
+
+    dev = timer.device
+    if not grouped_mm_supported(dev, dtype):
+        return None
+
+    def make(p):
+        g, rows, n, k = p
+        x = torch.randn(g * rows, k, device=dev, dtype=dtype)
+        w = torch.randn(g, k, n, device=dev, dtype=dtype)
+        offs = torch.arange(1, g + 1, device=dev, dtype=torch.int32) * rows
+        return lambda: grouped_mm(x, w, offs)
+
+    return _grid(timer, axes, make, lambda p: 2 * p[0] * p[1] * p[2] * p[3], bar)
+
+
+def _sdpa(timer, dtype, backend: str, axes, bar) -> dict:
+    """One kernel's forward and backward grids, keyed by their ops' names."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from .ops import StepOps
+
+    dev, out, measured = timer.device, {}, {}
+    kernel = getattr(SDPBackend, {"flash": "FLASH_ATTENTION", "efficient":
+                                  "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}[backend])
+    best = 0.0
+    for seq, head in itertools.product(*axes):
+        bar.update()
+        bh = max(2, 2**17 // seq if dev.type == "cuda" else 2**13 // seq)
+        q, k, v = (torch.randn(1, bh, seq, head, device=dev, dtype=dtype, requires_grad=True)
+                   for _ in range(3))
+        flops = 4 * bh * seq * seq * head
+        if best and 3.5 * flops / best > POINT_S:
+            continue
+        try:
+            with sdpa_kernel(kernel):
+                ops = StepOps()
+                ops.on = True
+                with ops:
+                    sdpa(q, k, v, is_causal=True).sum().backward()
+                names = [(op[3][1], op[0]) for op in ops.ops if op[3] and op[3][0] == "sdpa"]
+                if len(names) != 2:
+                    continue
+                fwd = timer(lambda: sdpa(q, k, v, is_causal=True))
+                both = timer(lambda: sdpa(q, k, v, is_causal=True).backward(
+                    torch.ones(1, bh, seq, head, device=dev, dtype=dtype)))
+        except RuntimeError:  # this kernel does not take this shape or dtype
+            continue
+        for (name, f), t in zip(names, (fwd, max(both - fwd, 0.2 * both))):
+            measured.setdefault(name, {})[(seq, head)] = f / t
+            best = max(best, f / t)
+    for name, points in measured.items():
+        out[name] = {"axes": [list(a) for a in axes], "rates": _filled(axes, points),
+                     "measured": len(points)}
+    return out
+
+
+def _bandwidth(timer, top: int, bar) -> dict:
+    """bytes/s of an out-of-place fp32 add (reads 2, writes 1) by bytes moved."""
+    sizes, rates = [], []
+    n = 2**6
+    while 12 * n <= top:
+        bar.update()
+        a = torch.ones(n, device=timer.device)
+        b = torch.ones(n, device=timer.device)
+        sizes.append(12 * n)
+        rates.append(12 * n / timer(lambda: torch.add(a, b)))
+        n *= 4
+    return {"axes": [sizes], "rates": rates, "measured": len(sizes)}
+
+
+def _tiny(cfg, precision: str, layers: int, ac: str = "none"):
+    """A tiny tiny_moe run's config at this precision: its kernels a small part of its
+    step, which its ops' dispatch and the loop's own work fill."""
+    from omegaconf import OmegaConf
+
+    from ..config import CONF, ModelConfig, PrecisionConfig
+
+    def load(group, name):
+        return OmegaConf.to_container(OmegaConf.load(CONF / group / f"{name}.yaml"))
+
+    cfg = copy.deepcopy(cfg)
+    cfg.precision = PrecisionConfig(**load("precision", precision))
+    cfg.model = ModelConfig(**{**load("model", "tiny_moe"), **TINY, "num_layers": layers})
+    cfg.train.seq_len, cfg.train.micro_batch_size = 16, 1
+    cfg.train.activation_checkpointing, cfg.train.compile = ac, "off"
+    cfg.train.grad_accum_steps, cfg.parallel.name, cfg.hardware.devices = 1, "none", 1
+    return cfg
+
+
+TINY = {"hidden_size": 32, "ffn_hidden_size": 32, "vocab_size": 64, "max_seq_len": 16}
+
+
+def _measured_step_s(cfg, precision: str, layers: int, device, ac: str = "none") -> float:
+    """The median step of a tiny bench run of its own, as task=bench measures it."""
+    import json
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        model = [f"model.{k}={v}" for k, v in {**TINY, "num_layers": layers}.items()]
+        cmd = [sys.executable, "-m", "moe_exp.run", "model=tiny_moe", *model,
+               f"precision={precision}", f"train.activation_checkpointing={ac}",
+               f"hardware={'cpu' if device.type == 'cpu' else 'auto'}",
+               "train.seq_len=16", "train.micro_batch_size=1", "train.steps=20",
+               "train.warmup_steps=3", "train.plan=false", "logger=none",
+               f"hydra.run.dir={d}"]
+        got = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        f = Path(d) / "metrics.json"
+        rec = json.loads(f.read_text()) if f.is_file() else {}
+        if rec.get("status") != "ok":
+            tail = (got.stderr.strip().splitlines() or [""])[-1]
+            raise RuntimeError(f"the tiny run for the dispatch cost failed: "
+                               f"{rec.get('error') or tail}")
+        return rec["step_time_ms"] / 1e3
+
+
+def _traced(cfg, precision: str, layers: int, cal: Calibration,
+            ac: str = "none") -> tuple[int, float]:
+    """The plan's dispatched ops and its kernels' time (on a GPU: its syncs') for the
+    tiny run."""
+    from .trace import trace_step
+
+    ops = trace_step(_tiny(cfg, precision, layers, ac)).ops
+    if cal.device == "cuda":
+        return ops.dispatched, sum(op[3] == ("sync",) for op in ops.ops) * cal.sync_s
+    return ops.dispatched, sum(cal.kernel_s(*op, precision) for op in ops.ops
+                               if op[3] != ("sync",))
+
+
+def _dispatch(cfg, device, cal: Calibration, precisions: list) -> tuple[dict, float]:
+    """The cost of an eager step: µs per op dispatched (by precision, and by activation
+    checkpointing as "fp32+full") and µs per step.
+
+    Tiny bench runs of 1 and 4 layers (fp32), then 4 layers in each other precision and
+    each checkpointing (whose hooks cost each op more); each step's time less its kernels'
+    predicted time (on a GPU the host runs ahead of them) is fitted as a cost per step and
+    one per op dispatched."""
+    base = precisions[0]
+    (n1, k1), (n4, k4) = (_traced(cfg, base, n, cal) for n in (1, 4))
+    t1, t4 = (_measured_step_s(cfg, base, n, device) for n in (1, 4))
+    per_op = max(((t4 - k4) - (t1 - k1)) / max(n4 - n1, 1), 0.0)
+    per_step = max((t1 - k1) - per_op * n1, 0.0)
+    out = {base: per_op * 1e6}
+    for p, ac in [(p, "none") for p in precisions[1:]] + [(base, "full"),
+                                                          (base, "selective")]:
+        n, k = _traced(cfg, p, 4, cal, ac)
+        key = p if ac == "none" else f"{p}+{ac}"
+        out[key] = max((_measured_step_s(cfg, p, 4, device, ac) - k - per_step) / n,
+                       0.0) * 1e6
+    return out, per_step * 1e6
+
+
+def calibrate(cfg, device: torch.device, progress: bool = True) -> dict:
+    """This device's calibration as a dict (calibration.py's format)."""
+    from tqdm.auto import tqdm
+
+    from ..hardware import device_name
+
+    t0 = time.perf_counter()
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    grids = GRIDS[kind]
+    precisions = [p for p in cfg.hardware.precisions if p in DTYPES]
+    if kind == "cpu":
+        precisions = [p for p in precisions if p != "tf32"]
+    timer = Timer(device)
+    mm_n = math.prod(len(a) for a in grids["mm"])
+    gmm_n = math.prod(len(a) for a in grids["gmm"]) if "gmm" in grids else 0
+    sdpa_n = math.prod(len(a) for a in grids["sdpa"]) * len(SDPA[kind])
+    half = [p for p in precisions if p in ("bf16", "fp16")]
+    total = mm_n * len(precisions) * len(LAYOUTS) + gmm_n * ("bf16" in half) + sdpa_n * len(half or ["fp32"]) \
+        + int(math.log(grids["bytes_max"] / 768, 4)) + 1
+    data = {"version": VERSION, "device": kind, "device_name": device_name(device),
+            "torch": torch.__version__, "made": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "raw_op_us": timer.raw * 1e6, "matmul": {}, "grouped_mm": {}, "sdpa": {}}
+    if kind == "cpu":
+        import os
+
+        data["cores"], data["threads"] = os.cpu_count(), torch.get_num_threads()
+    with tqdm(total=total, desc="calibrating", unit="shape", disable=not progress,
+              file=sys.stderr) as bar:
+        data["bandwidth"] = _bandwidth(timer, grids["bytes_max"], bar)
+        for p, lay in itertools.product(precisions, LAYOUTS):
+            bar.set_description(f"calibrating {p} matmuls ({lay})")
+            with _tf32(kind, p == "tf32"):
+                data["matmul"][f"{p}:{lay}"] = _matmuls(timer, DTYPES[p], grids["mm"], lay,
+                                                        bar)
+        if gmm_n and "bf16" in half:
+            bar.set_description("calibrating grouped_mm")
+            if got := _grouped(timer, torch.bfloat16, grids["gmm"], bar):
+                data["grouped_mm"]["bf16"] = got
+        for p in half or ["fp32"]:
+            for backend in SDPA[kind]:
+                bar.set_description(f"calibrating {p} attention ({backend})")
+                for name, g in _sdpa(timer, DTYPES[p], backend, grids["sdpa"], bar).items():
+                    data["sdpa"][f"{name}:{p}"] = g
+        bar.set_description("calibrating an eager step's dispatch")
+        data["sync_us"] = _sync_us(timer) if kind == "cuda" else 0.0
+        data["dispatch_us"], data["step_us"] = _dispatch(cfg, device, Calibration(
+            {**data, "dispatch_us": {}}, "(being made)"), [p for p in precisions
+                                                            if p != "tf32"])
+    data["seconds"] = time.perf_counter() - t0
+    return data
+
+
+def _sync_us(timer) -> float:
+    """µs the host waits to read a value back from an idle device."""
+    x = torch.ones(1, device=timer.device)
+    return timer(lambda: x.item(), sub=False) * 1e6
+
+
+def _tf32(kind: str, on: bool):
+    import contextlib
+
+    if kind != "cuda":
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def ctx():
+        old = torch.backends.cuda.matmul.fp32_precision
+        torch.backends.cuda.matmul.fp32_precision = "tf32" if on else "ieee"
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.fp32_precision = old
+    return ctx()
+
+
+def calibration_for(cfg, progress: bool = True):
+    """hardware.calibration's Calibration, and the seconds spent making it now (None where
+    read). auto: this machine's, from the cache, made and cached where missing."""
+    import json
+    import os
+
+    from .calibration import Calibration, cache_dir, load, machine_key, path_of
+
+    value = cfg.hardware.calibration
+    if value != "auto":
+        return load(path_of(value)), None
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    path = cache_dir() / f"{machine_key(device)}.json"
+    if path.is_file():
+        return load(path), None
+    print(f"[plan] calibrating this {device.type.upper()} for the plan's time (once per "
+          f"machine, about 30 s; cached in {path})", file=sys.stderr, flush=True)
+    data = calibrate(cfg, device, progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+    return Calibration(data, str(path)), data["seconds"]

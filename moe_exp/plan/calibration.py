@@ -1,0 +1,213 @@
+"""A calibration: what a device's kernels really achieve, and the step time it predicts.
+
+task=calibrate measures it (plan/calibrate.py) and writes a JSON file; hardware.calibration
+names one (a path, a shipped name such as h100, or auto: this machine's, made on first
+use). Its grids hold achieved rates: FLOP/s of matmuls by (M, N, K), of grouped_mm by
+(groups, rows, N, K), of each SDPA kernel by (query length, key length, head size), and
+bytes/s of an out-of-place elementwise op by bytes moved; with the cost of dispatching one
+op of an eager step. Between grid points, log(rate) is interpolated in log(size); outside,
+the nearest edge's rate holds."""
+from __future__ import annotations
+
+import bisect
+import functools
+import json
+import math
+from pathlib import Path
+
+import torch
+
+VERSION = 1
+SHIPPED = Path(__file__).resolve().parents[1] / "conf" / "hardware" / "calibration"
+DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class CalibrationError(ValueError):
+    """A calibration file that cannot be read or lacks what a plan needs."""
+
+
+class Grid:
+    """Rates on a grid of sizes: axes (each ascending), rates (nested lists, axis order)."""
+
+    def __init__(self, axes: list, rates):
+        self.axes = [[math.log(x) for x in a] for a in axes]
+        self.rates = rates
+
+    def _at(self, idx: tuple) -> float:
+        r = self.rates
+        for i in idx:
+            r = r[i]
+        return math.log(r)
+
+    def rate(self, *point) -> float:
+        """The rate at point, multilinear in log-log between grid points, clamped outside."""
+        corners = [((), 1.0)]
+        for axis, x in zip(self.axes, point):
+            if len(axis) == 1:
+                corners = [(c + (0,), w) for c, w in corners]
+                continue
+            x = min(max(math.log(max(x, 1)), axis[0]), axis[-1])
+            i = min(bisect.bisect_right(axis, x) - 1, len(axis) - 2)
+            f = (x - axis[i]) / (axis[i + 1] - axis[i])
+            corners = [(c + (j,), w * g) for c, w in corners
+                       for j, g in ((i, 1 - f), (i + 1, f)) if g > 0]
+        return math.exp(sum(w * self._at(c) for c, w in corners))
+
+
+class Calibration:
+    """A calibration file's rates; kernel_s gives an op's time on its device."""
+
+    def __init__(self, data: dict, source: str):
+        self.data, self.source = data, source
+        self.device = data["device"]
+        self.dispatch_us = data["dispatch_us"]  # {precision: µs an op}
+        self.sync_s = data.get("sync_us", 0.0) / 1e6
+        grid = lambda g: Grid(g["axes"], g["rates"])  # noqa: E731
+        self.mm = {k: grid(g) for k, g in data["matmul"].items()}
+        self.gmm = {k: grid(g) for k, g in data.get("grouped_mm", {}).items()}
+        self.sdpa = {k: grid(g) for k, g in data.get("sdpa", {}).items()}
+        self.bw = grid(data["bandwidth"])
+        self._memo: dict = {}
+
+    def label(self) -> str:
+        d = self.data
+        return f"{self.source} ({d['device_name']}, torch {d['torch']}, {d['made'][:10]})"
+
+    def kernel_s(self, flops: float, nbytes: int, dtype, shape, precision: str) -> float:
+        """One op's kernel time in seconds: a compute op's FLOPs at its shape's rate, else
+        its bytes at the bandwidth of its size."""
+        key = (flops, nbytes, dtype, shape)
+        if key in self._memo:
+            return self._memo[key]
+        if shape and flops:
+            t = flops / self._rate(dtype, shape, precision)
+        else:
+            t = nbytes / self.bw.rate(nbytes) if nbytes else 0.0
+        self._memo[key] = t
+        return t
+
+    def _rate(self, dtype, shape, precision: str) -> float:
+        name = DTYPES.get(dtype, "fp32")
+        if name == "fp32" and precision == "tf32" and "tf32:nn" in self.mm:
+            name = "tf32"
+        kind = shape[0]
+        if kind == "gmm" and name in self.gmm:
+            g, rows, n, k = shape[1:]
+            return self.gmm[name].rate(g, rows / max(g, 1), n, k)
+        if kind == "sdpa" and f"{shape[1]}:{name}" in self.sdpa:  # (measured at q = k)
+            return self.sdpa[f"{shape[1]}:{name}"].rate(math.sqrt(shape[2] * shape[3]),
+                                                         shape[4])
+        if f"{name}:nn" not in self.mm:
+            raise CalibrationError(f"the calibration {self.source} has no {name} matmuls: "
+                                   "calibrate with that precision in hardware.precisions")
+        mm = self.mm[f"{name}:nn"]
+        if kind == "gmm":  # as one matmul per group
+            g, rows, n, k = shape[1:]
+            return mm.rate(rows / max(g, 1), n, k)
+        if kind == "gmm_w":  # a weight gradient: its contraction split into groups
+            g, m, n, k = shape[1:]
+            return self.mm.get(f"{name}:tn", mm).rate(m, n, k / max(g, 1))
+        if kind == "sdpa":  # QK^T and PV as matmuls of its sizes
+            return self.mm.get(f"{name}:nt", mm).rate(shape[2], shape[3], shape[4])
+        m, n, k, lay, batch = shape[1:]
+        if self.device == "cpu":  # a CPU's batched matmul: one matmul after another
+            m //= batch
+        return self.mm.get(f"{name}:{lay}", mm).rate(m, n, k)
+
+    def dispatch_s(self, precision: str, ac: str = "none") -> float:
+        """The cost of dispatching one op of an eager step, in seconds.
+
+        Activation checkpointing's hooks make each op cost more: as much more, in
+        proportion, as they did in the calibration's fp32 step."""
+        d = self.dispatch_us
+        base = d.get("fp32", 0.0)
+        us = d.get(precision, base)
+        if ac != "none" and base and f"fp32+{ac}" in d:
+            us *= d[f"fp32+{ac}"] / base
+        return us / 1e6
+
+    def step_s(self, ops, precision: str, ac: str = "none") -> tuple[float, float]:
+        """The step's time and its kernels' share, in seconds, for a traced StepOps.
+
+        On a CPU each op's dispatch and kernel run one after the other. On a GPU the host
+        dispatches ops ahead of the device, which runs each once it is dispatched and the
+        one before has run; a value read (a sync) makes the host wait for the device."""
+        per_op = self.dispatch_s(precision, ac) * ops.dispatched / max(len(ops.ops), 1)
+        host = dev = self.data.get("step_us", 0.0) / 1e6  # the loop's own work a step
+        busy = 0.0
+        for flops, nbytes, dtype, shape in ops.ops:
+            if shape == ("sync",):
+                host = dev = max(host, dev) + self.sync_s
+                continue
+            k = self.kernel_s(flops, nbytes, dtype, shape, precision)
+            busy += k
+            if self.device == "cpu":
+                host = dev = host + per_op + k
+            else:
+                host += per_op
+                dev = max(dev, host) + k
+        return max(host, dev), busy
+
+
+def check_data(data, source: str) -> dict:
+    """A calibration's JSON, checked: raises CalibrationError naming what is wrong."""
+    if not isinstance(data, dict) or data.get("version") != VERSION:
+        raise CalibrationError(f"{source} is not a moe_exp calibration (version {VERSION}): "
+                               "make one with task=calibrate")
+    missing = [k for k in ("device", "device_name", "torch", "made", "dispatch_us", "matmul",
+                           "bandwidth") if k not in data]
+    if missing:
+        raise CalibrationError(f"{source} lacks {', '.join(missing)}: make it again with "
+                               "task=calibrate")
+    try:
+        Calibration(data, source).bw.rate(1)
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise CalibrationError(f"{source}: a grid cannot be read ({type(e).__name__}: {e})") \
+            from None
+    return data
+
+
+def cache_dir() -> Path:
+    import os
+
+    return Path(os.environ.get("MOE_EXP_CACHE", Path.home() / ".cache" / "moe_exp")) \
+        / "calibration"
+
+
+def machine_key(device: torch.device) -> str:
+    """This machine's calibration name: its device, CPU cores or GPU, and torch version."""
+    import os
+    import re
+
+    from ..hardware import device_name
+
+    cores = f"-{os.cpu_count()}c" if device.type == "cpu" else ""
+    name = re.sub(r"[^A-Za-z0-9]+", "_", device_name(device)).strip("_")
+    return f"{name}{cores}-torch{torch.__version__.split('+')[0]}"
+
+
+def path_of(value: str) -> Path:
+    """hardware.calibration's file: a path, or a shipped calibration's name (h100)."""
+    p = Path(value).expanduser()
+    if p.is_file() or p.suffix == ".json" or "/" in value:
+        return p
+    return SHIPPED / f"{value}.json"
+
+
+@functools.lru_cache(maxsize=8)
+def _read(path: str, mtime: float) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise CalibrationError(f"cannot read a calibration from {path} "
+                               f"({type(e).__name__})") from None
+    return check_data(data, path)
+
+
+def load(path: Path) -> Calibration:
+    """The calibration in a file; CalibrationError where it cannot be read."""
+    if not path.is_file():
+        shipped = sorted(p.stem for p in SHIPPED.glob("*.json"))
+        raise CalibrationError(f"no calibration file {path} (shipped: "
+                               f"{', '.join(shipped) or 'none'}; auto: this machine's)")
+    return Calibration(_read(str(path), path.stat().st_mtime), str(path))
