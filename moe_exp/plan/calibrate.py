@@ -35,13 +35,41 @@ SDPA = {"cuda": ("flash", "efficient", "cudnn"), "cpu": ("flash",)}
 
 
 class Timer:
-    """Seconds per call of fn on device: batches of calls, the median of 3."""
+    """Seconds per call of fn on device: batches of calls, the median of 3.
+
+    On a GPU, a call shorter than GRAPH_S is timed inside a CUDA graph of the batch: back to
+    back, its kernel's time alone, as in a step whose host runs ahead (the plan adds the
+    host's dispatch itself)."""
+
+    GRAPH_S = 1e-4
 
     def __init__(self, device: torch.device):
         self.device, self.cuda = device, device.type == "cuda"
         self.raw = 0.0
         x = torch.ones(1, device=device)
-        self.raw = self(lambda: torch.add(x, x), sub=False)  # one tiny op's dispatch
+        self.raw = self(lambda: torch.add(x, x), sub=False, graph=False)  # an op's dispatch
+
+    def _graph(self, fn, n: int) -> float:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(n):
+                fn()
+        g.replay()
+        times = []
+        for _ in range(3):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3 / n)
+        del g
+        return statistics.median(times)
 
     def _batch(self, fn, n: int) -> float:
         if self.cuda:
@@ -57,9 +85,12 @@ class Timer:
             fn()
         return (time.perf_counter() - t0) / n
 
-    def __call__(self, fn, sub: bool = True) -> float:
-        first = self._batch(fn, 1)  # (also the warm-up)
+    def __call__(self, fn, sub: bool = True, graph: bool = True) -> float:
+        self._batch(fn, 1)  # (the warm-up)
+        first = self._batch(fn, 3)
         n = max(1, min(1000, int(BATCH_S / max(first, 1e-7))))
+        if self.cuda and graph and first < self.GRAPH_S:
+            return self._graph(fn, min(n, 200))
         t = statistics.median(self._batch(fn, n) for _ in range(3))
         if sub and not self.cuda:  # the plan adds each op's dispatch itself
             t = max(t - self.raw, 0.05 * t)
@@ -165,9 +196,9 @@ def _sdpa(timer, dtype, backend: str, axes, bar) -> dict:
                 names = [(op[3][1], op[0]) for op in ops.ops if op[3] and op[3][0] == "sdpa"]
                 if len(names) != 2:
                     continue
-                fwd = timer(lambda: sdpa(q, k, v, is_causal=True))
+                fwd = timer(lambda: sdpa(q, k, v, is_causal=True), graph=False)
                 both = timer(lambda: sdpa(q, k, v, is_causal=True).backward(
-                    torch.ones(1, bh, seq, head, device=dev, dtype=dtype)))
+                    torch.ones(1, bh, seq, head, device=dev, dtype=dtype)), graph=False)
         except RuntimeError:  # this kernel does not take this shape or dtype
             continue
         for (name, f), t in zip(names, (fwd, max(both - fwd, 0.2 * both))):
@@ -291,9 +322,9 @@ def calibrate(cfg, device: torch.device, progress: bool = True) -> dict:
     timer = Timer(device)
     mm_n = math.prod(len(a) for a in grids["mm"])
     gmm_n = math.prod(len(a) for a in grids["gmm"]) if "gmm" in grids else 0
-    sdpa_n = math.prod(len(a) for a in grids["sdpa"]) * len(SDPA[kind])
+    sdpa_n = math.prod(len(a) for a in grids["sdpa"]) * len(SDPA[kind])  # (one precision)
     half = [p for p in precisions if p in ("bf16", "fp16")]
-    total = mm_n * len(precisions) * len(LAYOUTS) + gmm_n * ("bf16" in half) + sdpa_n * len(half or ["fp32"]) \
+    total = mm_n * len(precisions) * len(LAYOUTS) + gmm_n * ("bf16" in half) + sdpa_n \
         + int(math.log(grids["bytes_max"] / 768, 4)) + 1
     data = {"version": VERSION, "device": kind, "device_name": device_name(device),
             "torch": torch.__version__, "made": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -302,28 +333,39 @@ def calibrate(cfg, device: torch.device, progress: bool = True) -> dict:
         import os
 
         data["cores"], data["threads"] = os.cpu_count(), torch.get_num_threads()
+    data["section_s"], last = {}, [time.perf_counter()]
+
+    def lap(name):
+        now = time.perf_counter()
+        data["section_s"][name], last[0] = now - last[0], now
+
     with tqdm(total=total, desc="calibrating", unit="shape", disable=not progress,
               file=sys.stderr) as bar:
         data["bandwidth"] = _bandwidth(timer, grids["bytes_max"], bar)
+        lap("bandwidth")
         for p, lay in itertools.product(precisions, LAYOUTS):
             bar.set_description(f"calibrating {p} matmuls ({lay})")
             with _tf32(kind, p == "tf32"):
                 data["matmul"][f"{p}:{lay}"] = _matmuls(timer, DTYPES[p], grids["mm"], lay,
                                                         bar)
+        lap("matmul")
         if gmm_n and "bf16" in half:
             bar.set_description("calibrating grouped_mm")
             if got := _grouped(timer, torch.bfloat16, grids["gmm"], bar):
                 data["grouped_mm"]["bf16"] = got
-        for p in half or ["fp32"]:
-            for backend in SDPA[kind]:
+        lap("grouped_mm")
+        for p in (["bf16"] if "bf16" in half else half[:1]) or ["fp32"]:  # (fp16 reads
+            for backend in SDPA[kind]:  # bf16's: the same kernels)
                 bar.set_description(f"calibrating {p} attention ({backend})")
                 for name, g in _sdpa(timer, DTYPES[p], backend, grids["sdpa"], bar).items():
                     data["sdpa"][f"{name}:{p}"] = g
         bar.set_description("calibrating an eager step's dispatch")
         data["sync_us"] = _sync_us(timer) if kind == "cuda" else 0.0
+        lap("sdpa")
         data["dispatch_us"], data["step_us"] = _dispatch(cfg, device, Calibration(
             {**data, "dispatch_us": {}}, "(being made)"), [p for p in precisions
-                                                            if p != "tf32"])
+                                                            if p in ("fp32", "bf16")])
+        lap("dispatch")
     data["seconds"] = time.perf_counter() - t0
     return data
 
@@ -331,7 +373,7 @@ def calibrate(cfg, device: torch.device, progress: bool = True) -> dict:
 def _sync_us(timer) -> float:
     """µs the host waits to read a value back from an idle device."""
     x = torch.ones(1, device=timer.device)
-    return timer(lambda: x.item(), sub=False) * 1e6
+    return timer(lambda: x.item(), sub=False, graph=False) * 1e6
 
 
 def _tf32(kind: str, on: bool):

@@ -67,6 +67,7 @@ class Calibration:
         self.gmm = {k: grid(g) for k, g in data.get("grouped_mm", {}).items()}
         self.sdpa = {k: grid(g) for k, g in data.get("sdpa", {}).items()}
         self.bw = grid(data["bandwidth"])
+        self.attention = "auto"  # train.attention of the step planned (for_step sets it)
         self._memo: dict = {}
 
     def label(self) -> str:
@@ -94,9 +95,8 @@ class Calibration:
         if kind == "gmm" and name in self.gmm:
             g, rows, n, k = shape[1:]
             return self.gmm[name].rate(g, rows / max(g, 1), n, k)
-        if kind == "sdpa" and f"{shape[1]}:{name}" in self.sdpa:  # (measured at q = k)
-            return self.sdpa[f"{shape[1]}:{name}"].rate(math.sqrt(shape[2] * shape[3]),
-                                                         shape[4])
+        if kind == "sdpa" and (op := self._kernel(shape[1], name)) in self.sdpa:
+            return self.sdpa[op].rate(math.sqrt(shape[2] * shape[3]), shape[4])  # (q = k)
         if f"{name}:nn" not in self.mm:
             raise CalibrationError(f"the calibration {self.source} has no {name} matmuls: "
                                    "calibrate with that precision in hardware.precisions")
@@ -121,10 +121,20 @@ class Calibration:
         proportion, as they did in the calibration's fp32 step."""
         d = self.dispatch_us
         base = d.get("fp32", 0.0)
-        us = d.get(precision, base)
+        us = d.get(precision, d.get("bf16", base) if precision == "fp16" else base)
         if ac != "none" and base and f"fp32+{ac}" in d:
             us *= d[f"fp32+{ac}"] / base
         return us / 1e6
+
+    def _kernel(self, op: str, dtype: str) -> str:
+        """The calibrated kernel for a traced SDPA op: on a GPU, the trace's CPU kernel is
+        the one CUDA runs, train.attention's where it names one, else flash."""
+        if self.device == "cuda" and op.startswith("scaled_dot_product_flash_attention_for_cpu"):
+            kernel = self.attention if self.attention in ("efficient", "cudnn") else "flash"
+            op = f"scaled_dot_product_{kernel}_attention" + (
+                "_backward" if op.endswith("backward") else "")
+        key = f"{op}:{dtype}"
+        return key if key in self.sdpa or dtype != "fp16" else f"{op}:bf16"
 
     def step_s(self, ops, precision: str, ac: str = "none") -> tuple[float, float]:
         """The step's time and its kernels' share, in seconds, for a traced StepOps.
@@ -132,7 +142,8 @@ class Calibration:
         On a CPU each op's dispatch and kernel run one after the other. On a GPU the host
         dispatches ops ahead of the device, which runs each once it is dispatched and the
         one before has run; a value read (a sync) makes the host wait for the device."""
-        per_op = self.dispatch_s(precision, ac) * ops.dispatched / max(len(ops.ops), 1)
+        recorded = sum(op[3] != ("sync",) for op in ops.ops)  # (dispatched counts views
+        per_op = self.dispatch_s(precision, ac) * ops.dispatched / max(recorded, 1)  # too)
         host = dev = self.data.get("step_us", 0.0) / 1e6  # the loop's own work a step
         busy = 0.0
         for flops, nbytes, dtype, shape in ops.ops:

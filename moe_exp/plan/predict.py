@@ -118,7 +118,8 @@ def _times(cfg, rec: dict, step, tokens: int) -> None:
         rec["planned_compute_ms"], why_compute = _calibrated_ms(cfg, rec, step.ops)
     else:
         rec["planned_compute_ms"], why_compute = compute_ms(step.ops, hw, cfg.precision.name)
-        rec["planned_time_basis"] = "datasheet"
+        rec["planned_time_basis"], rec["planned_kernel_ms"], rec["calibration_s"] = \
+            "datasheet", None, None
         why["planned_kernel_ms"] = why["calibration_s"] = "hardware.calibration=null: the " \
             "datasheet's roofline, a floor"
     rec["planned_comm_ms"], why_comm = comm_ms(step.ops, hw)
@@ -147,6 +148,7 @@ def _calibrated_ms(cfg, rec: dict, ops) -> tuple[float | None, str | None]:
     why = rec["null_reasons"]
     try:
         cal, made = calibration_for(cfg)
+        cal.attention = cfg.train.attention
         seconds, busy = cal.step_s(ops, cfg.precision.name,
                                    cfg.train.activation_checkpointing)
     except CalibrationError as e:

@@ -1,0 +1,169 @@
+"""task=calibrate and hardware.calibration: rates interpolated between the grid's points,
+a step's time from them (a CPU's ops one after another, a GPU's host running ahead of its
+device), the dispatch cost fitted from tiny runs, and the plan's time basis in its record."""
+import json
+import types
+
+import pytest
+import torch
+from conftest import cli_inproc, compose, off_contract, run_inproc
+
+from moe_exp.plan import calibrate as cal_mod
+from moe_exp.plan.calibration import (VERSION, Calibration, CalibrationError, Grid,
+                                      check_data)
+from moe_exp.plan.ops import StepOps, layout, shape_key
+
+
+def test_a_grid_interpolates_in_log_log_and_clamps_outside():
+    g = Grid([[1, 100], [10, 1000]], [[1.0, 2.0], [100.0, 200.0]])
+    assert g.rate(1, 10) == pytest.approx(1.0) and g.rate(100, 1000) == pytest.approx(200.0)
+    assert g.rate(10, 10) == pytest.approx(10.0)  # halfway in log: the geometric mean
+    assert g.rate(1e6, 1) == pytest.approx(100.0)  # outside: the edge's rate
+    assert Grid([[64]], [5.0]).rate(3) == pytest.approx(5.0)  # one point: its rate everywhere
+
+
+def _data(device="cpu", dispatch=10.0, flops=1e9, bw=1e9, sync=0.0, step=0.0):
+    flat = {"axes": [[1, 10**6]] * 3, "rates": [[[flops] * 2] * 2] * 2, "measured": 8}
+    return {"version": VERSION, "device": device, "device_name": "test", "torch": "x",
+            "made": "2026-11-28T00:00:00", "dispatch_us": {"fp32": dispatch},
+            "sync_us": sync, "step_us": step, "matmul": {"fp32:nn": flat},
+            "bandwidth": {"axes": [[1, 10**9]], "rates": [bw, bw], "measured": 2}}
+
+
+def _ops(rows, dispatched=None):
+    return types.SimpleNamespace(ops=rows, dispatched=dispatched or len(rows))
+
+
+MM = (1e6, 0, torch.float32, ("mm", 10, 10, 10, "nn", 1))  # 1 ms at 1 GFLOP/s
+MEM = (0.0, 10**6, torch.float32, None)  # 1 ms at 1 GB/s
+SYNC = (0.0, 0, None, ("sync",))
+
+
+def test_a_cpus_step_is_each_ops_dispatch_then_its_kernel():
+    c = Calibration(_data(dispatch=100.0, step=500.0), "t")
+    t, busy = c.step_s(_ops([MM, MEM, MM]), "fp32")
+    assert busy == pytest.approx(3e-3)
+    assert t == pytest.approx(3e-3 + 3 * 100e-6 + 500e-6)
+
+
+def test_a_gpus_host_runs_ahead_until_a_value_is_read():
+    """Device-bound: kernels back to back, each host dispatch hidden; host-bound: the
+    dispatches; a sync makes the host wait for the device, then costs sync_us."""
+    c = Calibration(_data("cuda", dispatch=100.0, sync=50.0), "t")
+    assert c.step_s(_ops([MM] * 4), "fp32")[0] == pytest.approx(100e-6 + 4e-3)
+    fast = Calibration(_data("cuda", dispatch=2000.0, flops=1e12), "t")
+    assert fast.step_s(_ops([MM] * 4), "fp32")[0] == pytest.approx(4 * 2e-3 + 1e-6)
+    t = c.step_s(_ops([MM, SYNC, MM], dispatched=2), "fp32")[0]
+    assert t == pytest.approx((100e-6 + 1e-3 + 50e-6) + (100e-6 + 1e-3))
+
+
+def test_checkpointings_hooks_cost_each_op_what_they_cost_the_calibrations_step():
+    d = _data(dispatch=10.0)
+    d["dispatch_us"].update({"bf16": 20.0, "fp32+full": 15.0})
+    c = Calibration(d, "t")
+    assert c.dispatch_s("bf16", "full") == pytest.approx(30e-6)
+    assert c.dispatch_s("fp16") == pytest.approx(20e-6)  # (fp16 takes bf16's)
+    assert c.dispatch_s("fp32", "selective") == pytest.approx(10e-6)  # not measured: none
+
+
+def test_a_file_that_is_not_a_calibration_is_refused():
+    with pytest.raises(CalibrationError, match="not a moe_exp calibration"):
+        check_data({"version": 0}, "f.json")
+    with pytest.raises(CalibrationError, match="lacks matmul"):
+        check_data({k: v for k, v in _data().items() if k != "matmul"}, "f.json")
+    with pytest.raises(CalibrationError, match="no bf16 matmuls"):
+        Calibration(_data(), "t").kernel_s(1e6, 0, torch.bfloat16, MM[3], "bf16")
+
+
+def test_the_shapes_a_step_records_name_their_layouts():
+    a, w = torch.ones(8, 4), torch.ones(6, 4)
+    assert layout(a, w.t()) == "nt" and layout(a.t().contiguous().t(), w) == "tn"
+    assert shape_key("mm", (a, w.t())) == ("mm", 8, 6, 4, "nt", 1)
+    b = torch.ones(3, 8, 4)
+    assert shape_key("bmm", (b, torch.ones(3, 4, 5))) == ("mm", 24, 5, 4, "nn", 3)
+    q = torch.ones(1, 2, 16, 8)
+    assert shape_key("scaled_dot_product_flash_attention_for_cpu", (q, q, q))[2:] == \
+        (16, 16, 8)
+
+
+def test_a_gpus_calibration_plans_the_traces_cpu_attention_as_cudas_kernel():
+    d = _data("cuda")
+    d["sdpa"] = {"scaled_dot_product_flash_attention:bf16": {
+        "axes": [[16, 4096], [64, 128]], "rates": [[7e9, 7e9], [7e9, 7e9]]}}
+    c = Calibration(d, "t")
+    op = (7e6, 0, torch.bfloat16, ("sdpa", "scaled_dot_product_flash_attention_for_cpu",
+                                  512, 512, 64))
+    assert c.kernel_s(*op, "bf16") == pytest.approx(1e-3)
+
+
+def test_grouped_mm_in_fp32_is_traced_on_fake_tensors():
+    """grouped_mm's shape function takes bf16 only; the plan gives the fp32 kernel's output
+    (the CPU's dispatch in fp32 is grouped) and records its shapes."""
+    from moe_exp.plan.trace import trace_step
+
+    step = trace_step(compose(["model=tiny_moe", "hardware=cpu", "model.dispatch=grouped",
+                               "train.micro_batch_size=2"]))
+    kinds = {op[3][0] for op in step.ops.ops if op[3]}
+    assert {"gmm", "gmm_w", "mm"} <= kinds
+    assert step.ops.dispatched > len(step.ops.ops) > 0
+
+
+def test_calibrate_measures_a_grid_and_fits_the_dispatch_cost(monkeypatch):
+    """A small grid measured here; the tiny runs' step times made up as 3 ms a step, 40 µs
+    an op (60 with full checkpointing) and their kernels: the fit finds those costs."""
+    monkeypatch.setitem(cal_mod.GRIDS, "cpu", dict(mm=([16, 64], [64], [64]),
+                                                   sdpa=([128], [64]), bytes_max=2**14))
+
+    def made_up(cfg, precision, layers, device, ac="none"):
+        cal = Calibration({**data_so_far[0], "dispatch_us": {}}, "t")
+        n, k = cal_mod._traced(cfg, precision, layers, cal, ac)
+        return 3e-3 + (60e-6 if ac == "full" else 40e-6) * n + k
+
+    data_so_far = []
+    real_dispatch = cal_mod._dispatch
+
+    def dispatch(cfg, device, cal, precisions):
+        data_so_far.append(cal.data)
+        return real_dispatch(cfg, device, cal, precisions)
+
+    monkeypatch.setattr(cal_mod, "_measured_step_s", made_up)
+    monkeypatch.setattr(cal_mod, "_dispatch", dispatch)
+    cfg = compose(["task=calibrate", "hardware=cpu", "hardware.precisions=[fp32]"])
+    data = cal_mod.calibrate(cfg, torch.device("cpu"), progress=False)
+    check_data(json.loads(json.dumps(data)), "made")
+    assert data["matmul"]["fp32:nt"]["measured"] == 2
+    assert data["dispatch_us"]["fp32"] == pytest.approx(40.0, rel=1e-6)
+    assert data["dispatch_us"]["fp32+full"] == pytest.approx(60.0, rel=1e-6)
+    assert data["step_us"] == pytest.approx(3000.0, rel=1e-6)
+    assert data["sdpa"]  # the CPU's flash kernel, forward and backward
+    assert set(data["section_s"]) >= {"matmul", "sdpa", "dispatch"}
+
+
+def test_a_plan_says_what_its_time_rests_on(tmp_path, capsys):
+    """Without a calibration: the datasheet's floor, said in the summary; with the shipped
+    h100 one: its rates, the kernels' busy time within the step's."""
+    o = ["task=plan", "logger=none", "model=tiny_moe", "hardware=h100", "precision=bf16"]
+    rec = run_inproc(o, tmp_path / "a")
+    assert rec["planned_time_basis"] == "datasheet" and rec["planned_kernel_ms"] is None
+    assert "calibration" in rec["null_reasons"]["planned_kernel_ms"]
+    assert "datasheet's peaks: a floor" in capsys.readouterr().out
+    rec = run_inproc([*o, "hardware.calibration=h100"], tmp_path / "b")
+    assert rec["status"] == "ok" and off_contract(rec) == set(), rec["error"]
+    assert rec["planned_time_basis"].startswith("calibration ") and "H100" in \
+        rec["planned_time_basis"]
+    assert 0 < rec["planned_kernel_ms"] <= rec["planned_compute_ms"]
+    assert rec["planned_compute_ms"] > 2 * rec["planned_flops_per_step"] / 989e12 * 1e3
+
+
+@pytest.mark.parametrize("args, says", [
+    (["hardware.calibration=/no/such.json"], "no calibration file /no/such.json"),
+    (["hardware.calibration=h300"], "shipped: h100"),
+    (["hardware=h100", "hardware.calibration=auto"], "auto is this machine's (cpu)"),
+    (["task=calibrate", "hardware.devices=2"], "hardware.devices"),
+])
+def test_a_calibration_that_cannot_be_read_fails_before_any_work(tmp_path, args, says):
+    args = ["task=plan", *args] if "task=calibrate" not in args else args
+    got = cli_inproc([*args, "logger=none", f"hydra.run.dir={tmp_path}"], tmp_path)
+    lines = got.stderr.strip().splitlines()
+    assert got.returncode == 2 and len(lines) == 1 and says in lines[0], got.stderr
+    assert "hardware" in lines[0] and "Traceback" not in got.stderr
