@@ -257,3 +257,24 @@ def test_plan_accuracy_benchmark_rows(tmp_path):
         assert b["planned_step_error"] == pytest.approx(
             b["planned_step_ms"] / b["step_time_ms"] - 1)
         assert r["cpu_peaks"]["fp32"] > 0 and r["cpu_peaks"]["bandwidth"] > 0
+
+
+def test_plan_rows_plans_each_row_with_a_calibration(tmp_path):
+    """Each row a bench run planning its own step at a calibration's rates (here a flat
+    one, 1 GFLOP/s and 1 GB/s): its step error is planned / measured - 1, its basis the
+    file."""
+    cal = tmp_path / "flat.json"
+    flat = {"axes": [[1, 10**6]] * 3, "rates": [[[1e9] * 2] * 2] * 2, "measured": 8}
+    cal.write_text(json.dumps({
+        "version": 1, "device": "cpu", "device_name": "flat", "torch": "x",
+        "made": "2026-11-28T00:00:00", "dispatch_us": {"fp32": 10.0}, "sync_us": 0.0,
+        "matmul": {"fp32:nn": flat},
+        "bandwidth": {"axes": [[1, 10**9]], "rates": [1e9, 1e9], "measured": 2}}))
+    out = tmp_path / "rows.json"
+    bench("plan_rows.py", "--rows", "cpu", "--only", "0", "--steps", "2", "--calibration",
+          str(cal), "--json", str(out), "train.micro_batch_size=2")
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["status"] == "ok" and abs(row["planned_peak_error"]) < 0.10, row
+    assert row["planned_step_error"] == pytest.approx(
+        row["planned_step_ms"] / row["step_time_ms"] - 1, rel=1e-6)
+    assert row["runs"][0]["planned_time_basis"].startswith(f"calibration {cal}")

@@ -258,7 +258,7 @@ def _measured_step_s(cfg, precision: str, layers: int, device, ac: str = "none")
         cmd = [sys.executable, "-m", "moe_exp.run", "model=tiny_moe", *model,
                f"precision={precision}", f"train.activation_checkpointing={ac}",
                f"hardware={'cpu' if device.type == 'cpu' else 'auto'}",
-               "train.seq_len=16", "train.micro_batch_size=1", "train.steps=20",
+               "train.seq_len=16", "train.micro_batch_size=1", "train.steps=30",
                "train.warmup_steps=3", "train.plan=false", "logger=none",
                f"hydra.run.dir={d}"]
         got = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -288,21 +288,21 @@ def _dispatch(cfg, device, cal: Calibration, precisions: list) -> tuple[dict, fl
     """The cost of an eager step: µs per op dispatched (by precision, and by activation
     checkpointing as "fp32+full") and µs per step.
 
-    Tiny bench runs of 1 and 4 layers (fp32), then 4 layers in each other precision and
+    Tiny bench runs of 2 and 8 layers (fp32), then 8 layers in each other precision and
     each checkpointing (whose hooks cost each op more); each step's time less its kernels'
     predicted time (on a GPU the host runs ahead of them) is fitted as a cost per step and
     one per op dispatched."""
-    base = precisions[0]
-    (n1, k1), (n4, k4) = (_traced(cfg, base, n, cal) for n in (1, 4))
-    t1, t4 = (_measured_step_s(cfg, base, n, device) for n in (1, 4))
-    per_op = max(((t4 - k4) - (t1 - k1)) / max(n4 - n1, 1), 0.0)
+    base, few, many = precisions[0], 2, 8
+    (n1, k1), (n2, k2) = (_traced(cfg, base, n, cal) for n in (few, many))
+    t1, t2 = (_measured_step_s(cfg, base, n, device) for n in (few, many))
+    per_op = max(((t2 - k2) - (t1 - k1)) / max(n2 - n1, 1), 0.0)
     per_step = max((t1 - k1) - per_op * n1, 0.0)
     out = {base: per_op * 1e6}
     for p, ac in [(p, "none") for p in precisions[1:]] + [(base, "full"),
                                                           (base, "selective")]:
-        n, k = _traced(cfg, p, 4, cal, ac)
+        n, k = _traced(cfg, p, many, cal, ac)
         key = p if ac == "none" else f"{p}+{ac}"
-        out[key] = max((_measured_step_s(cfg, p, 4, device, ac) - k - per_step) / n,
+        out[key] = max((_measured_step_s(cfg, p, many, device, ac) - k - per_step) / n,
                        0.0) * 1e6
     return out, per_step * 1e6
 

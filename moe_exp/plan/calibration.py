@@ -136,28 +136,77 @@ class Calibration:
         key = f"{op}:{dtype}"
         return key if key in self.sdpa or dtype != "fp16" else f"{op}:bf16"
 
-    def step_s(self, ops, precision: str, ac: str = "none") -> tuple[float, float]:
+    def step_s(self, ops, precision: str, ac: str = "none",
+               compiled: bool = False) -> tuple[float, float]:
         """The step's time and its kernels' share, in seconds, for a traced StepOps.
 
         On a CPU each op's dispatch and kernel run one after the other. On a GPU the host
         dispatches ops ahead of the device, which runs each once it is dispatched and the
-        one before has run; a value read (a sync) makes the host wait for the device."""
-        recorded = sum(op[3] != ("sync",) for op in ops.ops)  # (dispatched counts views
-        per_op = self.dispatch_s(precision, ac) * ops.dispatched / max(recorded, 1)  # too)
+        one before has run; a value read (a sync) makes the host wait for the device.
+        compiled: fused_launches' kernels for the model's ops, the optimizer's eager."""
         host = dev = self.data.get("step_us", 0.0) / 1e6  # the loop's own work a step
         busy = 0.0
-        for flops, nbytes, dtype, shape in ops.ops:
-            if shape == ("sync",):
+        for cost, k in self.launches(ops, precision, ac, compiled):
+            if k is None:  # a sync
                 host = dev = max(host, dev) + self.sync_s
                 continue
-            k = self.kernel_s(flops, nbytes, dtype, shape, precision)
             busy += k
             if self.device == "cpu":
-                host = dev = host + per_op + k
+                host = dev = host + cost + k
             else:
-                host += per_op
+                host += cost
                 dev = max(dev, host) + k
         return max(host, dev), busy
+
+    def launches(self, ops, precision: str, ac: str = "none", compiled: bool = False):
+        """(host's cost, kernel's time) of each kernel a step launches in order; (0, None)
+        for a sync. Eager: an op each, its dispatch cost the step's ops' share (views
+        included). Compiled, the model's ops up to the optimizer's (ops.split): its
+        matmuls and attention as they are, each run of other ops between them one fused
+        kernel that reads what comes from outside the run and writes what is read after
+        it, launched at a tiny op's cost."""
+        recorded = sum(op[3] != ("sync",) for op in ops.ops)
+        per_op = self.dispatch_s(precision, ac) * ops.dispatched / max(recorded, 1)
+        split = (ops.split or 0) if compiled and ops.io else 0
+        out, chain = [], []
+        last_read = _last_reads(ops.io[:split]) if split else {}
+        for i, op in enumerate(ops.ops):
+            fuse = i < split and op[3] is None
+            if chain and not fuse:
+                out.append((self.data.get("raw_op_us", 0.0) / 1e6, self._fused(
+                    [ops.io[j] for j in chain], chain[-1], last_read)))
+                chain = []
+            if fuse:
+                chain.append(i)
+            elif op[3] == ("sync",):
+                out.append((0.0, None))
+            else:
+                cost = self.data.get("raw_op_us", 0.0) / 1e6 if i < split else per_op
+                out.append((cost, self.kernel_s(*op, precision)))
+        return out
+
+    def _fused(self, io: list, end: int, last_read: dict) -> float:
+        """One fused kernel's time: its bytes from outside and those read after it."""
+        made, read, wrote = set(), {}, {}
+        for ins, outs in io:
+            for key, nb in ins:
+                if key not in made:
+                    read[key] = max(nb, read.get(key, 0))
+            for key, nb in outs:
+                made.add(key)
+                wrote[key] = max(nb, wrote.get(key, 0))
+        nbytes = sum(read.values()) + sum(nb for key, nb in wrote.items()
+                                          if last_read.get(key, end + 1) > end or key in read)
+        return nbytes / self.bw.rate(nbytes) if nbytes else 0.0
+
+
+def _last_reads(io: list) -> dict:
+    """Each storage's last op reading it."""
+    last = {}
+    for i, pair in enumerate(io):
+        for key, _ in (pair[0] if pair else ()):
+            last[key] = i
+    return last
 
 
 def check_data(data, source: str) -> dict:

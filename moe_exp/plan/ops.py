@@ -16,6 +16,11 @@ NO_DATA = {torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.aten.em
             torch.ops.aten.resize_, torch.ops.aten._unsafe_view}
 
 
+def _stored(tensors) -> tuple:
+    """Each tensor's storage (a view shares its base's) and its bytes."""
+    return tuple((t.untyped_storage()._cdata, t.numel() * t.element_size()) for t in tensors)
+
+
 # ops whose result the host reads (a value), so it waits for the device's queue
 SYNCS = {torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero}
 
@@ -72,14 +77,19 @@ class StepOps(TorchDispatchMode):
     global ranks of its group. The message is the largest tensor it takes, such as an
     all-gather's output or a reduce-scatter's input; for an all-reduce, all its tensors."""
 
-    def __init__(self):
+    def __init__(self, io: bool = False):
         super().__init__()
+        self.keep_io = io  # record each op's storages (a compiled step's calibrated plan)
         self.on = False  # _steps turns it on
         # (FLOPs, bytes, dtype, shape): shape is shape_key's, ("sync",) where the host
         # waits for the device (a value read), else None
         self.ops: list[tuple[float, int, torch.dtype | None, tuple | None]] = []
         self.calls: list[tuple[str, int, tuple]] = []
         self.dispatched = 0  # every op dispatched while on, views and metadata included
+        # each op's (inputs, outputs) as (storage, bytes) pairs: what a compiled step's
+        # fused kernels read and write (plan/calibration.py); None for a sync
+        self.io: list[tuple | None] = []
+        self.split: int | None = None  # ops from here on are the optimizer's (eager)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.utils._pytree import tree_leaves
@@ -92,6 +102,8 @@ class StepOps(TorchDispatchMode):
         self.dispatched += func.namespace != "prim"  # (prim.device: a fake tensor's .device)
         if packet in SYNCS:
             self.ops.append((0.0, 0, None, ("sync",)))
+            if self.keep_io:
+                self.io.append(None)
         if func.is_view or func.namespace == "prim" or packet in NO_DATA:
             return out
         name = packet.__name__.strip("_")
@@ -104,12 +116,14 @@ class StepOps(TorchDispatchMode):
                 self.calls.append((name, sum(sizes) if name == "all_reduce" else
                                    max(sizes, default=0), group_ranks(args, kwargs)))
             return out
-        moved = sum(t.numel() * t.element_size() for t in tensors + [
-            t for t in tree_leaves(out) if isinstance(t, torch.Tensor)])
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        moved = sum(t.numel() * t.element_size() for t in tensors + outs)
         formulas = _formulas()
         flops = formulas[packet](*args, **kwargs, out_val=out) if packet in formulas else 0
         dtype = next((t.dtype for t in tensors if t.is_floating_point()), None)
         self.ops.append((float(flops), moved, dtype, shape_key(name, args) if flops else None))
+        if self.keep_io:
+            self.io.append((_stored(tensors), _stored(outs)))
         return out
 
     @property

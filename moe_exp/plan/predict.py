@@ -150,7 +150,8 @@ def _calibrated_ms(cfg, rec: dict, ops) -> tuple[float | None, str | None]:
         cal, made = calibration_for(cfg)
         cal.attention = cfg.train.attention
         seconds, busy = cal.step_s(ops, cfg.precision.name,
-                                   cfg.train.activation_checkpointing)
+                                   cfg.train.activation_checkpointing,
+                                   compiled=cfg.train.compile != "off")
     except CalibrationError as e:
         return None, str(e)
     rec["planned_time_basis"] = f"calibration {cal.label()}"

@@ -91,6 +91,8 @@ def _steps(cfg, built, tracker, last=None) -> None:
                        applied.scaler, cfg.train.grad_accum_steps)
         if tracker is not None:
             tracker.reset_mod_stats()  # (its per-module figures: one pass's)
+    if last is not None:
+        last.split = len(last.ops)  # (train.compile compiles the model, not the optimizer)
     optimizer_step(cfg, applied, optimizer, scheduler, applied.scaler, params, None)
 
 
@@ -162,6 +164,7 @@ def trace_step(cfg, micro_batch: int | None = None) -> StepMemory:
     from ..model.transformer import Transformer
 
     b = micro_batch or cfg.train.micro_batch_size
+    io = cfg.train.compile != "off" and bool(cfg.hardware.calibration)  # (fused kernels)
     cfg = planned_config(cfg)
     world = cfg.hardware.devices  # (1 under parallel=none: validate sees to it)
     m = cfg.model
@@ -170,7 +173,7 @@ def trace_step(cfg, micro_batch: int | None = None) -> StepMemory:
     if m.num_experts and m.capacity_factor:  # (balanced: every expert at its capacity or
         rows = min(rows, experts * capacity(b * cfg.train.seq_len, m.top_k, experts,
                                             m.capacity_factor))  # below it)
-    ops = StepOps()
+    ops = StepOps(io)
     with mock.patch.object(Transformer, "reset_parameters", _no_init), fake_world(world):
         with FakeTensorMode():
             built = build_step(cfg, b, FAKE_DEVICE, world)
