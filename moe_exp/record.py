@@ -86,6 +86,7 @@ class Planned:
     planned_step_ms: F = None
     planned_compute_ms: F = None
     planned_comm_ms: F = None
+    planned_comm_exposed_ms: F = None  # what the collectives add to the step
     planned_tokens_per_s: F = None
     planned_comm_gib: F = None
     planned_time_basis: S = None  # datasheet (a floor) | calibration <its file> (...)

@@ -30,8 +30,9 @@ def _data(device="cpu", dispatch=10.0, flops=1e9, bw=1e9, sync=0.0, step=0.0):
             "bandwidth": {"axes": [[1, 10**9]], "rates": [bw, bw], "measured": 2}}
 
 
-def _ops(rows, dispatched=None):
-    return types.SimpleNamespace(ops=rows, dispatched=dispatched or len(rows))
+def _ops(rows, dispatched=None, io=None, split=None):
+    return types.SimpleNamespace(ops=rows, dispatched=dispatched or len(rows), io=io or [],
+                                 split=split)
 
 
 MM = (1e6, 0, torch.float32, ("mm", 10, 10, 10, "nn", 1))  # 1 ms at 1 GFLOP/s
@@ -126,6 +127,7 @@ def test_calibrate_measures_a_grid_and_fits_the_dispatch_cost(monkeypatch):
         data_so_far.append(cal.data)
         return real_dispatch(cfg, device, cal, precisions)
 
+    monkeypatch.setattr(cal_mod, "POINT_S", 10.0)  # (every point, on a busy machine too)
     monkeypatch.setattr(cal_mod, "_measured_step_s", made_up)
     monkeypatch.setattr(cal_mod, "_dispatch", dispatch)
     cfg = compose(["task=calibrate", "hardware=cpu", "hardware.precisions=[fp32]"])
@@ -167,3 +169,68 @@ def test_a_calibration_that_cannot_be_read_fails_before_any_work(tmp_path, args,
     lines = got.stderr.strip().splitlines()
     assert got.returncode == 2 and len(lines) == 1 and says in lines[0], got.stderr
     assert "hardware" in lines[0] and "Traceback" not in got.stderr
+
+
+def test_a_compiled_step_fuses_the_ops_between_its_matmuls():
+    """x -> a -> b -> c between two matmuls: one kernel reading x (1 MB) and writing c,
+    which the next matmul reads (1 MB); a and b stay inside it. The optimizer's ops
+    (from ops.split) stay eager."""
+    c = Calibration(_data(dispatch=100.0), "t")
+    mem = (0.0, 2 * 10**6, torch.float32, None)
+    ops = _ops([MM, mem, mem, mem, MM, mem], split=5, io=[
+        ((), (("x", 10**6),)), ((("x", 10**6),), (("a", 10**6),)),
+        ((("a", 10**6),), (("b", 10**6),)), ((("b", 10**6),), (("c", 10**6),)),
+        ((("c", 10**6),), (("y", 10**6),)), ((("p", 10**6),), (("p", 10**6),))])
+    eager = c.launches(ops, "fp32")
+    fused = c.launches(ops, "fp32", compiled=True)
+    assert [k[2] for k in eager] == pytest.approx([1e-3, 2e-3, 2e-3, 2e-3, 1e-3, 2e-3])
+    assert [k[2] for k in fused] == pytest.approx([1e-3, 2e-3, 1e-3, 2e-3])
+    assert fused[1][3:] == (("x",), ("a", "b", "c"))
+    assert fused[-1][1] == pytest.approx(100e-6)  # (the optimizer's op: eager dispatch)
+
+
+def test_collectives_overlap_the_compute_until_an_op_reads_what_they_write():
+    """A GPU: an all-gather (2 ms) started after the first matmul; the next matmul does not
+    need it and runs beside it, the one after reads it and waits; the step ends when its
+    last collective does."""
+    c = Calibration(_data("cuda", dispatch=1.0), "t")
+    comm = (0.0, 0, None, ("comm", 0))
+    ops = _ops([MM, comm, MM, MM], dispatched=3, io=[
+        ((), (("w0", 1),)), ((("s", 1),), (("s", 1), ("full", 1))),
+        ((("w0", 1),), (("y", 1),)), ((("full", 1),), (("z", 1),))])
+    alone = c.step_s(ops, "fp32")[0]
+    both = c.step_s(ops, "fp32", comm=[2e-3])[0]
+    assert alone == pytest.approx(1e-6 + 3e-3)
+    assert both == pytest.approx(1e-6 + 1e-3 + 2e-3 + 1e-3)  # (waits 1 ms: exposed)
+    late = _ops(ops.ops[:3], dispatched=2, io=ops.io[:3])  # read by nothing: it ends last
+    assert c.step_s(late, "fp32", comm=[2e-3])[0] == pytest.approx(1e-6 + 1e-3 + 2e-3)
+
+
+def test_a_sweeps_table_sums_up_its_rows_plan_checks():
+    import pandas as pd
+
+    from moe_exp.sweep.table import plan_errors
+
+    df = pd.DataFrame({"planned_step_error": [0.1, -0.3, None, 0.2],
+                       "planned_peak_error": [0.01, 0.02, 0.03, None],
+                       "planned_time_basis": ["calibration h100.json (H100)"] * 4})
+    line = plan_errors(df)
+    assert line.startswith("Plan check") and "step time median +10%, -30% to +20% over 3 " \
+        "rows" in line and "peak median +2%, +1% to +3% over 3 rows" in line
+    assert "calibration h100.json" in line
+    assert plan_errors(pd.DataFrame({"status": ["ok"]})) == ""
+
+
+def test_a_gpus_plan_of_mla_takes_the_memory_efficient_kernel():
+    """MLA's query/key heads (48) and value heads (32) differ: CUDA runs the
+    memory-efficient kernel, which saves no (S, S) scores; a CPU's plan keeps the math
+    kernel the CPU runs."""
+    from moe_exp.plan.trace import trace_step
+
+    o = ["model=tiny_deepseek", "precision=bf16", "train.micro_batch_size=2"]
+    gpu, cpu = (trace_step(compose([*o, f"hardware={h}"])) for h in ("h100", "cpu"))
+    kernels = {op[3][1] for op in gpu.ops.ops if op[3] and op[3][0] == "sdpa"}
+    assert kernels == {"scaled_dot_product_efficient_attention",
+                       "scaled_dot_product_efficient_attention_backward"}
+    assert not any(op[3] and op[3][0] == "sdpa" for op in cpu.ops.ops)
+    assert gpu.at_peak["activations"] < cpu.at_peak["activations"]

@@ -281,7 +281,7 @@ def _traced(cfg, precision: str, layers: int, cal: Calibration,
     if cal.device == "cuda":
         return ops.dispatched, sum(op[3] == ("sync",) for op in ops.ops) * cal.sync_s
     return ops.dispatched, sum(cal.kernel_s(*op, precision) for op in ops.ops
-                               if op[3] != ("sync",))
+                               if op[3] is None or op[3][0] not in ("sync", "comm"))
 
 
 def _dispatch(cfg, device, cal: Calibration, precisions: list) -> tuple[dict, float]:
@@ -396,10 +396,7 @@ def _tf32(kind: str, on: bool):
 def calibration_for(cfg, progress: bool = True):
     """hardware.calibration's Calibration, and the seconds spent making it now (None where
     read). auto: this machine's, from the cache, made and cached where missing."""
-    import json
-    import os
-
-    from .calibration import Calibration, cache_dir, load, machine_key, path_of
+    from .calibration import Calibration, cache_dir, load, machine_key, path_of, write
 
     value = cfg.hardware.calibration
     if value != "auto":
@@ -409,10 +406,7 @@ def calibration_for(cfg, progress: bool = True):
     if path.is_file():
         return load(path), None
     print(f"[plan] calibrating this {device.type.upper()} for the plan's time (once per "
-          f"machine, about 30 s; cached in {path})", file=sys.stderr, flush=True)
+          f"machine, about 2 minutes; cached in {path})", file=sys.stderr, flush=True)
     data = calibrate(cfg, device, progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
+    write(data, path)
     return Calibration(data, str(path)), data["seconds"]

@@ -71,8 +71,10 @@ class Calibration:
         self._memo: dict = {}
 
     def label(self) -> str:
-        d = self.data
-        return f"{self.source} ({d['device_name']}, torch {d['torch']}, {d['made'][:10]})"
+        """Its source (a shipped one by name) and what it measured, when."""
+        d, src = self.data, Path(self.source)
+        name = src.stem if src.parent == SHIPPED else self.source
+        return f"{name} ({d['device_name']}, torch {d['torch']}, {d['made'][:10]})"
 
     def kernel_s(self, flops: float, nbytes: int, dtype, shape, precision: str) -> float:
         """One op's kernel time in seconds: a compute op's FLOPs at its shape's rate, else
@@ -136,57 +138,78 @@ class Calibration:
         key = f"{op}:{dtype}"
         return key if key in self.sdpa or dtype != "fp16" else f"{op}:bf16"
 
-    def step_s(self, ops, precision: str, ac: str = "none",
-               compiled: bool = False) -> tuple[float, float]:
-        """The step's time and its kernels' share, in seconds, for a traced StepOps.
+    def step_s(self, ops, precision: str, ac: str = "none", compiled: bool = False,
+               comm: list | None = None) -> tuple[float, float]:
+        """The step's time and its kernels' busy share, in seconds, for a traced StepOps.
 
         On a CPU each op's dispatch and kernel run one after the other. On a GPU the host
         dispatches ops ahead of the device, which runs each once it is dispatched and the
         one before has run; a value read (a sync) makes the host wait for the device.
-        compiled: fused_launches' kernels for the model's ops, the optimizer's eager."""
+        comm: each collective's seconds (ops.calls' order), run one after another beside
+        the compute from where the step starts it, once what it sends is computed; an op
+        that reads what one writes waits for it (FSDP's prefetched all-gathers, its
+        reduce-scatters during the backward, expert parallelism's all-to-alls, which the
+        next op waits for at once). A collective the trace did not place (DDP's buckets)
+        is exposed at the end. None: no collectives."""
         host = dev = self.data.get("step_us", 0.0) / 1e6  # the loop's own work a step
-        busy = 0.0
-        for cost, k in self.launches(ops, precision, ac, compiled):
-            if k is None:  # a sync
+        busy, link, ready, placed = 0.0, 0.0, {}, set()
+        for kind, cost, t, ins, outs in self.launches(ops, precision, ac, compiled):
+            if kind == "sync":
                 host = dev = max(host, dev) + self.sync_s
-                continue
-            busy += k
-            if self.device == "cpu":
-                host = dev = host + cost + k
+            elif kind == "comm":
+                if comm is not None:
+                    link = max(link, host, dev) + comm[t]
+                    placed.add(t)
+                    ready.update(dict.fromkeys(outs, link))
             else:
-                host += cost
-                dev = max(dev, host) + k
-        return max(host, dev), busy
+                wait = max((ready.get(k, 0.0) for k in ins), default=0.0)
+                busy += t
+                if self.device == "cpu":
+                    host = dev = max(host + cost, wait) + t
+                else:
+                    host += cost
+                    dev = max(dev, host, wait) + t
+        end = max(host, dev, link)
+        if comm is not None:
+            end += sum(c for i, c in enumerate(comm) if i not in placed)
+        return end, busy
 
     def launches(self, ops, precision: str, ac: str = "none", compiled: bool = False):
-        """(host's cost, kernel's time) of each kernel a step launches in order; (0, None)
-        for a sync. Eager: an op each, its dispatch cost the step's ops' share (views
+        """The step's work in order: ("kernel", host's cost, its time, storages read,
+        storages written), ("sync", ...) and ("comm", 0, its index in ops.calls, read,
+        written). Eager: an op a kernel, its dispatch cost the step's ops' share (views
         included). Compiled, the model's ops up to the optimizer's (ops.split): its
         matmuls and attention as they are, each run of other ops between them one fused
         kernel that reads what comes from outside the run and writes what is read after
         it, launched at a tiny op's cost."""
-        recorded = sum(op[3] != ("sync",) for op in ops.ops)
+        recorded = sum(op[3] is None or op[3][0] not in ("sync", "comm") for op in ops.ops)
         per_op = self.dispatch_s(precision, ac) * ops.dispatched / max(recorded, 1)
+        io = ops.io or [None] * len(ops.ops)
         split = (ops.split or 0) if compiled and ops.io else 0
         out, chain = [], []
         last_read = _last_reads(ops.io[:split]) if split else {}
+        tiny = self.data.get("raw_op_us", 0.0) / 1e6
         for i, op in enumerate(ops.ops):
             fuse = i < split and op[3] is None
             if chain and not fuse:
-                out.append((self.data.get("raw_op_us", 0.0) / 1e6, self._fused(
-                    [ops.io[j] for j in chain], chain[-1], last_read)))
+                t, read, wrote = self._fused([io[j] for j in chain], chain[-1], last_read)
+                out.append(("kernel", tiny, t, read, wrote))
                 chain = []
+            keys = [tuple(k for k, _ in part) for part in io[i]] if io[i] else [(), ()]
             if fuse:
                 chain.append(i)
             elif op[3] == ("sync",):
-                out.append((0.0, None))
+                out.append(("sync", 0.0, 0.0, (), ()))
+            elif op[3] and op[3][0] == "comm":
+                out.append(("comm", 0.0, op[3][1], *keys))
             else:
-                cost = self.data.get("raw_op_us", 0.0) / 1e6 if i < split else per_op
-                out.append((cost, self.kernel_s(*op, precision)))
+                out.append(("kernel", tiny if i < split else per_op,
+                            self.kernel_s(*op, precision), *keys))
         return out
 
-    def _fused(self, io: list, end: int, last_read: dict) -> float:
-        """One fused kernel's time: its bytes from outside and those read after it."""
+    def _fused(self, io: list, end: int, last_read: dict) -> tuple[float, tuple, tuple]:
+        """One fused kernel's time (its bytes from outside and those read after it), and
+        the storages it reads and writes."""
         made, read, wrote = set(), {}, {}
         for ins, outs in io:
             for key, nb in ins:
@@ -197,7 +220,7 @@ class Calibration:
                 wrote[key] = max(nb, wrote.get(key, 0))
         nbytes = sum(read.values()) + sum(nb for key, nb in wrote.items()
                                           if last_read.get(key, end + 1) > end or key in read)
-        return nbytes / self.bw.rate(nbytes) if nbytes else 0.0
+        return nbytes / self.bw.rate(nbytes) if nbytes else 0.0, tuple(read), tuple(wrote)
 
 
 def _last_reads(io: list) -> dict:
@@ -244,6 +267,19 @@ def machine_key(device: torch.device) -> str:
     cores = f"-{os.cpu_count()}c" if device.type == "cpu" else ""
     name = re.sub(r"[^A-Za-z0-9]+", "_", device_name(device)).strip("_")
     return f"{name}{cores}-torch{torch.__version__.split('+')[0]}"
+
+
+def write(data: dict, path: Path) -> None:
+    """A calibration's JSON into path, whole or not at all (written aside, then renamed)."""
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def path_of(value: str) -> Path:

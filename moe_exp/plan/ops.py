@@ -36,8 +36,9 @@ def layout(a: torch.Tensor, b: torch.Tensor) -> str:
 
 def shape_key(name: str, args) -> tuple | None:
     """A compute op's shape for a calibration's rates: ("mm", M, N, K, layout, batch) for
-    the matmuls (a bmm's batch folded into M), ("gmm", groups, rows, N, K) for grouped_mm (its weights' gradient "gmm_w") and
-    ("sdpa", op, query length, key length, head size) for attention's kernels; else None."""
+    the matmuls (a bmm's batch folded into M), ("gmm", groups, rows, N, K) for grouped_mm
+    (its weights' gradient: "gmm_w") and ("sdpa", op, query length, key length, head
+    size) for attention's kernels; else None."""
     t = [a for a in args if isinstance(a, torch.Tensor)]
     if name in ("mm", "addmm", "bmm", "baddbmm"):
         a, b = (t[1], t[2]) if name in ("addmm", "baddbmm") else (t[0], t[1])
@@ -79,15 +80,16 @@ class StepOps(TorchDispatchMode):
 
     def __init__(self, io: bool = False):
         super().__init__()
-        self.keep_io = io  # record each op's storages (a compiled step's calibrated plan)
+        self.keep_io = io  # record each op's storages (a calibrated plan)
         self.on = False  # _steps turns it on
         # (FLOPs, bytes, dtype, shape): shape is shape_key's, ("sync",) where the host
-        # waits for the device (a value read), else None
+        # waits for the device (a value read), ("comm", i) where calls[i] starts, else None
         self.ops: list[tuple[float, int, torch.dtype | None, tuple | None]] = []
         self.calls: list[tuple[str, int, tuple]] = []
         self.dispatched = 0  # every op dispatched while on, views and metadata included
         # each op's (inputs, outputs) as (storage, bytes) pairs: what a compiled step's
-        # fused kernels read and write (plan/calibration.py); None for a sync
+        # fused kernels read and write, and what waits for a collective
+        # (plan/calibration.py); None for a sync
         self.io: list[tuple | None] = []
         self.split: int | None = None  # ops from here on are the optimizer's (eager)
 
@@ -115,6 +117,10 @@ class StepOps(TorchDispatchMode):
                 sizes = [t.numel() * t.element_size() for t in tensors]
                 self.calls.append((name, sum(sizes) if name == "all_reduce" else
                                    max(sizes, default=0), group_ranks(args, kwargs)))
+                self.ops.append((0.0, 0, None, ("comm", len(self.calls) - 1)))
+                if self.keep_io:  # (what it writes is ready when it ends)
+                    outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+                    self.io.append((_stored(tensors), _stored(tensors + outs)))
             return out
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         moved = sum(t.numel() * t.element_size() for t in tensors + outs)

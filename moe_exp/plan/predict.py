@@ -53,8 +53,8 @@ def plan_step(cfg, rec: dict) -> None:
 
 # what a task=bench run records of its plan (train.plan)
 BENCH = ("plan_s", "planned_peak_gib", "planned_step_ms", "planned_compute_ms",
-         "planned_comm_ms", "planned_tokens_per_s", "planned_comm_gib", "planned_time_basis",
-         "planned_kernel_ms", "calibration_s")
+         "planned_comm_ms", "planned_comm_exposed_ms", "planned_tokens_per_s",
+         "planned_comm_gib", "planned_time_basis", "planned_kernel_ms", "calibration_s")
 
 
 def bench_plan(cfg) -> dict:
@@ -109,29 +109,35 @@ def plan_memory_gib(hw) -> float | None:
 def _times(cfg, rec: dict, step, tokens: int) -> None:
     """The step time, tokens/s and MFU into rec; `tokens` counts every rank's.
 
-    The compute's time is the calibration's where hardware.calibration names one, else the
-    datasheet's roofline."""
-    from .roofline import comm_ms, compute_ms
+    With hardware.calibration, the compute at its rates and the collectives beside it,
+    as the strategy overlaps them (planned_comm_exposed_ms: what they add); else the
+    datasheet's roofline, a floor, and the collectives after it."""
+    from .roofline import call_seconds, compute_ms
 
     why, hw = rec["null_reasons"], cfg.hardware
+    each, why_comm = call_seconds(step.ops, hw)
+    rec["planned_comm_ms"] = None if each is None else sum(each) * 1e3
     if hw.calibration:
-        rec["planned_compute_ms"], why_compute = _calibrated_ms(cfg, rec, step.ops)
+        step_ms, why_compute = _calibrated_ms(cfg, rec, step.ops, each)
     else:
         rec["planned_compute_ms"], why_compute = compute_ms(step.ops, hw, cfg.precision.name)
         rec["planned_time_basis"], rec["planned_kernel_ms"], rec["calibration_s"] = \
             "datasheet", None, None
         why["planned_kernel_ms"] = why["calibration_s"] = "hardware.calibration=null: the " \
             "datasheet's roofline, a floor"
-    rec["planned_comm_ms"], why_comm = comm_ms(step.ops, hw)
+        step_ms = None if why_compute or why_comm else \
+            rec["planned_compute_ms"] + rec["planned_comm_ms"]
+        rec["planned_comm_exposed_ms"] = rec["planned_comm_ms"]
     peak = (hw.peak_flops or {}).get(cfg.precision.name)
     if why_compute or why_comm:
-        for k in ("planned_step_ms", "planned_tokens_per_s", "planned_mfu"):
+        for k in ("planned_step_ms", "planned_tokens_per_s", "planned_mfu",
+                  "planned_comm_exposed_ms"):
             rec[k], why[k] = None, why_compute or why_comm
         for k, text in (("planned_compute_ms", why_compute), ("planned_comm_ms", why_comm)):
             if text:
-                why[k] = text
+                rec[k], why[k] = None, text
         return
-    ms = rec["planned_step_ms"] = rec["planned_compute_ms"] + rec["planned_comm_ms"]
+    ms = rec["planned_step_ms"] = step_ms
     rec["planned_tokens_per_s"] = tokens / (ms / 1e3)
     rec["planned_mfu"] = step.flops / (ms / 1e3) / peak if peak else None
     if not peak:
@@ -139,9 +145,10 @@ def _times(cfg, rec: dict, step, tokens: int) -> None:
                              f"{cfg.precision.name}"
 
 
-def _calibrated_ms(cfg, rec: dict, ops) -> tuple[float | None, str | None]:
-    """The compute's time at a calibration's rates, in ms, or None and why not; its kernels'
-    busy time, its source and (where made now) its making's time into rec."""
+def _calibrated_ms(cfg, rec: dict, ops, comm: list | None) -> tuple[float | None, str | None]:
+    """The step's time at a calibration's rates with its collectives overlapped, in ms, or
+    None and why not. Into rec: the compute alone, the collectives' exposed share, the
+    kernels' busy time, the calibration's source and (where made now) its making's time."""
     from .calibrate import calibration_for
     from .calibration import CalibrationError
 
@@ -149,13 +156,15 @@ def _calibrated_ms(cfg, rec: dict, ops) -> tuple[float | None, str | None]:
     try:
         cal, made = calibration_for(cfg)
         cal.attention = cfg.train.attention
-        seconds, busy = cal.step_s(ops, cfg.precision.name,
-                                   cfg.train.activation_checkpointing,
-                                   compiled=cfg.train.compile != "off")
+        mode = dict(ac=cfg.train.activation_checkpointing, compiled=cfg.train.compile != "off")
+        alone, busy = cal.step_s(ops, cfg.precision.name, **mode)
+        both = cal.step_s(ops, cfg.precision.name, comm=comm, **mode)[0] if comm else alone
     except CalibrationError as e:
         return None, str(e)
+    rec["planned_compute_ms"] = alone * 1e3
+    rec["planned_comm_exposed_ms"] = (both - alone) * 1e3 if comm is not None else None
     rec["planned_time_basis"] = f"calibration {cal.label()}"
     rec["planned_kernel_ms"], rec["calibration_s"] = busy * 1e3, made
     if made is None:
         why["calibration_s"] = f"read from {cal.source}: made before this run"
-    return seconds * 1e3, None
+    return both * 1e3, None

@@ -28,7 +28,7 @@ def compute_ms(ops, hw, precision: str) -> tuple[float | None, str | None]:
                      "hardware.memory_bandwidth=<bytes/s per device>"
     seconds = 0.0
     for flops, nbytes, dtype, shape in ops.ops:
-        if shape == ("sync",):
+        if shape and shape[0] in ("sync", "comm"):
             continue
         t = nbytes / hw.memory_bandwidth
         if flops:
@@ -106,21 +106,27 @@ def _measured_s(curve, name: str, nbytes: int, n: int) -> float:
 
 def comm_ms(ops, hw) -> tuple[float | None, str | None]:
     """The collectives' time in ms, or None and why not."""
+    each, why = call_seconds(ops, hw)
+    return (None, why) if each is None else (sum(each) * 1e3, None)
+
+
+def call_seconds(ops, hw) -> tuple[list | None, str | None]:
+    """Each collective's time in seconds (ops.calls' order), or None and why not."""
     curves = comm_curves(hw.comm_from) if hw.comm_from else {}
-    seconds = 0.0
+    out = []
     for name, nbytes, ranks in ops.calls:
         n = len(ranks)
         if n <= 1:
-            continue
-        if name in curves:
-            seconds += _measured_s(curves[name], name, nbytes, n)
-            continue
-        within = len({r // hw.devices_per_node for r in ranks}) == 1
-        bw = hw.link_bandwidth if within else hw.network_bandwidth
-        if not bw:
-            key = "link_bandwidth" if within else "network_bandwidth"
-            return None, f"hardware={hw.name} gives no {key} (the {name} of {n} ranks " \
-                         f"{'within a node' if within else 'across nodes'}): set " \
-                         f"hardware.{key}=<bytes/s per device, each way>"
-        seconds += nbytes * _share(name, n) / bw
-    return seconds * 1e3, None
+            out.append(0.0)
+        elif name in curves:
+            out.append(_measured_s(curves[name], name, nbytes, n))
+        else:
+            within = len({r // hw.devices_per_node for r in ranks}) == 1
+            bw = hw.link_bandwidth if within else hw.network_bandwidth
+            if not bw:
+                key = "link_bandwidth" if within else "network_bandwidth"
+                return None, f"hardware={hw.name} gives no {key} (the {name} of {n} ranks " \
+                             f"{'within a node' if within else 'across nodes'}): set " \
+                             f"hardware.{key}=<bytes/s per device, each way>"
+            out.append(nbytes * _share(name, n) / bw)
+    return out, None

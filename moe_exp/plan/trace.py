@@ -164,7 +164,8 @@ def trace_step(cfg, micro_batch: int | None = None) -> StepMemory:
     from ..model.transformer import Transformer
 
     b = micro_batch or cfg.train.micro_batch_size
-    io = cfg.train.compile != "off" and bool(cfg.hardware.calibration)  # (fused kernels)
+    io = bool(cfg.hardware.calibration)  # (fused kernels, waits for collectives)
+    gpu = cfg.hardware.device == "cuda"
     cfg = planned_config(cfg)
     world = cfg.hardware.devices  # (1 under parallel=none: validate sees to it)
     m = cfg.model
@@ -174,7 +175,10 @@ def trace_step(cfg, micro_batch: int | None = None) -> StepMemory:
         rows = min(rows, experts * capacity(b * cfg.train.seq_len, m.top_k, experts,
                                             m.capacity_factor))  # below it)
     ops = StepOps(io)
-    with mock.patch.object(Transformer, "reset_parameters", _no_init), fake_world(world):
+    sdpa = cuda_sdpa(cfg.train.attention) if gpu else \
+        torch.nn.functional.scaled_dot_product_attention
+    with mock.patch.object(Transformer, "reset_parameters", _no_init), fake_world(world), \
+            mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", sdpa):
         with FakeTensorMode():
             built = build_step(cfg, b, FAKE_DEVICE, world)
             if cfg.parallel.name == "ddp":
@@ -184,6 +188,28 @@ def trace_step(cfg, micro_batch: int | None = None) -> StepMemory:
             if cfg.parallel.name == "ddp":
                 ddp_calls(got, built[0].model)
     return got
+
+
+def cuda_sdpa(attention: str):
+    """SDPA as a CUDA GPU runs it, for a plan traced on the CPU device: where CUDA takes
+    the memory-efficient kernel (query/key and value heads of different sizes, as MLA's;
+    or train.attention=efficient), that kernel, whose backward keeps the log-sum-exp, not
+    the (S, S) scores the CPU's math kernel holds. Otherwise SDPA as it is: the CPU's flash
+    kernel saves what CUDA's does."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def run(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+            enable_gqa=False):
+        if attn_mask is not None or (q.shape[-1] == v.shape[-1] and attention != "efficient"):
+            return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                        is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        if k.shape[1] != q.shape[1]:  # (the efficient kernel takes no grouped heads)
+            r = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, q.requires_grad or k.requires_grad, dropout_p, is_causal,
+            scale=scale)[0]
+    return run
 
 
 def _no_init(self) -> None:

@@ -581,6 +581,27 @@ def contended(df) -> str:
     return note
 
 
+def plan_errors(df) -> str:
+    """The rows' plan checks (train.plan) in one line: each error's median and range, and
+    what the planned time rests on; '' where no row has one."""
+    parts = []
+    for key, what in (("planned_step_error", "step time"), ("planned_peak_error", "peak")):
+        if key not in df:
+            continue
+        errs = sorted(v for v in map(number_or_none, df[key]) if v is not None)
+        if errs:
+            med = errs[len(errs) // 2] if len(errs) % 2 else \
+                (errs[len(errs) // 2 - 1] + errs[len(errs) // 2]) / 2
+            parts.append(f"{what} median {med:+.0%}, {errs[0]:+.0%} to {errs[-1]:+.0%} over "
+                         f"{len(errs)} row{'s' * (len(errs) > 1)}")
+    if not parts:
+        return ""
+    basis = sorted({b for b in df.get("planned_time_basis", []) if isinstance(b, str)})
+    said = {"datasheet": "the datasheet's peaks, a floor"}
+    return ("Plan check (planned / measured − 1): " + "; ".join(parts) + (
+        f" (time from {', '.join(said.get(b, b) for b in basis)})" if basis else "") + ".")
+
+
 def markdown(df, title: str = "Sweep results", lead: str = "") -> str:
     """The table as markdown; `lead`, the report's answer, goes between the title and it."""
     lines = [f"# {title}", "", *([lead] if lead else []), compact(df).to_markdown(index=False),
@@ -596,6 +617,8 @@ def markdown(df, title: str = "Sweep results", lead: str = "") -> str:
     if (df["repeats"].fillna(1) > 1).any():
         lines.append("Median over repeats; spread = half the min–max range; (n.s.) = the "
                      "tokens/s ranges of this row and its baseline overlap.")
+    if checks := plan_errors(df):
+        lines.append(checks)
     busy = contended(df)
     if busy:
         lines.append(f"**Warning**: {busy}.")

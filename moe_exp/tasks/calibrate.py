@@ -4,8 +4,6 @@ plan/calibrate.py measures; the file it writes (calibration.json in the run dir,
 machine's cache, which hardware.calibration=auto reads) is what hardware.calibration names."""
 from __future__ import annotations
 
-import json
-
 from ..config import ConfigError
 from ..record import Calibrated
 from ..results import fill_null_reasons
@@ -29,24 +27,18 @@ class CalibrateTask(Task):
         return f"calibrate-{self.ctx.cfg.hardware.name}"
 
     def run(self, rec: dict) -> None:
-        import os
-
         import torch
 
         from ..hardware import device_name, torch_device
         from ..plan.calibrate import calibrate
-        from ..plan.calibration import cache_dir, machine_key
+        from ..plan.calibration import cache_dir, machine_key, write
 
         cfg, out = self.ctx.cfg, self.ctx.out_dir
         device = torch_device(cfg)
         data = calibrate(cfg, device, self.ctx.progress)
-        text = json.dumps(data, indent=1)
-        (out / "calibration.json").write_text(text)
         cached = cache_dir() / f"{machine_key(device)}.json"
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(text)
-        tmp.replace(cached)
+        write(data, out / "calibration.json")
+        write(data, cached)
         best = lambda g: max(_leaves(g["rates"]))  # noqa: E731
         rec.update(task="calibrate", device_name=device_name(device),
                    torch_version=torch.__version__,

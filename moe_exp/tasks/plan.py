@@ -80,7 +80,7 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
             + " a step (each rank)")] if r.get("planned_comm") else []),
         ("step", f"{r['planned_flops_per_step']:.3g} FLOPs" + (
             f"; {step:,.1f} ms ({r['planned_compute_ms']:,.1f} computing {_basis(r)}, "
-            f"{r['planned_comm_ms']:,.1f} communicating, no overlap), "
+            f"{r['planned_comm_ms']:,.1f} communicating{_exposed(r)}), "
             f"{r['planned_tokens_per_s']:,.0f} tokens/s"
             + (f", MFU {r['planned_mfu']:.0%}" if r.get("planned_mfu") is not None else "")
             if step is not None else f"; time: null ({r['null_reasons']['planned_step_ms']})")),
@@ -95,3 +95,13 @@ def _basis(r: dict) -> str:
     kernels = r.get("planned_kernel_ms")
     return f"at the rates of {basis.removeprefix('calibration ')}" + (
         f", kernels {kernels:,.1f} of it" if kernels is not None else "")
+
+
+def _exposed(r: dict) -> str:
+    """How much of the collectives' time the step waits for."""
+    comm, exposed = r.get("planned_comm_ms"), r.get("planned_comm_exposed_ms")
+    if not comm or exposed is None:
+        return ""
+    if r.get("planned_time_basis") == "datasheet":
+        return ", no overlap"
+    return f", {exposed:,.1f} of it exposed"
