@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import os
 import statistics
 import sys
 import time
@@ -24,6 +25,7 @@ DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
           "fp16": torch.float16}
 GRIDS = {  # (M, N, K) of the matmuls; (groups, rows per group, N, K); (sequence, head size)
     "cpu": dict(mm=([16, 128, 1024, 8192], [64, 256, 1024, 4096], [64, 256, 1024, 4096]),
+                gmm=([4, 16], [16, 128, 1024], [64, 256, 1024], [64, 256, 1024]),
                 sdpa=([128, 512, 2048], [64, 128]), bytes_max=2**26),
     "cuda": dict(mm=([16, 128, 1024, 8192, 32768], [128, 512, 2048, 8192, 32768],
                      [128, 512, 2048, 8192, 32768]),
@@ -32,6 +34,7 @@ GRIDS = {  # (M, N, K) of the matmuls; (groups, rows per group, N, K); (sequence
                  sdpa=([256, 1024, 4096, 16384], [64, 128, 192]), bytes_max=2**30),
 }
 SDPA = {"cuda": ("flash", "efficient", "cudnn"), "cpu": ("flash",)}
+SDPA_PRECISIONS = {"cuda": ("bf16",), "cpu": ("fp32", "bf16")}
 
 
 class Timer:
@@ -151,7 +154,9 @@ def _matmuls(timer, dtype, axes, layout: str, bar) -> dict:
     return _grid(timer, axes, make, lambda p: 2 * p[0] * p[1] * p[2], bar)
 
 
-def _grouped(timer, dtype, axes, bar) -> dict | None:
+def _grouped(timer, dtype, axes, bar, weights: bool = False) -> dict | None:
+    """grouped_mm at (groups, rows per group, N, K): rows (g x rows, K) times each group's
+    (K, N); weights: the weights' gradient, x^T (K, g x rows) times dy (g x rows, N)."""
     from ..model.moe import grouped_mm, grouped_mm_supported
 
     dev = timer.device
@@ -161,8 +166,11 @@ def _grouped(timer, dtype, axes, bar) -> dict | None:
     def make(p):
         g, rows, n, k = p
         x = torch.randn(g * rows, k, device=dev, dtype=dtype)
-        w = torch.randn(g, k, n, device=dev, dtype=dtype)
         offs = torch.arange(1, g + 1, device=dev, dtype=torch.int32) * rows
+        if weights:
+            dy = torch.randn(g * rows, n, device=dev, dtype=dtype)
+            return lambda: grouped_mm(x.t(), dy, offs)
+        w = torch.randn(g, k, n, device=dev, dtype=dtype)
         return lambda: grouped_mm(x, w, offs)
 
     return _grid(timer, axes, make, lambda p: 2 * p[0] * p[1] * p[2] * p[3], bar)
@@ -210,16 +218,25 @@ def _sdpa(timer, dtype, backend: str, axes, bar) -> dict:
     return out
 
 
+COLD_BYTES = 2**26  # a CPU's adds cycle through this many bytes of operands
+
+
 def _bandwidth(timer, top: int, bar) -> dict:
-    """bytes/s of an out-of-place fp32 add (reads 2, writes 1) by bytes moved."""
+    """bytes/s of an out-of-place fp32 add (reads 2, writes 1) by bytes moved.
+
+    On a CPU each call takes the next of copies of its operands that together outgrow
+    the caches: a step's ops read what other ops left out of them (an add of 4 MB ran
+    2.3x slower so than on operands kept hot, where a matmul's time did not change)."""
     sizes, rates = [], []
     n = 2**6
     while 12 * n <= top:
         bar.update()
-        a = torch.ones(n, device=timer.device)
-        b = torch.ones(n, device=timer.device)
+        copies = 1 if timer.cuda else max(1, min(64, COLD_BYTES // (8 * n)))
+        pairs = [(torch.ones(n, device=timer.device), torch.ones(n, device=timer.device))
+                 for _ in range(copies)]
+        turn = itertools.cycle(pairs)
         sizes.append(12 * n)
-        rates.append(12 * n / timer(lambda: torch.add(a, b)))
+        rates.append(12 * n / timer(lambda: torch.add(*next(turn))))
         n *= 4
     return {"axes": [sizes], "rates": rates, "measured": len(sizes)}
 
@@ -285,26 +302,20 @@ def _traced(cfg, precision: str, layers: int, cal: Calibration,
 
 
 def _dispatch(cfg, device, cal: Calibration, precisions: list) -> tuple[dict, float]:
-    """The cost of an eager step: µs per op dispatched (by precision, and by activation
-    checkpointing as "fp32+full") and µs per step.
+    """The cost of an eager step's ops: µs per op dispatched, by precision and by
+    activation checkpointing ("fp32+full"), and µs per step (0: in the ops' cost).
 
-    Tiny bench runs of 2 and 8 layers (fp32), then 8 layers in each other precision and
-    each checkpointing (whose hooks cost each op more); each step's time less its kernels'
-    predicted time (on a GPU the host runs ahead of them) is fitted as a cost per step and
-    one per op dispatched."""
-    base, few, many = precisions[0], 2, 8
-    (n1, k1), (n2, k2) = (_traced(cfg, base, n, cal) for n in (few, many))
-    t1, t2 = (_measured_step_s(cfg, base, n, device) for n in (few, many))
-    per_op = max(((t2 - k2) - (t1 - k1)) / max(n2 - n1, 1), 0.0)
-    per_step = max((t1 - k1) - per_op * n1, 0.0)
-    out = {base: per_op * 1e6}
-    for p, ac in [(p, "none") for p in precisions[1:]] + [(base, "full"),
-                                                          (base, "selective")]:
-        n, k = _traced(cfg, p, many, cal, ac)
+    A tiny bench run of 8 layers in each precision and each checkpointing (whose hooks
+    cost each op more): its step's time less its kernels' predicted time (on a GPU, the
+    host runs ahead of them) over the ops it dispatches. (A fit of a cost per step and
+    one per op over 2 and 8 layers moved by a factor of 2 between calibrations of this
+    2-core VM, whose steps move by 15% between processes: one run's ratio holds better.)"""
+    base, out = precisions[0], {}
+    for p, ac in [(p, "none") for p in precisions] + [(base, "full"), (base, "selective")]:
+        n, k = _traced(cfg, p, 8, cal, ac)
         key = p if ac == "none" else f"{p}+{ac}"
-        out[key] = max((_measured_step_s(cfg, p, many, device, ac) - k - per_step) / n,
-                       0.0) * 1e6
-    return out, per_step * 1e6
+        out[key] = max((_measured_step_s(cfg, p, 8, device, ac) - k) / n, 0.0) * 1e6
+    return out, 0.0
 
 
 def calibrate(cfg, device: torch.device, progress: bool = True) -> dict:
@@ -317,21 +328,21 @@ def calibrate(cfg, device: torch.device, progress: bool = True) -> dict:
     kind = "cuda" if device.type == "cuda" else "cpu"
     grids = GRIDS[kind]
     precisions = [p for p in cfg.hardware.precisions if p in DTYPES]
-    if kind == "cpu":
-        precisions = [p for p in precisions if p != "tf32"]
+    if kind == "cpu":  # (fp16 takes bf16's rates: both emulated alike on a CPU)
+        precisions = [p for p in precisions if p not in ("tf32", "fp16")]
     timer = Timer(device)
     mm_n = math.prod(len(a) for a in grids["mm"])
     gmm_n = math.prod(len(a) for a in grids["gmm"]) if "gmm" in grids else 0
-    sdpa_n = math.prod(len(a) for a in grids["sdpa"]) * len(SDPA[kind])  # (one precision)
-    half = [p for p in precisions if p in ("bf16", "fp16")]
-    total = mm_n * len(precisions) * len(LAYOUTS) + gmm_n * ("bf16" in half) + sdpa_n \
+    sdpa_n = math.prod(len(a) for a in grids["sdpa"]) * len(SDPA[kind]) * len(
+        set(SDPA_PRECISIONS[kind]) & set(precisions))
+    grouped = "fp32" if kind == "cpu" else "bf16"  # (as model.dispatch=auto picks grouped)
+    grouped = grouped if grouped in precisions else None
+    total = mm_n * len(precisions) * len(LAYOUTS) + 2 * gmm_n * bool(grouped) + sdpa_n \
         + int(math.log(grids["bytes_max"] / 768, 4)) + 1
     data = {"version": VERSION, "device": kind, "device_name": device_name(device),
             "torch": torch.__version__, "made": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "raw_op_us": timer.raw * 1e6, "matmul": {}, "grouped_mm": {}, "sdpa": {}}
     if kind == "cpu":
-        import os
-
         data["cores"], data["threads"] = os.cpu_count(), torch.get_num_threads()
     data["section_s"], last = {}, [time.perf_counter()]
 
@@ -349,13 +360,15 @@ def calibrate(cfg, device: torch.device, progress: bool = True) -> dict:
                 data["matmul"][f"{p}:{lay}"] = _matmuls(timer, DTYPES[p], grids["mm"], lay,
                                                         bar)
         lap("matmul")
-        if gmm_n and "bf16" in half:
-            bar.set_description("calibrating grouped_mm")
-            if got := _grouped(timer, torch.bfloat16, grids["gmm"], bar):
-                data["grouped_mm"]["bf16"] = got
+        for weights in (False, True) if gmm_n and grouped else ():
+            bar.set_description(f"calibrating {grouped} grouped_mm" + " (weights)" * weights)
+            if got := _grouped(timer, DTYPES[grouped], grids["gmm"], bar, weights):
+                data["grouped_mm"][f"{grouped}{':w' * weights}"] = got
         lap("grouped_mm")
-        for p in (["bf16"] if "bf16" in half else half[:1]) or ["fp32"]:  # (fp16 reads
-            for backend in SDPA[kind]:  # bf16's: the same kernels)
+        for p in SDPA_PRECISIONS[kind]:  # (fp16 reads bf16's: the same kernels)
+            if p not in precisions:
+                continue
+            for backend in SDPA[kind]:
                 bar.set_description(f"calibrating {p} attention ({backend})")
                 for name, g in _sdpa(timer, DTYPES[p], backend, grids["sdpa"], bar).items():
                     data["sdpa"][f"{name}:{p}"] = g

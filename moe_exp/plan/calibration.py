@@ -94,9 +94,14 @@ class Calibration:
         if name == "fp32" and precision == "tf32" and "tf32:nn" in self.mm:
             name = "tf32"
         kind = shape[0]
+        if name == "fp16" and "fp16:nn" not in self.mm and "bf16:nn" in self.mm:
+            name = "bf16"  # (a CPU's: both emulated alike)
         if kind == "gmm" and name in self.gmm:
             g, rows, n, k = shape[1:]
             return self.gmm[name].rate(g, rows / max(g, 1), n, k)
+        if kind == "gmm_w" and f"{name}:w" in self.gmm:  # (M: the grid's K; K: its rows)
+            g, m, n, k = shape[1:]
+            return self.gmm[f"{name}:w"].rate(g, k / max(g, 1), n, m)
         if kind == "sdpa" and (op := self._kernel(shape[1], name)) in self.sdpa:
             return self.sdpa[op].rate(math.sqrt(shape[2] * shape[3]), shape[4])  # (q = k)
         if f"{name}:nn" not in self.mm:
@@ -122,10 +127,12 @@ class Calibration:
         Activation checkpointing's hooks make each op cost more: as much more, in
         proportion, as they did in the calibration's fp32 step."""
         d = self.dispatch_us
-        base = d.get("fp32", 0.0)
-        us = d.get(precision, d.get("bf16", base) if precision == "fp16" else base)
-        if ac != "none" and base and f"fp32+{ac}" in d:
-            us *= d[f"fp32+{ac}"] / base
+        plain = {k: v for k, v in d.items() if "+" not in k}
+        us = plain.get(precision) or plain.get("bf16" if precision == "fp16" else "fp32") \
+            or next(iter(plain.values()), 0.0)
+        hooked = next((k for k in d if k.endswith(f"+{ac}")), None) if ac != "none" else None
+        if hooked and plain.get(hooked.split("+")[0]):
+            us *= d[hooked] / plain[hooked.split("+")[0]]
         return us / 1e6
 
     def _kernel(self, op: str, dtype: str) -> str:

@@ -19,9 +19,14 @@ class CalibrateTask(Task):
 
     @staticmethod
     def check(cfg) -> None:
+        from ..plan.calibrate import DTYPES
+
         if cfg.hardware.devices != 1:
             raise ConfigError("hardware.devices", "task=calibrate measures one device: 1 (its "
                               "collectives: task=comm)")
+        if not set(cfg.hardware.precisions) & set(DTYPES):
+            raise ConfigError("hardware.precisions", f"{list(cfg.hardware.precisions)}: "
+                              f"task=calibrate measures {', '.join(DTYPES)}; name one")
 
     def run_name(self) -> str:
         return f"calibrate-{self.ctx.cfg.hardware.name}"
