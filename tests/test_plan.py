@@ -158,3 +158,16 @@ def test_the_roofline_takes_each_collective_over_its_groups_link():
     assert _measured_s(curve, "all_gather", 32 * 1024, 2) == pytest.approx(
         10e-6 * (1e-3 / 10e-6) ** 0.5)  # (halfway in log size: the log-log line)
     assert _measured_s(curve, "all_gather", 2**21, 8) == pytest.approx(2e-3 * (7 / 8) / (1 / 2))
+
+
+def test_a_plan_that_does_not_fit_names_its_largest_memory_and_what_shrinks_it():
+    from moe_exp.tasks.plan import summary_rows
+
+    r = {"planned_memory_gib": 80.0, "planned_fits": False, "planned_peak_gib": 418.0,
+         "planned_activations_gib": 339.0, "planned_optimizer_gib": 42.0, "seq_len": 32768,
+         "null_reasons": {"planned_step_ms": "x"}, "planned_comm": None, "world_size": 1,
+         "plan_s": 1.0, "micro_batch_size": 2, "hardware": "h100",
+         "planned_flops_per_step": 1.0, "planned_step_ms": None}
+    fits = dict(summary_rows({**r, "model": "m", "precision": "bf16"}))["fits"]
+    assert fits.startswith("NO: 418 of 80 GiB") and "activations 339 GiB of it" in fits
+    assert "train.seq_len=32768: a shorter sequence" in fits

@@ -65,7 +65,8 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
         fits = f"null: {r['null_reasons'].get('planned_fits', '')}"
     else:
         fits = f"{'yes' if ok else 'NO'}: {r['planned_peak_gib']:.3g} of {mem:.3g} GiB less " \
-               f"{HEADROOM:.0%} headroom ({mem * (1 - HEADROOM):.3g} GiB)"
+               f"{HEADROOM:.0%} headroom ({mem * (1 - HEADROOM):.3g} GiB)" + \
+            ("" if ok else _what_to_change(r))
     split = ", ".join(f"{k} {r[f'planned_{k}_gib']:,.3f}" for k in KINDS
                       if r.get(f"planned_{k}_gib"))
     step, world = r.get("planned_step_ms"), r.get("world_size") or 1
@@ -105,3 +106,22 @@ def _exposed(r: dict) -> str:
     if r.get("planned_time_basis") == "datasheet":
         return ", no overlap"
     return f", {exposed:,.1f} of it exposed"
+
+
+# the knobs that shrink each kind of memory at the peak, as the fits line names them
+SHRINK = {"activations": "train.seq_len={seq}: a shorter sequence, a smaller "
+                         "train.micro_batch_size or train.activation_checkpointing",
+          "temporaries": "a shorter train.seq_len or a smaller train.micro_batch_size",
+          "optimizer": "more sharding (parallel=fsdp, hardware.devices) or optim=muon",
+          "params": "more sharding (parallel=fsdp or expert_fsdp, hardware.devices)",
+          "grads": "more sharding (parallel=fsdp, hardware.devices)",
+          "collective": "smaller FSDP units or fewer prefetched"}
+
+
+def _what_to_change(r: dict) -> str:
+    """Where a plan does not fit: its largest kind of memory and what shrinks it."""
+    kind = max(KINDS, key=lambda k: r.get(f"planned_{k}_gib") or 0)
+    gib = r.get(f"planned_{kind}_gib") or 0
+    if kind not in SHRINK or not gib:
+        return ""
+    return f"; {kind} {gib:,.3g} GiB of it: " + SHRINK[kind].format(seq=r.get("seq_len"))
