@@ -292,13 +292,14 @@ def _traced(cfg, precision: str, layers: int, cal: Calibration,
             ac: str = "none") -> tuple[int, float]:
     """The plan's dispatched ops and its kernels' time (on a GPU: its syncs') for the
     tiny run."""
+    from .ops import is_kernel
     from .trace import trace_step
 
     ops = trace_step(_tiny(cfg, precision, layers, ac)).ops
     if cal.device == "cuda":
         return ops.dispatched, sum(op[3] == ("sync",) for op in ops.ops) * cal.sync_s
-    return ops.dispatched, sum(cal.kernel_s(*op, precision) for op in ops.ops
-                               if op[3] is None or op[3][0] not in ("sync", "comm"))
+    return ops.dispatched, sum(cal.kernel_s(*op, precision) for op in filter(is_kernel,
+                                                                             ops.ops))
 
 
 def _dispatch(cfg, device, cal: Calibration, precisions: list) -> tuple[dict, float]:

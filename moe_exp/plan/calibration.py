@@ -158,9 +158,14 @@ class Calibration:
         reduce-scatters during the backward, expert parallelism's all-to-alls, which the
         next op waits for at once). A collective the trace did not place (DDP's buckets)
         is exposed at the end. None: no collectives."""
+        return self.timeline(self.launches(ops, precision, ac, compiled), comm)
+
+    def timeline(self, launches: list, comm: list | None = None) -> tuple[float, float]:
+        """step_s's time and busy share from launches' list, made once for both the step
+        with its collectives and without."""
         host = dev = self.data.get("step_us", 0.0) / 1e6  # the loop's own work a step
         busy, link, ready, placed = 0.0, 0.0, {}, set()
-        for kind, cost, t, ins, outs in self.launches(ops, precision, ac, compiled):
+        for kind, cost, t, ins, outs in launches:
             if kind == "sync":
                 host = dev = max(host, dev) + self.sync_s
             elif kind == "comm":
@@ -189,7 +194,9 @@ class Calibration:
         matmuls and attention as they are, each run of other ops between them one fused
         kernel that reads what comes from outside the run and writes what is read after
         it, launched at a tiny op's cost."""
-        recorded = sum(op[3] is None or op[3][0] not in ("sync", "comm") for op in ops.ops)
+        from .ops import is_kernel
+
+        recorded = sum(map(is_kernel, ops.ops))
         per_op = self.dispatch_s(precision, ac) * ops.dispatched / max(recorded, 1)
         io = ops.io or [None] * len(ops.ops)
         split = (ops.split or 0) if compiled and ops.io else 0

@@ -21,6 +21,11 @@ def _stored(tensors) -> tuple:
     return tuple((t.untyped_storage()._cdata, t.numel() * t.element_size()) for t in tensors)
 
 
+def is_kernel(op) -> bool:
+    """Whether a StepOps entry is an op the device runs, not a sync or a collective's mark."""
+    return op[3] is None or op[3][0] not in ("sync", "comm")
+
+
 # ops whose result the host reads (a value), so it waits for the device's queue
 SYNCS = {torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero}
 

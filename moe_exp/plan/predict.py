@@ -156,9 +156,10 @@ def _calibrated_ms(cfg, rec: dict, ops, comm: list | None) -> tuple[float | None
     try:
         cal, made = calibration_for(cfg)
         cal.attention = cfg.train.attention
-        mode = dict(ac=cfg.train.activation_checkpointing, compiled=cfg.train.compile != "off")
-        alone, busy = cal.step_s(ops, cfg.precision.name, **mode)
-        both = cal.step_s(ops, cfg.precision.name, comm=comm, **mode)[0] if comm else alone
+        launches = cal.launches(ops, cfg.precision.name, cfg.train.activation_checkpointing,
+                                compiled=cfg.train.compile != "off")
+        alone, busy = cal.timeline(launches)
+        both = cal.timeline(launches, comm)[0] if comm else alone
     except CalibrationError as e:
         return None, str(e)
     rec["planned_compute_ms"] = alone * 1e3

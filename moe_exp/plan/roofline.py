@@ -26,10 +26,10 @@ def compute_ms(ops, hw, precision: str) -> tuple[float | None, str | None]:
     if not hw.memory_bandwidth:
         return None, f"hardware={hw.name} gives no memory_bandwidth: set " \
                      "hardware.memory_bandwidth=<bytes/s per device>"
+    from .ops import is_kernel
+
     seconds = 0.0
-    for flops, nbytes, dtype, shape in ops.ops:
-        if shape and shape[0] in ("sync", "comm"):
-            continue
+    for flops, nbytes, dtype, shape in filter(is_kernel, ops.ops):
         t = nbytes / hw.memory_bandwidth
         if flops:
             name, peak = _peak(hw, dtype, precision)
