@@ -13,6 +13,7 @@ import hydra
 from omegaconf import DictConfig
 
 from . import config as _config  # noqa: F401  (registers the schemas)
+from .config import nothing_left
 from . import help as _help  # noqa: F401  (--help's resolvers)
 from .hydra_internals import (flag_error, flags, hydra_args, hydra_error_line,
                               interpolation_error_line)
@@ -42,7 +43,7 @@ def main(cfg: DictConfig) -> dict:
         sys.exit(EXIT_FAILED)
     if rec is None:  # a rank other than 0 under torchrun: rank 0 reports
         return None
-    if rec["status"] != "ok":
+    if rec["status"] != "ok" and not nothing_left(rec):
         sys.exit(EXIT_INVALID if rec["status"] in ("invalid", "skipped") else EXIT_FAILED)
     return rec
 
@@ -282,6 +283,22 @@ def _in_mkdir(e: BaseException) -> bool:
         tb = tb.tb_next
     return tb is not None and tb.tb_frame.f_code.co_name in ("mkdir", "makedirs")
 
+def help_topic(args) -> int | None:
+    """`--help WORD ...`: prints each key's or group's whole text; the exit code, or None
+    where the line is not that (plain --help is Hydra's page, its keys cut to one line)."""
+    a = flags(args)
+    words = [o for o in a.overrides if "=" not in o] if a is not None and a.help else []
+    if not words:
+        return None
+    texts = [_help.topic_text(w) for w in words]
+    for w, text in zip(words, texts):
+        if text is None:
+            print(f"error: --help {w}: no key or config group of that name (--help alone "
+                  "lists them)", file=sys.stderr)
+            return EXIT_INVALID
+    print("\n\n".join(texts))
+    return 0
+
 def register_search_sweeper() -> None:
     """Registers +sweep=search's sweeper, hydra_plugins/moe_exp_search, with Hydra.
 
@@ -308,6 +325,8 @@ def cli() -> None:
     full = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting 1
     args = sys.argv[1:]
+    if (topic := help_topic(args)) is not None:
+        sys.exit(topic)
     if (line := flag_error(args) or job_name_error(args) or output_dir_error(args) or
             group_value_error(args) or group_override_error(args) or
             big_int_error(args) or bool_value_error(args)) is not None and \

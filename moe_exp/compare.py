@@ -229,21 +229,23 @@ def main(argv=None) -> int:
               f"extra; BASE has {sum(o.startswith(('REG', 'only in BASE')) for o in only)}, NEW "
               f"{sum(o.startswith('only in NEW') for o in only)})", file=sys.stderr)
         return 2
-    from rich.console import Console
-    from rich.table import Table
+    from . import screen
 
-    t = Table(title=f"{a.base} -> {a.new} (threshold {a.threshold:g}%)")
-    for col in ("configuration", "status", "tokens/s", "change", "peak GiB", "change", "verdict"):
-        t.add_column(col)
+    rows = []
     for e in entries:
         (bt, nt), (bm, nm) = e["tokens_per_s"], e["peak_mem_gib"]
         f = lambda v, s: "—" if v is None else format(v, s)  # noqa: E731
-        t.add_row(e["config"], f"{e['base_status']} -> {e['new_status']}",
-                  f"{f(bt, ',.0f')} -> {f(nt, ',.0f')}", _pct(e, "tokens_per_s"),
-                  f"{f(bm, '.3f')} -> {f(nm, '.3f')}", _pct(e, "peak_mem_gib"),
-                  ("REGRESSION: " + "; ".join(e["regressions"]) if e["regressions"] else "ok")
-                  + (f"; {e['contended']}: re-measure" if e.get("contended") else ""))
-    Console(width=200).print(t)
+        rows.append([e["config"], f"{e['base_status']} -> {e['new_status']}",
+                     f"{f(bt, ',.0f')} -> {f(nt, ',.0f')}", _pct(e, "tokens_per_s"),
+                     f"{f(bm, '.3f')} -> {f(nm, '.3f')}", _pct(e, "peak_mem_gib"),
+                     ("REGRESSION: " + "; ".join(e["regressions"]) if e["regressions"] else "ok")
+                     + (f"; {e['contended']}: re-measure" if e.get("contended") else "")])
+    cols = screen.width()
+    t, dropped = screen.table(f"{a.base} -> {a.new} (threshold {a.threshold:g}%)", [
+        "configuration", "status", "tokens/s", "change", "peak GiB", "mem change", "verdict"],
+        rows, cols, keep=("configuration", "verdict", "change", "mem change", "status"),
+        wrap=("configuration", "verdict"))
+    screen.show(t, dropped, cols)
     for line in only:
         print(line)
     bad = [e for e in entries if e["regressions"]]

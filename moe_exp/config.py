@@ -32,6 +32,18 @@ class Unsupported(ConfigError):
     """A valid request this hardware or install cannot do: a `skipped` row in a sweep."""
 
 
+class NothingLeft(Unsupported):
+    """A resumed run whose checkpoint is at its last step: nothing to do. A `skipped` row
+    that says so; a single run exits 0 (nothing_left)."""
+
+    WHAT = "nothing left to train"
+
+
+def nothing_left(rec: dict) -> bool:
+    """Whether a record is that of a resumed run that had nothing left to train."""
+    return rec.get("status") == "skipped" and NothingLeft.WHAT in str(rec.get("error"))
+
+
 class NotReady(ConfigError):
     """A valid request this environment is not set up for yet, such as one needing a W&B login.
 
@@ -580,6 +592,10 @@ class SweepConfig:
                         check=at_least(1))
     resume: bool = knob(False, "skip jobs whose records are already in the sweep dir")
     isolate: bool = knob(True, "each job in its own process (a crash becomes a crashed row)")
+    remeasure_loaded: bool = knob(False, "at a grid sweep's end, run once more each job "
+                                  "measured while other processes used the CPU "
+                                  "(cpu_other_load over 15%): its new record replaces the "
+                                  "old, kept as metrics.loaded.json")
     job_timeout_s: Optional[float] = knob(None, "kill a job after this long (a crashed row)",
                                           check=above(0, "seconds or null"))
     fresh_compile_cache: bool = knob(True, "each job compiles cold: compile_s is no cache hit")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from .config import ConfigError, override_texts, typed
+from .config import ConfigError, nothing_left, override_texts, typed
 from .ranks import rank_env
 from .results import failed_record, write_json_atomic
 
@@ -91,7 +91,7 @@ def run(cfg: DictConfig, out_dir: Path | None = None, progress: bool = True,
         if (env := rank_env()) and env.rank != 0:  # torchrun's other ranks: rank 0 reports
             return rec
         write_json_atomic(out_dir / "metrics.json", rec)
-        print(f"error: {rec['error']}", file=sys.stderr)
+        print(rec["error"] if nothing_left(rec) else f"error: {rec['error']}", file=sys.stderr)
         log_record(rec)
         return rec
 

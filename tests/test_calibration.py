@@ -141,9 +141,10 @@ def test_calibrate_measures_a_grid_and_fits_the_dispatch_cost(monkeypatch):
     assert set(data["section_s"]) >= {"matmul", "sdpa", "dispatch"}
 
 
-def test_a_plan_says_what_its_time_rests_on(tmp_path, capsys):
+def test_a_plan_says_what_its_time_rests_on(tmp_path, capsys, monkeypatch):
     """Without a calibration: the datasheet's floor, said in the summary; with the shipped
     h100 one: its rates, the kernels' busy time within the step's."""
+    monkeypatch.setenv("COLUMNS", "200")  # (the summary's cells on one line)
     o = ["task=plan", "logger=none", "model=tiny_moe", "hardware=h100", "precision=bf16"]
     rec = run_inproc(o, tmp_path / "a")
     assert rec["planned_time_basis"] == "datasheet" and rec["planned_kernel_ms"] is None

@@ -7,7 +7,7 @@ import signal
 import time
 
 import pytest
-from conftest import compose, run_cli, run_inproc
+from conftest import cli_inproc, compose, run_cli, run_inproc
 
 from moe_exp.run import prepare
 
@@ -136,7 +136,8 @@ def test_checkpoint_mistakes_are_one_line_invalid(whole, tmp_path):
                                                          "saved with train.seed 0; this run "
                                                          "has 1"),
         ([f"train.resume_from={step3}", "model.top_k=1"], "train.resume_from: "),
-        ([f"train.resume_from={step3}", "train.steps=2"], "train.resume_from: "),
+        ([f"train.resume_from={step3}", "train.steps=3", "train.profile=true",
+          "train.profile_steps=2"], "train.resume_from: "),  # (only profiled steps left)
     ]:
         o = [*TINY, *overrides]
         _, rec = prepare(compose(o), o)
@@ -145,6 +146,26 @@ def test_checkpoint_mistakes_are_one_line_invalid(whole, tmp_path):
             continue
         assert rec["status"] == "invalid" and rec["error"].startswith(says), rec["error"]
         assert "\n" not in rec["error"]
+
+
+def test_the_last_step_is_saved_and_a_finished_run_has_nothing_left(whole, tmp_path):
+    """A run of 4 steps saving every 3 saves steps 3 and 4, its last; resuming a finished
+    run says there is nothing left to train, measures nothing and exits 0. (A longer run is
+    another run: its schedule's length is in the checkpoint's identity.)"""
+    o = [*TINY, "train.steps=3", "train.checkpoint_every=3", "train.checkpoint_keep=0"]
+    rec = run_inproc(o, tmp_path / "a")
+    assert rec["status"] == "ok" and rec["checkpoint_saves"] == 2, rec["error"]
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == [
+        "step_000003", "step_000004"]
+    last = whole[1] / "checkpoints" / "step_000009"
+    r = cli_inproc([*TINY, f"train.resume_from={last}", f"hydra.run.dir={tmp_path / 'b'}"],
+                   tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip() == (
+        f"train.resume_from: nothing left to train: {last} is at step 9, this run's last "
+        "(train.warmup_steps + train.steps = 9): its record is in its run dir")
+    done = json.loads((tmp_path / "b" / "metrics.json").read_text())
+    assert done["status"] == "skipped" and done["tokens_per_s"] is None
 
 
 def _corrupt(step: "os.PathLike", how: str) -> None:

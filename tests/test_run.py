@@ -278,6 +278,28 @@ def test_oom_lines_read_the_same_from_every_allocator():
     assert oom_line(gpu) == gpu and oom_line("", 2**30).endswith("and ulimit -d)")
 
 
+def test_the_preflight_refuses_a_plan_over_the_memory_free_now(monkeypatch):
+    """A probe or run whose planned peak fits the machine but not what is free of it now is
+    skipped before any work (issue 53: tune_batch's probe held 15 of 24 GiB)."""
+    from types import SimpleNamespace
+
+    from moe_exp.bench import memory
+    from moe_exp.plan.predict import too_big
+
+    cfg = SimpleNamespace(hardware=SimpleNamespace(memory_gib=24.0, devices=1, device="cpu",
+                                                   name="cpu"))
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 4 * 2**30)
+    assert too_big(cfg, {"planned_peak_gib": 3.0}) is None
+    assert too_big(cfg, {"planned_peak_gib": 6.0}).startswith(
+        "train.micro_batch_size: the plan of this step peaks at 6 GiB on a device (task=plan "
+        "for its split); this machine has 4 GiB free now")
+    assert "hardware=cpu has 24 GiB" in too_big(cfg, {"planned_peak_gib": 30.0})
+    monkeypatch.setattr(memory, "free_bytes", lambda device: None)  # unknown: the part's
+    assert too_big(cfg, {"planned_peak_gib": 6.0}) is None
+    monkeypatch.undo()  # the real one reads this machine
+    assert memory.free_bytes("cpu") > 0 and memory.free_bytes("hpu") is None
+
+
 def test_a_cpu_run_past_its_memory_ends_oom_with_a_record(tmp_path):
     """Not the kernel's OOM killer (no record, maybe another process killed): the run's
     allocations fail past the memory free at its start (here hardware.memory_gib: the

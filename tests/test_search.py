@@ -26,6 +26,13 @@ def test_search_trials_are_rows_failures_are_failed_trials_and_it_resumes(tmp_pa
     r = run_cli([*SEARCH, f"hydra.sweep.dir={d}", "hydra.sweeper.n_trials=5"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "holds no job records" not in r.stderr  # (the preset's resume: no warning)
+    # what a person reads: a line per trial, no colour codes off a terminal, none of
+    # Optuna's study lines; the dir holds the multirun.yaml report and the notebook read
+    out = r.stdout + r.stderr
+    assert "\x1b[" not in out and "study" not in out.replace("Study name", "")
+    assert [ln.split(" ")[2] for ln in r.stdout.splitlines()
+            if ln.startswith("[search] trial")] == [f"{i}/5" for i in range(1, 6)]
+    assert "hydra_plugins.moe_exp_search" in (d / "multirun.yaml").read_text()
     trials = _study(d).trials
     assert len(trials) == 5
     # what this CPU cannot run left the space before the study: no skipped trial

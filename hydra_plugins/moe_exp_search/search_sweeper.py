@@ -16,8 +16,11 @@ class SearchSweeper(Sweeper):
         self.optuna.setup(**kwargs)
 
     def sweep(self, arguments):
-        from moe_exp.sweep.searcher import drop_unrunnable, enqueue_baseline
+        from moe_exp.sweep.searcher import (drop_unrunnable, enqueue_baseline, quiet_optuna,
+                                            save_config)
 
+        save_config(self.optuna.sweeper.config)  # multirun.yaml, as a grid sweep's dir has
+        quiet_optuna()
         arguments = drop_unrunnable(self.optuna.sweeper, arguments)
         enqueue_baseline(self.optuna.sweeper, arguments)
         return self.optuna.sweep(arguments)

@@ -23,6 +23,17 @@ def mem_available_bytes() -> int | None:
         return None
 
 
+def free_bytes(device_type: str) -> int | None:
+    """The memory free now on this machine's device: a GPU's free memory, a CPU's
+    MemAvailable (or less, where the cgroup allows less); None where unknown."""
+    if device_type == "cuda":
+        return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+    if device_type != "cpu":
+        return None
+    free, room = mem_available_bytes(), cgroup_free_bytes()
+    return free if room is None else room if free is None else min(free, room)
+
+
 def cgroup_free_bytes(proc_cgroup: str = "/proc/self/cgroup",
                       root: str = "/sys/fs/cgroup") -> int | None:
     """The memory this process's cgroup and its parents still allow; None without a limit.

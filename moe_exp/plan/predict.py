@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from ..bench.memory import GIB
+from ..screen import Status, phase
 from ..results import fill_null_reasons
 
 HEADROOM = 0.10  # of the device's memory kept free: the allocator's fragmentation, the
@@ -21,13 +22,22 @@ KINDS = ("params", "grads", "optimizer", "activations", "temporaries", "buffers"
 
 def plan_step(cfg, rec: dict) -> None:
     """The plan's figures into rec: memory by kind, fit, FLOPs, collectives, roofline time."""
-    from ..bench.flops import param_counts
     from .trace import trace_step
 
     why, t = rec["null_reasons"], cfg.train
     t0 = time.perf_counter()
-    step = trace_step(cfg)
-    rec["plan_s"] = time.perf_counter() - t0
+    with Status(f"[plan] {cfg.model.name} on {cfg.hardware.name}" + (
+            f", rank 0 of {cfg.hardware.devices:,}" if cfg.hardware.devices > 1 else "")):
+        step = trace_step(cfg)
+        rec["plan_s"] = time.perf_counter() - t0
+        _figures(cfg, rec, step)
+    fill_null_reasons(rec, WHY)
+
+
+def _figures(cfg, rec: dict, step) -> None:
+    from ..bench.flops import param_counts
+
+    why, t = rec["null_reasons"], cfg.train
     counts = param_counts(cfg.model)
     rec.update(params_total=counts["params_total"], params_active=counts["params_active"])
     rec["planned_peak_gib"] = step.peak_bytes / GIB
@@ -47,8 +57,8 @@ def plan_step(cfg, rec: dict) -> None:
                            for k, v in sorted(step.comm.items())}
     rec["planned_comm_gib"] = sum(v["gib"] for v in rec["planned_comm"].values())
     rec["world_size"] = world = cfg.hardware.devices
+    phase("the step's time")
     _times(cfg, rec, step, t.micro_batch_size * t.grad_accum_steps * t.seq_len * world)
-    fill_null_reasons(rec, WHY)
 
 
 # what a task=bench run records of its plan (train.plan)
@@ -84,18 +94,24 @@ def bench_plan(cfg) -> dict:
 def too_big(cfg, planned: dict) -> str | None:
     """The pre-flight's verdict on a planned peak: why the run cannot fit, else None.
 
-    A GPU holds one rank; a CPU's memory holds all of this machine's ranks together."""
+    It must fit the device's memory and what is free of it now. A GPU holds one rank; a
+    CPU's memory holds all of this machine's ranks together."""
+    from ..bench.memory import free_bytes
+
     mem, peak = cfg.hardware.memory_gib, planned.get("planned_peak_gib")
-    if not mem or peak is None:
+    if peak is None:
         return None
     n = cfg.hardware.devices if cfg.hardware.device == "cpu" else 1
-    if peak * n <= mem:
+    free = free_bytes(cfg.hardware.device)
+    free = None if free is None else free / GIB
+    if (not mem or peak * n <= mem) and (free is None or peak * n <= free):
         return None
     where = f"{n} CPU ranks" if n > 1 else "a device"
+    has = f"hardware={cfg.hardware.name} has {mem:,.3g} GiB" if mem and peak * n > mem else \
+        f"this machine has {free:,.3g} GiB free now"
     return (f"train.micro_batch_size: the plan of this step peaks at {peak * n:,.3g} GiB on "
-            f"{where} (task=plan for its split); hardware={cfg.hardware.name} has {mem:,.3g} "
-            "GiB (a smaller micro-batch, activation checkpointing or more sharding; "
-            "train.plan=false runs it anyway)")
+            f"{where} (task=plan for its split); {has} (a smaller micro-batch, activation "
+            "checkpointing or more sharding; train.plan=false runs it anyway)")
 
 
 def plan_memory_gib(hw) -> float | None:

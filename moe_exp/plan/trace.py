@@ -17,6 +17,7 @@ from unittest import mock
 
 import torch
 
+from ..screen import phase
 from .fake_world import ddp_buckets, ddp_calls, fake_world
 from .ops import StepOps
 from .tracker import step_tracker
@@ -78,6 +79,7 @@ def _steps(cfg, built, tracker, last=None) -> None:
     from ..train.loop import micro_step, optimizer_step
 
     applied, optimizer, scheduler, tokens = built
+    phase("the optimizer's state")
     params = [p for p in applied.model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)
@@ -93,6 +95,7 @@ def _steps(cfg, built, tracker, last=None) -> None:
             tracker.reset_mod_stats()  # (its per-module figures: one pass's)
     if last is not None:
         last.split = len(last.ops)  # (train.compile compiles the model, not the optimizer)
+    phase("the optimizer step")
     optimizer_step(cfg, applied, optimizer, scheduler, applied.scaler, params, None)
 
 
@@ -180,14 +183,44 @@ def trace_step(cfg, micro_batch: int | None = None) -> StepMemory:
     with mock.patch.object(Transformer, "reset_parameters", _no_init), fake_world(world), \
             mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", sdpa):
         with FakeTensorMode():
+            phase("building the model on fake tensors")
             built = build_step(cfg, b, FAKE_DEVICE, world)
             if cfg.parallel.name == "ddp":
                 ddp_buckets(built[0].model)
-            got = _tracked(cfg, built, FAKE_DEVICE, [Shadows(rows, experts), ops], ops)
+            with _phases(built[0].model):
+                got = _tracked(cfg, built, FAKE_DEVICE, [Shadows(rows, experts), ops], ops)
             got.flops, got.comm, got.ops = ops.flops, ops.comm, ops
             if cfg.parallel.name == "ddp":
                 ddp_calls(got, built[0].model)
     return got
+
+
+@contextlib.contextmanager
+def _phases(model):
+    """The trace's phase as it goes (screen.phase): forward and backward by block, where a
+    checkpointed block's recompute shows the backward's progress; hooks on the blocks."""
+    blocks = list(getattr(model, "layers", []))
+    n, state = len(blocks), {"pass": "forward"}
+
+    def at(i):
+        def hook(*_):
+            phase(f"{state['pass']}, block {i + 1} of {n}")
+        return hook
+
+    def backward(*_):
+        state["pass"] = "backward (recomputing)"
+        phase("backward")
+
+    def forward(*_):
+        state["pass"] = "forward"
+
+    handles = [b.register_forward_pre_hook(at(i)) for i, b in enumerate(blocks)]
+    handles += [model.register_forward_pre_hook(forward), model.register_forward_hook(backward)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def cuda_sdpa(attention: str):

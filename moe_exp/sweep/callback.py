@@ -77,6 +77,12 @@ class SweepCallback(Callback):
         try:  # before any job
             if self.search and (line := direction_error(config.hydra.sweeper)) is not None:
                 raise SweepError(line)
+            if config.sweep.remeasure_loaded and (self.search or not config.sweep.isolate
+                                                  or "submitit" in launcher):
+                raise SweepError(
+                    "sweep.remeasure_loaded: re-runs a grid sweep's jobs from their job.json, "
+                    "in this process's launcher: not with +sweep=search, sweep.isolate=false "
+                    "or the submitit launcher")
             check_sweep(config, swept)
             if self.search:
                 check_search(config)
@@ -117,8 +123,10 @@ class SweepCallback(Callback):
         eta = (f"~{_fmt_s(sum(self.ran) / len(self.ran) * left)} left" if self.ran and left
                else "time left: after the first job that runs")
         of = f"/{self.total}" if self.total else ""
-        print(f"[sweep] job {num + 1}{of} (#{num}) · {combo} · elapsed {_fmt_s(elapsed)} · {eta}",
-              flush=True)
+        from ..screen import wrapped
+
+        print(wrapped(f"[sweep] job {num + 1}{of} (#{num}) · {combo} · elapsed "
+                      f"{_fmt_s(elapsed)} · {eta}"), flush=True)
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         if not self.active:  # a single run; or a job whose launcher runs it in another
@@ -134,6 +142,8 @@ class SweepCallback(Callback):
         dt = time.time() - self.job_t0
         if status not in ("invalid", "skipped") and not reused(rec, self.job_t0):
             self.ran.append(dt)
+        if self.search:
+            print(_trial_line(config.hydra.job.num, self.total, rec, status), flush=True)
         _update_table(config)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
@@ -141,6 +151,11 @@ class SweepCallback(Callback):
         from .table import collect
 
         sweep_dir = Path(config.hydra.sweep.dir)
+        if config.sweep.remeasure_loaded:
+            from .job import remeasure_loaded
+
+            if remeasure_loaded(sweep_dir, config.sweep):
+                _update_table(config)
         counts: dict[str, int] = {}
         # the table's records (a job's callbacks may have run in another process)
         records = collect(sweep_dir, warn=False, keep=True)  # (the report names bad files)
@@ -200,6 +215,17 @@ def release_held() -> None:
     while HELD:
         callback, sweep_dir = HELD.pop()
         callback.release(sweep_dir)
+
+
+def _trial_line(num: int, total, rec, status: str) -> str:
+    """A search's one line per trial: its status and the two values the study reads."""
+    from .table import cell_text
+
+    rec = rec if isinstance(rec, dict) else {}
+    got = f": {cell_text(rec.get('tokens_per_s'), ',.0f')} tokens/s, peak " \
+        f"{cell_text(rec.get('peak_mem_gib'), '.3f')} GiB" if status == "ok" else \
+        f": {str(rec.get('error') or '')[:100]}" if rec.get("error") else ""
+    return f"[search] trial {num + 1}{f'/{total}' if total else ''} {status}{got}"
 
 
 def _is_sweep_job(config: DictConfig) -> bool:

@@ -12,6 +12,7 @@ def report(sweep_dir: Path, baseline: dict | None = None, by=("model",), wandb_c
            group: str | None = None, title: str | None = None, plots: bool = True,
            strict: bool = False) -> dict:
     """Rebuild everything from the job records in sweep_dir; returns the output paths."""
+    from .. import screen
     from .answer import answer_text
     from .table import markdown, print_table, write_tables, write_text_atomic
 
@@ -20,9 +21,10 @@ def report(sweep_dir: Path, baseline: dict | None = None, by=("model",), wandb_c
     df = sweep_df(sweep_dir, baseline, by, strict)  # (before the tables are rewritten)
     paths = write_tables(df, sweep_dir, title)
     lead = answer_text(df)
+    cols = screen.width()
     if lead:
-        print(lead)
-    print_table(df, title)
+        print(screen.text(lead, cols))
+    print_table(df, title, cols)
     pngs = {}
     if plots:
         from .plots import write_plots
@@ -35,7 +37,9 @@ def report(sweep_dir: Path, baseline: dict | None = None, by=("model",), wandb_c
     for seed in (seed_tables(df), seed002_table(df), seed_inference_table(df)):
         if seed:
             parts.append(seed)
-            print(seed)
+            fits = max(map(len, seed.splitlines())) <= cols
+            print(seed if fits else f"{seed.splitlines()[0]}: wider than this terminal; "
+                  "in report.md")
     for name, p in pngs.items():
         parts.append(f"## {name.capitalize()}\n\n![{name}]({p.relative_to(sweep_dir)})\n")
     if profiles := profile_links(df, sweep_dir):
@@ -58,7 +62,7 @@ def report(sweep_dir: Path, baseline: dict | None = None, by=("model",), wandb_c
               f"{wandb_cfg.project}, files under {sweep_dir / 'wandb'}"
               if wandb_cfg.mode != "disabled" else "[report] W&B: mode disabled, nothing "
               "logged")
-    print(f"[report] {', '.join(str(p) for p in paths.values())}")
+    print(screen.wrapped(f"[report] {', '.join(str(p) for p in paths.values())}", cols))
     return paths
 
 

@@ -10,6 +10,30 @@ import logging
 log = logging.getLogger(__name__)
 
 
+def quiet_optuna() -> None:
+    """Optuna's warnings only, through Hydra's logging (no colour codes in a log file).
+
+    Its "new study" and "existing study" lines said nothing of use; the sweep prints a
+    line per trial itself (sweep/callback.py)."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna.logging.disable_default_handler()
+    optuna.logging.enable_propagation()
+
+
+def save_config(config) -> None:
+    """The sweep's config as multirun.yaml in its dir, as Hydra's grid sweeper saves it:
+    report, compare and the notebook read it."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    sweep_dir = Path(config.hydra.sweep.dir)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(config, sweep_dir / "multirun.yaml")
+
+
 def space(impl, arguments: list[str]) -> dict:
     """The search space as the sweeper parses it: {key: Optuna distribution}.
 
@@ -83,7 +107,9 @@ def drop_unrunnable(impl, arguments: list[str]) -> list[str]:
             why[str(value)] = str(e).split(": ", 1)[-1]  # (without its key)
     if not why or not kept:
         return arguments
-    print(f"[search] {key}: {', '.join(why)} left out of the space, this machine cannot run "
-          f"them ({'; '.join(dict.fromkeys(why.values()))})", flush=True)
+    from ..screen import wrapped
+
+    print(wrapped(f"[search] {key}: {', '.join(why)} left out of the space, this machine "
+                  f"cannot run them ({'; '.join(dict.fromkeys(why.values()))})"), flush=True)
     return [*arguments, f"{key}=choice({','.join(kept)})"]  # (the last one of a key wins)
 

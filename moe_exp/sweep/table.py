@@ -524,7 +524,7 @@ def compact(df):
             "speedup": sp + (" (base)" if r["baseline"] else ""),
             "step ms": cell_text(r["step_time_ms"], ".1f"),
             "peak GiB": cell_text(r["peak_mem_gib"], ".3f"),
-            "mem saved": cell_text(r["mem_saved_pct"], ".0f", "%"),
+            "mem saved": _saved(r["mem_saved_pct"]),
             "MFU": cell_text(r["mfu"] * 100 if number_or_none(r["mfu"]) is not None else None, ".1f", "%"),
             "loss": cell_text(r["loss_last"], ".3f"),
         })
@@ -540,6 +540,13 @@ def compact(df):
         row["error"] = str(r["error"])[:90] if isinstance(r["error"], str) else ""
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _saved(pct) -> str:
+    """Memory saved against the baseline; where the row used more, how many times more."""
+    pct = number_or_none(pct)
+    return cell_text(pct, ".0f", "%") if pct is None or pct >= 0 else \
+        f"none ({1 - pct / 100:.2f}×)"
 
 
 def _compact_comm(df):
@@ -709,18 +716,27 @@ def _open_file(e: BaseException) -> str | None:
     return None
 
 
-def print_table(df, title: str = "Sweep results") -> None:
-    from rich.console import Console
-    from rich.table import Table
+# the answer's columns first (sweep/answer.py); the others by their order, the last first
+FIRST = ("job", "combination", "status", "tokens/s", "speedup", "peak GiB", "loss ok", "fits",
+         "planned tokens/s", "planned peak GiB", "error")
+
+
+def print_table(df, title: str = "Sweep results", cols: int | None = None) -> None:
+    """The table at the terminal's width (`cols`): the columns that fit, the rest named."""
+    from .. import screen
 
     c = compact(df)
-    t = Table(title=title, show_lines=False)
-    for col in c.columns:
-        t.add_column(str(col), overflow="fold", justify="right" if col in (
-            "tokens/s", "speedup", "step ms", "peak GiB", "mem saved", "MFU", "loss") else "left")
-    for row in c.itertuples(index=False):
-        t.add_row(*[str(v) for v in row])
-    Console(width=200).print(t)
+    cols = cols or screen.width()
+    t, dropped = screen.table(title, [str(x) for x in c.columns],
+                              [list(r) for r in c.itertuples(index=False)], cols, keep=FIRST,
+                              wrap=("combination", "error"), right=(
+        "tokens/s", "speedup", "step ms", "peak GiB", "mem saved", "MFU", "loss"))
+    failed = [r for r in c.itertuples(index=False) if r.error] if "error" in dropped else []
+    screen.show(t, [d for d in dropped if not failed or d != "error"], cols,
+                "results.md has them all")
+    for r in failed:  # the reason of each row that did not finish, as its column would
+        line = f"job {r.job}: {r.error}"
+        print(line if len(line) <= cols else line[:cols - 1] + "…")
     busy = contended(df)
     if busy:
-        print(f"warning: {busy}", file=sys.stderr)
+        print(screen.wrapped(f"warning: {busy}", cols), file=sys.stderr)

@@ -178,5 +178,7 @@ def _print(df, d, out_dir: Path) -> None:
             f"{r.bytes / 1024:.0f} KiB" if r.bytes >= 1024 else f"{r.bytes} B"
         t.add_row(r.op, size, f"{r.latency_us:,.1f} us", f"{r.algbw_gbps:.3f} GB/s",
                   f"{r.busbw_gbps:.3f} GB/s")
-    Console(width=120).print(t)
+    from .. import screen
+
+    Console(width=screen.width(), highlight=False).print(t)
     print(f"record: {out_dir / 'metrics.json'} (table: comm.csv, comm.md)", file=sys.stderr)

@@ -76,7 +76,8 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                  f"{where} (traced in {r['plan_s']:.1f} s)"),
         ("peak memory", f"{r['planned_peak_gib']:,.3f} GiB per device: {split}"),
         ("fits", fits),
-        *([("collectives", ", ".join(f"{k} {size_text(v['gib'])} in {v['calls']} calls"
+        *([("collectives", ", ".join(f"{k} {size_text(v['gib'])} in {v['calls']} call"
+                                     f"{'s' * (v['calls'] != 1)}"
                                      for k, v in r["planned_comm"].items())
             + " a step (each rank)")] if r.get("planned_comm") else []),
         ("step", f"{r['planned_flops_per_step']:.3g} FLOPs" + (

@@ -49,16 +49,15 @@ def _plan_check(r: dict) -> str:
     """The run's plan, made where train.plan is on, against what the run measured."""
     why = r.get("null_reasons", {})
 
-    def err(k: str) -> str:
-        return f"{r[k]:+.1%}" if r.get(k) is not None else f"null: {why.get(k, '')}"
+    def err(k: str, of: str = "") -> str:
+        return f"error {r[k]:+.1%}{of}" if r.get(k) is not None else \
+            f"not checked ({why.get(k) or 'no measured figure'})"
 
     got = "tracked" if r.get("tracked_peak_gib") is not None else "measured"
-    text = f"peak {r['planned_peak_gib']:.3f} GiB planned, error {err('planned_peak_error')}"
-    if r.get("planned_peak_error") is not None:
-        text += f" of {got}"
+    text = f"peak {r['planned_peak_gib']:.3f} GiB planned, " \
+        f"{err('planned_peak_error', f' of {got}')}"
     if r.get("planned_step_ms") is not None:
-        text += f"; step {r['planned_step_ms']:,.1f} ms planned, error " \
-                f"{err('planned_step_error')}"
+        text += f"; step {r['planned_step_ms']:,.1f} ms planned, {err('planned_step_error')}"
     return text + f" (traced in {r['plan_s']:.1f} s)"
 
 
@@ -196,11 +195,13 @@ def print_summary(r: dict, path: Path | None = None, rows=None,
                   title: str = "moe_exp result") -> None:
     """Print the record's rows as a table; without rows, a training run's summary_rows."""
     table = Table(title=title, show_header=False, title_justify="left")
-    table.add_column(style="bold")
+    table.add_column(style="bold", no_wrap=True)
     table.add_column()
     for k, v in summary_rows(r) if rows is None else rows:
         table.add_row(k, v)
-    console = Console(width=max(100, Console().width))
+    from .. import screen
+
+    console = Console(width=screen.width(), highlight=False)
     console.print(table)
     if path:
-        console.print(f"record: {path}")
+        print(f"record: {path}", flush=True)  # (whole: a path to copy)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import ConfigError
+from ..config import ConfigError, NothingLeft
 
 DONE = "loop.pt"
 EP_KEY = ".experts.local."  # expert parallelism's shard (optimizations/parallel/expert.py)
@@ -195,6 +195,10 @@ def check(cfg, world: int, profiled: int) -> None:
             raise ConfigError("train.resume_from", f"{path} was saved with {key} {theirs}; this "
                               f"run has {value} (a resumed run continues the same one)")
     last = t.steps + t.warmup_steps - profiled
+    if m["step"] >= last + profiled:  # a finished run's last checkpoint
+        raise NothingLeft("train.resume_from", f"{NothingLeft.WHAT}: {path} is at step "
+                          f"{m['step']}, this run's last (train.warmup_steps + train.steps ="
+                          f" {last + profiled}): its record is in its run dir")
     if m["step"] >= last:
         raise ConfigError("train.resume_from", f"{path} is at step {m['step']}: no measured "
                           f"step is left before step {last} (raise train.steps)")

@@ -21,6 +21,7 @@ from ..bench.memory import MemoryMeter
 from ..bench.nvml import GpuSampler
 from ..bench.load import snapshot, window
 from ..bench.timer import StepTimer, device_sync, process_age_s
+from ..screen import Ticking
 
 
 class Diverged(Exception):
@@ -308,14 +309,15 @@ def optimizer_step(cfg, applied, optimizer, scheduler, scaler, params, timer):
 
 
 def _checkpoint(ckpt, step: int, read: bool, log: _LossLog, res: LoopResult,
-                measured: bool) -> None:
-    """At a step's end, save a checkpoint when due or when a SIGTERM came.
+                measured: bool, last: bool = False) -> None:
+    """At a step's end, save a checkpoint when due, at the run's last step, or when a
+    SIGTERM came.
 
     After a SIGTERM's save the run stops with KeyboardInterrupt("SIGTERM"), which carries the
     checkpoint's dir. With several ranks a SIGTERM is acted on at a loss read, where every
     rank learns whether any rank got one."""
     stop = ckpt.stop_requested(agree=True) if read or not dist.is_initialized() else False
-    if not (stop or ckpt.due(step + 1)):
+    if not (stop or ckpt.due(step + 1) or last):
         return
     if log.logged < step + 1:
         log.read(step)
@@ -367,6 +369,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
     model.train()
     collector = Collector(t.gc_every)  # (entered in the try: its exit restores GC)
     live = None  # watch, while its step runs
+    ticking = None  # the compiling step's redraws
     done = False
     try:
         collector.__enter__()
@@ -376,6 +379,8 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
             if t.compile != "off" and step - start < 2:  # (its first step compiles: a word
                 bar.set_description("compiling the step" if step == start else  # while
                                     "bench" if win.measured(step) else "warmup")  # it waits)
+                if step == start and not bar.disable:  # (and its seconds)
+                    ticking = Ticking(bar)
             win.begin(step, bar)
             collector.timing = win.measured(step)
             if step == start:
@@ -419,10 +424,13 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
             if read:
                 log.read(step)
             if ckpt and ckpt.root:
-                _checkpoint(ckpt, step, read, log, res, win.measured(step))
+                _checkpoint(ckpt, step, read, log, res, win.measured(step), step + 1 == total)
             if step + 1 < total and step < win.prof_from and evaluate.due(step + 1, False):
                 win.pause(evaluate(step + 1))  # (not under the profiler: its
                 # collectives would count in comm_ms)
+            if ticking is not None:
+                ticking.close()
+                ticking = None
             bar.update(1)
         win.finish()
         if evaluate.due(total, True):  # after the window: in no figure
@@ -434,6 +442,8 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
         e.losses, e.steps = res.losses, (res.steps_done, total)
         raise
     finally:
+        if ticking is not None:
+            ticking.close()
         if live is not None:
             live.end()
         if ckpt:

@@ -56,11 +56,13 @@ def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh=None):
         world_mesh = init_device_mesh(cfg.hardware.device, (world,)) if p.name != "hsdp" \
             else hsdp_device_mesh(cfg, world)
         units = []  # per block: [block, its FSDP-sharded experts (expert_fsdp)]
+        shards = world_mesh.size(world_mesh.ndim - 1)  # (HSDP: its shard dim's ranks)
         for block in _blocks(model):
             units.append([block])
             if p.name == "expert_fsdp" and hasattr(block.ffn, "experts"):
                 experts = block.ffn.experts.local  # EP shard: FSDP over dp only
-                fully_shard(experts, mesh=mesh["dp"], **kw)
+                fully_shard(experts, mesh=mesh["dp"], **kw,
+                            shard_placement_fn=expert_placement(experts, mesh["dp"].size()))
                 for prm in experts.parameters():  # fully_shard made new ones: mark them again
                     prm._expert_parallel = True
                 experts.set_gradient_divide_factor(float(world))  # sum over ep, mean over all
@@ -69,11 +71,31 @@ def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh=None):
                     # FSDP2 skips the reduce-scatter, divides, and forced to sum, divides again)
                     experts.set_force_sum_reduction_for_comms(True)
                 units[-1].append(experts)
-            fully_shard(block, mesh=world_mesh, **kw)
+            experts = getattr(block.ffn, "experts", None)
+            fully_shard(block, mesh=world_mesh, **kw, shard_placement_fn=None if experts is None
+                        else expert_placement(experts, shards))
         fully_shard(model, mesh=world_mesh, **kw)
         if p.prefetch:
             _prefetch(model, units, p.prefetch)
     return model
+
+
+def expert_placement(experts: nn.Module, shards: int):
+    """FSDP2's shard_placement_fn for a block's stacked experts (experts x in x out):
+    Shard(1) where `shards` ranks do not split the experts evenly, as torchtitan does.
+
+    Sharded on dim 0, fewer experts than ranks would leave a rank whole experts and the
+    others none (mixtral's 8 over 64 ranks: 21 GiB on rank 0, not 2.9); other params keep
+    FSDP2's Shard(0)."""
+    from torch.distributed.tensor import Shard
+
+    mine = {id(q) for q in experts.parameters()}
+
+    def placement(param):
+        return Shard(1) if id(param) in mine and param.ndim == 3 and \
+            param.shape[0] % shards else None
+
+    return placement
 
 
 def hsdp_device_mesh(cfg, world: int):
