@@ -1,15 +1,11 @@
 """task=plan's accuracy: each configuration's planned peak (fake tensors, balanced routing)
 beside the live tensor memory the same step tracks on real tensors (learned routing), and
-the time each took. The issue's goal: within 10% of measured.
-
---bench: each configuration also runs as a task=bench run (train.plan, its record's
-planned_peak_error against the tracked last warmup step and planned_step_error against
-its median step), its roofline given this CPU's own peaks, measured here first: the
-median of an fp32 (and bf16) 2048^3 matmul's FLOP/s and of a 256 MiB copy's bytes/s.
+the time each took. The issue's goal: within 10% of measured. (Bench runs that check
+their own plan, memory and time: plan_rows.py.)
 
     PYTHONPATH=. python benchmarks/plan_accuracy.py [--models tiny_moe,small_moe]
         [--precisions fp32,bf16] [--ac none,full,selective] [--micro-batch 4]
-        [--bench] [--json out.json] [override ...]
+        [--parallel none,ddp,fsdp,expert] [--json out.json] [override ...]
 """
 from __future__ import annotations
 
@@ -35,7 +31,6 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=at_least(1), default=4)
     ap.add_argument("--parallel", default="none", help="e.g. none,ddp,fsdp,expert: the "
                     "others on 2 gloo ranks (rank 0's real step against the plan of rank 0)")
-    ap.add_argument("--bench", action="store_true", help="also run each as a bench run")
     ap.add_argument("--json", type=out_file)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
@@ -72,9 +67,6 @@ def main() -> None:
               f"{row['plan_s']:.1f} | {row['run_s']:.1f} |", flush=True)
     worst = max(abs(r["error"]) for r in rows)
     print(f"worst error {worst:.1%} over {len(rows)} configurations (goal: within 10%)")
-    if a.bench:
-        _benches([o for o, r in zip(runs, rows) if r["parallel"] == "none"],
-                 [r for r in rows if r["parallel"] == "none"])
     if a.json:
         save_json(a.json, device_name(torch.device("cpu")), rows)
 
@@ -103,69 +95,6 @@ def _rank_step(overrides):
         return got
     finally:
         distributed.finish()
-
-
-def cpu_peaks(reps: int = 5, dtypes=("fp32", "bf16")) -> dict:
-    """This CPU's matmul FLOP/s (of `dtypes`: fp32, bf16) and copy bandwidth (bytes read +
-    written/s), medians. bf16 only where a row runs it: a CPU without bf16 matmul units
-    (AVX2) takes a minute for each 2048^3 one."""
-    import statistics
-
-    def med(fn):
-        fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    n, out = 2048, {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        if name not in dtypes:
-            continue
-        x = torch.randn(n, n, dtype=dtype)
-        out[name] = 2 * n**3 / med(lambda: x @ x)
-    src = torch.ones(2**26)  # 256 MiB
-    dst = torch.empty_like(src)
-    out["bandwidth"] = 2 * src.numel() * 4 / med(lambda: dst.copy_(src))
-    return out
-
-
-def _benches(runs, rows) -> None:
-    """Each configuration as a bench run that plans its step, given this CPU's peaks."""
-    import tempfile
-
-    from moe_exp.run import run
-
-    half = any(r["precision"] != "fp32" for r in rows)
-    peaks = cpu_peaks(dtypes=("fp32", "bf16") if half else ("fp32",))
-    print(f"\nthis CPU: fp32 matmul {peaks['fp32'] / 1e9:,.0f} GFLOP/s, " + (
-        f"bf16 {peaks['bf16'] / 1e9:,.0f} GFLOP/s, " if half else "") +
-        f"copy {peaks['bandwidth'] / 1e9:,.1f} GB/s")
-    print("| model | precision | AC | planned MiB | tracked MiB | peak error | planned ms | "
-          "step ms | step error |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    hw = [*(f"++hardware.peak_flops.{k}={v:.4g}" for k, v in peaks.items() if k != "bandwidth"),
-          f"hardware.memory_bandwidth={peaks['bandwidth']:.4g}", "logger=none"]
-    for o, row in zip(runs, rows):
-        with tempfile.TemporaryDirectory() as d:
-            rec = run(compose([*o, *hw]), out_dir=d, progress=False, overrides=[*o, *hw])
-        row["bench"] = {k: rec.get(k) for k in (
-            "status", "planned_peak_gib", "tracked_peak_gib", "planned_peak_error",
-            "planned_step_ms", "planned_compute_ms", "step_time_ms", "planned_step_error")}
-        row["cpu_peaks"] = peaks
-        b = row["bench"]
-        if b["status"] != "ok" or b["planned_peak_error"] is None:
-            print(f"| {row['model']} | {row['precision']} | {row['ac']} | {b['status']}: "
-                  f"{rec.get('error') or rec['null_reasons'].get('planned_peak_error')} |")
-            continue
-        step = b["planned_step_error"]
-        print(f"| {row['model']} | {row['precision']} | {row['ac']} | "
-              f"{b['planned_peak_gib'] * 1024:,.1f} | {b['tracked_peak_gib'] * 1024:,.1f} | "
-              f"{b['planned_peak_error']:+.1%} | {b['planned_step_ms']:,.1f} | "
-              f"{b['step_time_ms']:,.1f} | "
-              f"{'—' if step is None else f'{step:+.0%}'} |", flush=True)
 
 
 if __name__ == "__main__":

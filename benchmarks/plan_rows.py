@@ -9,8 +9,12 @@ and without full checkpointing). --rows cpu: tiny_moe and small_moe x fp32, bf16
 full, selective x eager, compiled (24 rows). --repeat N runs each row N times (CPU steps
 move +-20% between processes) and reports the median error.
 
-    PYTHONPATH=. python benchmarks/plan_rows.py --rows gpu|cpu [--calibration FILE]
-        [--repeat 1] [--only 0,3] [--json out.json] [override ...]
+--cpu-peaks: the datasheet roofline at this CPU's own peaks, measured here first (the
+median of an fp32, and bf16 where a row runs it, 2048^3 matmul's FLOP/s and of a 256 MiB
+copy's bytes/s), not the cpu profile's; the basis without a calibration.
+
+    PYTHONPATH=. python benchmarks/plan_rows.py --rows gpu|cpu [--calibration FILE |
+        --cpu-peaks] [--repeat 1] [--only 0,3] [--json out.json] [override ...]
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import itertools
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,6 +55,8 @@ def main() -> None:
     ap.add_argument("--rows", choices=sorted(ROWS), default="gpu")
     ap.add_argument("--only", help="row numbers to run, e.g. 0,3")
     ap.add_argument("--calibration", help="hardware.calibration for every row")
+    ap.add_argument("--cpu-peaks", action="store_true", help="the datasheet roofline at "
+                    "this CPU's measured peaks")
     ap.add_argument("--repeat", type=at_least(1), default=1)
     ap.add_argument("--steps", type=at_least(1), default=8)
     ap.add_argument("--json", type=out_file)
@@ -61,9 +68,22 @@ def main() -> None:
     common = ["logger=none", f"train.steps={a.steps}", "train.warmup_steps=3",
               *([f"hardware.calibration={a.calibration}"] if a.calibration else []),
               *a.overrides]
+    if a.cpu_peaks and a.calibration:
+        ap.error("--cpu-peaks and --calibration: one time basis at a time")
     runs = [[*r, *common] for r in rows]
     check_config(ap, runs)
     from moe_exp.run import run
+
+    peaks = None
+    if a.cpu_peaks:
+        half = any("precision=fp32" not in o for o in runs)
+        peaks = cpu_peaks(dtypes=("fp32", "bf16") if half else ("fp32",))
+        print(f"this CPU: fp32 matmul {peaks['fp32'] / 1e9:,.0f} GFLOP/s, " + (
+            f"bf16 {peaks['bf16'] / 1e9:,.0f} GFLOP/s, " if half else "") +
+            f"copy {peaks['bandwidth'] / 1e9:,.1f} GB/s")
+        hw = [*(f"++hardware.peak_flops.{k}={v:.4g}" for k, v in peaks.items()
+                if k != "bandwidth"), f"hardware.memory_bandwidth={peaks['bandwidth']:.4g}"]
+        runs = [[*o, *hw] for o in runs]
 
     print("| row | status | planned ms | kernels ms | measured ms | step error | planned GiB "
           "| measured GiB | peak error |")
@@ -78,7 +98,8 @@ def main() -> None:
             recs[-1]["null_reasons"] = {k: v for k, v in rec["null_reasons"].items()
                                         if k in KEYS}
         device = device or recs[0]["device_name"]
-        row = {"row": " ".join(r), "runs": recs, **_medians(recs)}
+        row = {"row": " ".join(r), "runs": recs, **_medians(recs),
+               **({"cpu_peaks": peaks} if peaks else {})}
         out.append(row)
         _print(row)
         if a.json:
@@ -89,6 +110,33 @@ def main() -> None:
         print(f"worst step error {max(errs):.1%}, worst peak error "
               f"{max(peaks, default=float('nan')):.1%} over {len(out)} rows"
               f"{f' (medians of {a.repeat})' if a.repeat > 1 else ''}; {device}")
+
+
+def cpu_peaks(reps: int = 5, dtypes=("fp32", "bf16")) -> dict:
+    """This CPU's matmul FLOP/s (of `dtypes`: fp32, bf16) and copy bandwidth (bytes read +
+    written/s), medians. bf16 only where a row runs it: a CPU without bf16 matmul units
+    (AVX2) takes a minute for each 2048^3 one."""
+    import torch
+
+    def med(fn):
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    n, out = 2048, {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        if name not in dtypes:
+            continue
+        x = torch.randn(n, n, dtype=dtype)
+        out[name] = 2 * n**3 / med(lambda: x @ x)
+    src = torch.ones(2**26)  # 256 MiB
+    dst = torch.empty_like(src)
+    out["bandwidth"] = 2 * src.numel() * 4 / med(lambda: dst.copy_(src))
+    return out
 
 
 def _medians(recs: list) -> dict:

@@ -243,7 +243,8 @@ def main(argv=None) -> int:
     cols = screen.width()
     t, dropped = screen.table(f"{a.base} -> {a.new} (threshold {a.threshold:g}%)", [
         "configuration", "status", "tokens/s", "change", "peak GiB", "mem change", "verdict"],
-        rows, cols, keep=("configuration", "verdict", "change", "mem change", "status"),
+        rows, cols, keep=("configuration", "verdict", "tokens/s", "change", "peak GiB",
+                          "mem change", "status"),
         wrap=("configuration", "verdict"))
     screen.show(t, dropped, cols)
     for line in only:

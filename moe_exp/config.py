@@ -327,6 +327,10 @@ class HardwareConfig:
         None, "the part's memory per device as CUDA reports it: a plan's where memory_gib "
         "is null (the device is not here)", since=None, tasks=PLAN_TASK, also_in=PLANNED,
         check=MEMORY)
+    compute_capability: Optional[float] = knob(
+        None, "the part's CUDA compute capability (9.0: Hopper): a plan's choice of the "
+        "expert kernel where the device is not here", since=None, tasks=PLAN_TASK,
+        also_in=PLANNED, check=Range(1.0, 100.0, note="major.minor or null"))
     memory_bandwidth: Optional[float] = knob(
         None, "device memory bytes/s (the plan's roofline)", since=None, tasks=PLAN_TASK,
         check=BANDWIDTH, also_in=PLANNED)

@@ -12,10 +12,6 @@ from . import screen
 from .config import CONF, DEFAULTS, KNOBS, default_choices, group_options
 
 
-def _cut(line: str, cols: int) -> str:
-    return line if len(line) <= cols else line[:cols - 1] + "…"
-
-
 def _group_lines(name: str, picked: dict, cols: int, indent: str = "") -> list[str]:
     """A group's options as `group=a (default)|b|c`, wrapped after a `|` to `cols`."""
     options = group_options(name)
@@ -69,7 +65,7 @@ def keys_text(cols: int | None = None) -> str:
         if head != group:
             group = head
             lines.append(f"  {head}:" if head else "  (top level):")
-        lines.append(_cut(f"    {_key_line(key)}  {_key_doc(key)}", cols))
+        lines.append(screen.cut(f"    {_key_line(key)}  {_key_doc(key)}", cols))
     return "\n".join(lines)
 
 

@@ -64,12 +64,24 @@ def table(title: str, columns: list[str], rows: list[list[str]], cols: int, *,
     return t, dropped
 
 
+def cut(line: str, cols: int) -> str:
+    """A line cut to `cols` characters, its end marked."""
+    return line if len(line) <= cols else line[:cols - 1] + "…"
+
+
+def console(cols: int | None = None):
+    """A rich Console at `cols` (the terminal's width), without rich's number colouring."""
+    from rich.console import Console
+
+    return Console(width=cols or width(), highlight=False)
+
+
 def wrapped(text: str, cols: int | None = None, indent: str = "  ") -> str:
     """`text` wrapped to the terminal, its later lines indented."""
     import textwrap
 
     return "\n".join(textwrap.wrap(text, cols or width(), subsequent_indent=indent,
-                                    break_on_hyphens=False, break_long_words=True))
+                                    break_on_hyphens=False, break_long_words=False))
 
 
 def command(line: str, cols: int | None = None) -> str:
@@ -77,9 +89,20 @@ def command(line: str, cols: int | None = None) -> str:
     still pastes as one command."""
     import textwrap
 
-    indent = line[:len(line) - len(line.lstrip())]
-    parts = textwrap.wrap(line.strip(), (cols or width()) - len(indent) - 6,
-                          break_long_words=False, break_on_hyphens=False)
+    import shlex
+
+    indent, room = line[:len(line) - len(line.lstrip())], (cols or width()) - len(line) \
+        + len(line.lstrip()) - 6
+    try:  # (a quoted argument stays whole)
+        words = shlex.split(line, posix=False)
+    except ValueError:
+        words = line.split()
+    parts = [""]
+    for w in words:
+        if parts[-1] and len(parts[-1]) + 1 + len(w) > room:
+            parts.append(w)
+        else:
+            parts[-1] = f"{parts[-1]} {w}" if parts[-1] else w
     return " \\\n".join(indent + ("    " if i else "") + p for i, p in enumerate(parts))
 
 
@@ -92,23 +115,23 @@ def text(markdown: str, cols: int | None = None) -> str:
 
 def show(t, dropped: list[str], cols: int, where: str = "") -> None:
     """Print a table from table() at `cols` columns, and a line naming what it left out."""
-    from rich.console import Console
-
-    Console(width=cols, highlight=False).print(t)
+    console(cols).print(t)
     if dropped:
-        line = f"({where + ', ' if where else ''}not shown here: {', '.join(dropped)})"
-        print(line if len(line) <= cols else line[:cols - 2] + "…)")
+        print(cut(f"({where + ', ' if where else ''}not shown here: {', '.join(dropped)})",
+                  cols))
 
 
 class Status:
-    """A wait's one line, once it has lasted `after` seconds: what it waits for, its phase
-    (phase()) and the seconds so far. On a terminal the line is redrawn each second and
-    cleared at the end; in a log, a line when the phase has changed, at most every 10 s."""
+    """A wait's one line, once it has lasted `after` seconds (5 on a terminal, 20 in a
+    log): what it waits for, its phase (phase()) and the seconds so far. On a terminal the
+    line is redrawn each second and cleared at the end; in a log, a line when the phase
+    has changed, at most every 10 s."""
     current: "Status | None" = None
 
-    def __init__(self, what: str, after: float = 5.0, stream=None) -> None:
-        self.what, self.after, self.phase = what, after, ""
+    def __init__(self, what: str, after: float | None = None, stream=None) -> None:
         self.stream = stream or sys.stderr
+        self.what, self.phase = what, ""
+        self.after = after if after is not None else 5.0 if self.stream.isatty() else 20.0
         self.drawn = 0
 
     def __enter__(self) -> "Status":
@@ -132,6 +155,14 @@ class Status:
         except (OSError, ValueError):  # (a closed stream: the wait goes on unsaid)
             self.stop.set()
 
+    def _cols(self) -> int:
+        import os
+
+        try:  # (the stream's terminal: stdout may be redirected)
+            return os.get_terminal_size(self.stream.fileno()).columns
+        except (OSError, ValueError, AttributeError):
+            return width()
+
     def _run(self) -> None:
         tty = self.stream.isatty()
         said, said_at = None, 0.0
@@ -141,10 +172,10 @@ class Status:
                 continue
             text = f"{self.what}: {self.phase}" if self.phase else self.what
             if tty:
-                line = f"{text} ({s:.0f} s)"[:width() - 1]
+                line = f"{text} ({s:.0f} s)"[:self._cols() - 1]
                 self._write("\r" + line.ljust(self.drawn))
                 self.drawn = len(line)
-            elif text != said and s - said_at >= 10 or said is None:
+            elif (text != said and s - said_at >= 10) or said is None:
                 self._write(f"{text} ({s:.0f} s so far)\n")
                 said, said_at = text, s
 
@@ -168,7 +199,8 @@ class Ticking:
     def _run(self, every: float) -> None:
         while not self.stop.wait(every):
             try:
-                self.bar.refresh()
+                with self.bar.get_lock():  # (released however the redraw ends)
+                    self.bar.refresh(nolock=True)
             except (OSError, ValueError):  # (a closed stream)
                 return
 

@@ -14,7 +14,8 @@ import torch
 from omegaconf import OmegaConf
 
 from .config import (CHOICES, CONF, FLOPS, FSDP2, MAX_STEPS, ConfigError, NotReady,
-                     Unsupported, default_choices, env_source, group_options, no_such_key)
+                     NothingLeft, Unsupported, default_choices, env_source, group_options,
+                     no_such_key)
 from .ranks import rank_env, world_size
 
 
@@ -702,8 +703,15 @@ def validate(cfg, overrides=(), in_sweep: bool = False) -> None:
     check_comm_from(cfg)
     check_calibration(cfg)
     task = TASKS[cfg.task]
-    task.check(cfg)
+    try:
+        task.check(cfg)
+    except NothingLeft as e:  # (not a mistake: said once every mistake is looked for)
+        left = e
+    else:
+        left = None
     check_logger(cfg)
+    if left is not None:
+        raise left
     if not task.here:  # (planned for the hardware named, on fake tensors: this machine
         return logger_ready(cfg)  # need not have it)
     # what this machine cannot do, or is not ready for (a sweep's row says which)

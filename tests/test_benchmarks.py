@@ -243,20 +243,29 @@ def test_attention_benchmark_rows(tmp_path):
 
 
 def test_plan_accuracy_benchmark_rows(tmp_path):
-    """Each configuration's planned and measured peak, side by side, within 10%; --bench:
-    each as a bench run checking its own plan, at this CPU's measured peaks."""
+    """Each configuration's planned and measured peak, side by side, within 10%."""
     out = tmp_path / "plan.json"
     bench("plan_accuracy.py", "--models", "tiny_moe", "--precisions", "fp32", "--ac",
-          "none,full", "--micro-batch", "2", "--bench", "--json", str(out), "train.steps=2")
+          "none,full", "--micro-batch", "2", "--json", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert [r["ac"] for r in rows] == ["none", "full"]
     assert all(abs(r["error"]) < 0.10 and r["planned"]["params"] > 0 for r in rows)
-    for r in rows:
-        b = r["bench"]
-        assert b["status"] == "ok" and abs(b["planned_peak_error"]) < 0.10, b
-        assert b["planned_step_error"] == pytest.approx(
-            b["planned_step_ms"] / b["step_time_ms"] - 1)
-        assert r["cpu_peaks"]["fp32"] > 0 and r["cpu_peaks"]["bandwidth"] > 0
+
+
+def test_plan_rows_at_this_cpus_peaks(tmp_path):
+    """--cpu-peaks: a bench row checking its own plan, its roofline at this CPU's measured
+    matmul and copy rates (the datasheet basis, not a calibration)."""
+    out = tmp_path / "rows.json"
+    bench("plan_rows.py", "--rows", "cpu", "--only", "0", "--steps", "2", "--cpu-peaks",
+          "--json", str(out), "train.micro_batch_size=2")
+    (r,) = json.loads(out.read_text())["rows"]
+    assert r["status"] == "ok" and abs(r["planned_peak_error"]) < 0.10, r
+    assert r["cpu_peaks"]["fp32"] > 0 and r["cpu_peaks"]["bandwidth"] > 0
+    assert "bf16" not in r["cpu_peaks"]  # (row 0 is fp32: no minute of bf16 matmuls)
+    (run,) = r["runs"]
+    assert run["planned_time_basis"] == "datasheet"
+    assert run["planned_step_error"] == pytest.approx(
+        run["planned_step_ms"] / run["step_time_ms"] - 1)
 
 
 def test_plan_rows_plans_each_row_with_a_calibration(tmp_path):

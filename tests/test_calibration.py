@@ -258,3 +258,26 @@ def test_auto_makes_this_machines_calibration_once_and_then_reads_it(tmp_path, m
     assert again["calibration_s"] is None and "made before this run" in \
         again["null_reasons"]["calibration_s"]
     assert again["planned_step_ms"] == pytest.approx(first["planned_step_ms"])
+
+
+def test_a_gpu_plan_picks_the_expert_kernel_by_the_profiles_capability():
+    """Without the GPU here, model.dispatch=auto is planned as CUDA picks it on the
+    profile's part: grouped_mm's own kernel in bf16 on sm90 (hardware.compute_capability
+    9.0: the H100 and H200 profiles), else loop; not by the profile's name."""
+    import torch
+
+    from conftest import compose
+    from moe_exp.plan.trace import planned_config
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU here: the run's own pick")
+    for o, want in [(["hardware=h100", "precision=bf16"], "grouped"),
+                    (["hardware=h200_nvl", "precision=bf16"], "grouped"),
+                    (["hardware=h100", "precision=fp32"], "loop"),
+                    (["hardware=a100", "precision=bf16"], "loop"),
+                    (["hardware=h100", "precision=bf16", "hardware.compute_capability=8.0"],
+                     "loop"),
+                    (["hardware=a100", "precision=bf16", "hardware.compute_capability=9.0"],
+                     "grouped")]:
+        cfg = compose(["task=plan", *o])
+        assert planned_config(cfg).model.dispatch == want, o

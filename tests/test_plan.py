@@ -144,7 +144,7 @@ def test_the_roofline_takes_each_collective_over_its_groups_link():
     """FSDP over 16 ranks, 8 a node: its groups span two nodes, so each collective's bus
     share moves at network_bandwidth; over 8 ranks, within one node, at link_bandwidth.
     A task=comm record (hardware.comm_from) replaces both with its measured times."""
-    from moe_exp.plan.roofline import _measured_s, comm_ms
+    from moe_exp.plan.roofline import _measured_s, call_seconds
 
     for devices, key in ((16, "network_bandwidth"), (8, "link_bandwidth")):
         cfg = compose(["model=tiny_dense", "parallel=fsdp", f"hardware.devices={devices}",
@@ -152,7 +152,8 @@ def test_the_roofline_takes_each_collective_over_its_groups_link():
         step = trace_step(cfg)
         want = sum(b * (2 if c == "all_reduce" else 1) * (devices - 1) / devices
                    for c, b, _ in step.ops.calls) / cfg.hardware[key] * 1e3
-        assert comm_ms(step.ops, cfg.hardware) == (pytest.approx(want), None)
+        each, why = call_seconds(step.ops, cfg.hardware)
+        assert why is None and sum(each) * 1e3 == pytest.approx(want)
     curve = (2, [(1024, 10e-6), (2**20, 1e-3)])  # (measured on 2 ranks: bus share 1/2)
     assert _measured_s(curve, "all_gather", 1024, 2) == 10e-6  # (a size measured)
     assert _measured_s(curve, "all_gather", 32 * 1024, 2) == pytest.approx(
@@ -171,3 +172,38 @@ def test_a_plan_that_does_not_fit_names_its_largest_memory_and_what_shrinks_it()
     fits = dict(summary_rows({**r, "model": "m", "precision": "bf16"}))["fits"]
     assert fits.startswith("NO: 418 of 80 GiB") and "activations 339 GiB of it" in fits
     assert "train.seq_len=32768: a shorter sequence" in fits
+
+
+def test_expert_stacks_are_sharded_where_their_dims_split_evenly():
+    """FSDP2's placement of a block's expert stack (experts x in x out): dim 0 where the
+    ranks split the experts; else the first of dims 1, 2 they split (FSDP2 pads dim 0
+    only: an uneven dim 1 is refused); else dim 0 padded. tiny_moe over 3 ranks (8 x 128
+    x 256: no dim splits by 3) plans, as it did before dim 1 (issue 49)."""
+    from torch.distributed.tensor import Shard
+
+    from moe_exp.model.moe import Experts
+    from moe_exp.optimizations.parallel import expert_placement
+
+    for shape, shards, want in [((8, 128, 256), 2, None), ((3, 128, 256), 2, Shard(1)),
+                                ((8, 120, 256), 3, Shard(1)), ((8, 128, 96), 3, Shard(2)),
+                                ((8, 128, 256), 3, None), ((1, 4096, 14336), 8, Shard(1))]:
+        e = Experts(*shape)
+        got = expert_placement(e, shards)
+        assert got(e.w1) == want, (shape, shards)
+        assert got(torch.nn.Parameter(torch.empty(3, 5))) is None  # (not the stack's)
+    plan = trace_step(compose(["hardware=cpu", "parallel=fsdp", "hardware.devices=3"]))
+    assert plan.at_peak["params"] > 0
+
+
+def test_a_plan_says_its_phases_and_a_recompute_by_block(monkeypatch):
+    """What a long plan's status line shows (screen.phase): forward by block, backward,
+    and under full checkpointing each block's recompute in backward, last first."""
+    import moe_exp.plan.trace as trace
+
+    seen = []
+    monkeypatch.setattr(trace, "phase", seen.append)
+    trace.trace_step(compose(["hardware=cpu", "train.activation_checkpointing=full"]))
+    assert seen == ["building the model on fake tensors", "the optimizer's state",
+                    "forward, block 1 of 2", "forward, block 2 of 2", "backward",
+                    "backward (recomputing), block 2 of 2",
+                    "backward (recomputing), block 1 of 2", "the optimizer step"]

@@ -297,7 +297,7 @@ def test_the_preflight_refuses_a_plan_over_the_memory_free_now(monkeypatch):
     monkeypatch.setattr(memory, "free_bytes", lambda device: None)  # unknown: the part's
     assert too_big(cfg, {"planned_peak_gib": 6.0}) is None
     monkeypatch.undo()  # the real one reads this machine
-    assert memory.free_bytes("cpu") > 0 and memory.free_bytes("hpu") is None
+    assert memory.free_bytes("cpu") > 0 and memory.free_bytes("cuda") is None
 
 
 def test_a_cpu_run_past_its_memory_ends_oom_with_a_record(tmp_path):

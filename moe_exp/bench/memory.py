@@ -24,10 +24,9 @@ def mem_available_bytes() -> int | None:
 
 
 def free_bytes(device_type: str) -> int | None:
-    """The memory free now on this machine's device: a GPU's free memory, a CPU's
-    MemAvailable (or less, where the cgroup allows less); None where unknown."""
-    if device_type == "cuda":
-        return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+    """The memory free now on this machine's CPU: MemAvailable, or less where the cgroup
+    allows less; None where unknown, and for an accelerator (reading a GPU's before the
+    run would make a CUDA context on GPU 0 in the launcher of its ranks)."""
     if device_type != "cpu":
         return None
     free, room = mem_available_bytes(), cgroup_free_bytes()
@@ -97,12 +96,10 @@ def cpu_memory_cap(memory_gib: float | None, ranks: int = 1):
     """
     import resource
 
-    free = mem_available_bytes()
+    free = free_bytes("cpu")
     if free is None or not hasattr(resource, "RLIMIT_DATA"):
         yield None
         return
-    if (room := cgroup_free_bytes()) is not None:
-        free = min(free, room)
     if memory_gib:
         free = min(free, int(memory_gib * GIB))
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)

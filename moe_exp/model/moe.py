@@ -68,17 +68,21 @@ def grouped_aligned(dtype: torch.dtype, *sizes: int) -> bool:
     return all(n * dtype.itemsize % 16 == 0 for n in sizes)
 
 
-def grouped_fast(device: torch.device | str, dtype: torch.dtype) -> bool:
+def grouped_fast(device: torch.device | str, dtype: torch.dtype,
+                 capability: float | None = None) -> bool:
     """Whether grouped_mm has its own kernel on this device and dtype.
 
     On CUDA only bf16 on sm90/sm100 has one, from CUTLASS. Anything else runs torch's
     fallback: a matmul per expert after copying the group ends to the host, a sync per call,
-    9 per MoE layer and step.
+    9 per MoE layer and step. `capability`: a part's that is not here (a plan's), else the
+    device's own.
     """
     device = torch.device(device)
     if device.type != "cuda":
         return True
-    return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
+    major = int(capability) if capability is not None else \
+        torch.cuda.get_device_capability(device)[0]
+    return dtype == torch.bfloat16 and major in (9, 10)
 
 
 def grouped_compiles(dtype: torch.dtype) -> bool:

@@ -24,7 +24,6 @@ def plan_step(cfg, rec: dict) -> None:
     """The plan's figures into rec: memory by kind, fit, FLOPs, collectives, roofline time."""
     from .trace import trace_step
 
-    why, t = rec["null_reasons"], cfg.train
     t0 = time.perf_counter()
     with Status(f"[plan] {cfg.model.name} on {cfg.hardware.name}" + (
             f", rank 0 of {cfg.hardware.devices:,}" if cfg.hardware.devices > 1 else "")):
@@ -94,15 +93,17 @@ def bench_plan(cfg) -> dict:
 def too_big(cfg, planned: dict) -> str | None:
     """The pre-flight's verdict on a planned peak: why the run cannot fit, else None.
 
-    It must fit the device's memory and what is free of it now. A GPU holds one rank; a
-    CPU's memory holds all of this machine's ranks together."""
+    It must fit the device's memory, and on a CPU what is free of it now. A GPU holds one
+    rank; a CPU's memory holds all of this machine's ranks together."""
     from ..bench.memory import free_bytes
+    from ..ranks import rank_env
 
     mem, peak = cfg.hardware.memory_gib, planned.get("planned_peak_gib")
     if peak is None:
         return None
     n = cfg.hardware.devices if cfg.hardware.device == "cpu" else 1
-    free = free_bytes(cfg.hardware.device)
+    # (not on a torchrun rank: each rank reads it at its own moment, and all must agree)
+    free = free_bytes(cfg.hardware.device) if rank_env() is None else None
     free = None if free is None else free / GIB
     if (not mem or peak * n <= mem) and (free is None or peak * n <= free):
         return None

@@ -104,12 +104,6 @@ def _measured_s(curve, name: str, nbytes: int, n: int) -> float:
     return t * _share(name, n) / _share(name, world) if world > 1 else t
 
 
-def comm_ms(ops, hw) -> tuple[float | None, str | None]:
-    """The collectives' time in ms, or None and why not."""
-    each, why = call_seconds(ops, hw)
-    return (None, why) if each is None else (sum(each) * 1e3, None)
-
-
 def call_seconds(ops, hw) -> tuple[list | None, str | None]:
     """Each collective's time in seconds (ops.calls' order), or None and why not."""
     curves = comm_curves(hw.comm_from) if hw.comm_from else {}

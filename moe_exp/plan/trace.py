@@ -131,9 +131,12 @@ def _eager(cfg, device: torch.device | None = None):
     if m.dispatch == "auto" and m.num_experts and cfg.hardware.device == "cuda":
         if torch.cuda.is_available():  # as the run picks it, compiled or not
             resolve_model_dispatch(cfg, torch.device("cuda"))
-        else:  # a GPU's plan made without one: as CUDA would pick
-            hopper = cfg.hardware.name.startswith(("h100", "h200"))  # (grouped_fast: sm90)
-            m.dispatch = "grouped" if hopper and cfg.precision.autocast_dtype == "bfloat16" \
+        else:  # a GPU's plan made without one: as CUDA would pick on the profile's part
+            from ..model.moe import grouped_fast
+
+            cc = cfg.hardware.compute_capability
+            dtype = torch.bfloat16 if cfg.precision.autocast_dtype == "bfloat16" else None
+            m.dispatch = "grouped" if cc is not None and grouped_fast("cuda", dtype, cc) \
                 else "loop"
     cfg.train.compile = "off"
     if device is not None:
@@ -214,7 +217,9 @@ def _phases(model):
     def forward(*_):
         state["pass"] = "forward"
 
-    handles = [b.register_forward_pre_hook(at(i)) for i, b in enumerate(blocks)]
+    handles = [getattr(b, "_checkpoint_wrapped_module", b).register_forward_pre_hook(at(i))
+               for i, b in enumerate(blocks)]  # (inside a checkpoint's wrapper: its
+    # recompute in backward calls the block, not the wrapper)
     handles += [model.register_forward_pre_hook(forward), model.register_forward_hook(backward)]
     try:
         yield

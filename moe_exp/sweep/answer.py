@@ -135,8 +135,9 @@ def answer_text(df) -> str:
     many = df["model"].nunique() > 1 or df["baseline_job"].nunique() > 1
     lines = ["## The answer", ""]
     if busy := contended(df):  # (said first: an answer from such rows is not firm)
-        lines += [f"**Measured while the machine was busy**: {busy}. Re-measure them: the "
-                  "same sweep again with sweep.resume=true sweep.remeasure_loaded=true.", ""]
+        lines += [f"**Measured while the machine was busy**: {busy}. Re-measure them: a grid "
+                  "sweep, the same command with sweep.resume=true sweep.remeasure_loaded=true; "
+                  "a search, delete those jobs' dirs and run it again.", ""]
     for g in _groups(df):
         base = g[g["baseline"] == True]  # noqa: E712 - pandas mask
         base = base.iloc[0] if len(base) else None

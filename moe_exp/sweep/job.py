@@ -271,19 +271,25 @@ def run_child(cfg_dict: dict, overrides, choices, out_dir: Path, s) -> dict:
 def remeasure_loaded(sweep_dir: Path, s) -> int:
     """sweep.remeasure_loaded: each ok run of the sweep measured under other processes' CPU
     load runs once more, from its job.json. A new ok record replaces the old, which is kept
-    as metrics.loaded.json; a failed one leaves the old in place. Returns the runs re-run."""
+    as metrics.loaded.json (.2.json and on after a later re-measure); a failed one leaves
+    the old in place. Returns the runs re-run."""
     from ..bench.load import busy
     from .table import job_dirs
 
     n = 0
     for d in job_dirs(sweep_dir):
-        paths = sorted(d.glob("rep*/metrics.json")) or [d / "metrics.json"]
+        paths = sorted(d.glob("rep*/metrics.json"), key=lambda p: int(p.parent.name[3:])
+                       if p.parent.name[3:].isdigit() else 0) or [d / "metrics.json"]
         redone = False
         for p in paths:
             old = read_record(p)
-            spec = p.parent / "job.json"
-            if old is None or old.get("status") != "ok" or not spec.is_file() or \
+            if old is None or old.get("status") != "ok" or \
                     not busy(load := old.get("cpu_other_load")):
+                continue
+            spec = p.parent / "job.json"
+            if not spec.is_file():  # (reused from another dir, or run in-process)
+                print(f"[sweep] job #{d.name}: measured under {load:.0%} other CPU load, "
+                      f"but {spec} is gone: not measured again", file=sys.stderr)
                 continue
             print(f"[sweep] job #{d.name}{'' if p.parent == d else ' ' + p.parent.name}: "
                   f"measured under {load:.0%} other CPU load: measuring it again",
@@ -297,7 +303,10 @@ def remeasure_loaded(sweep_dir: Path, s) -> int:
                       f"({new.get('error')}): the first record stays", file=sys.stderr)
                 continue
             new.update({k: old.get(k) for k in ("job", "repeat", "repeats") if k in old})
-            os.replace(p, p.with_name("metrics.loaded.json"))
+            kept, i = p.with_name("metrics.loaded.json"), 2
+            while kept.exists():  # (an earlier re-measure's: kept too)
+                kept, i = p.with_name(f"metrics.loaded.{i}.json"), i + 1
+            shutil.copy2(p, kept)  # (then the row's record replaced at once: never absent)
             write_json_atomic(p, new)
             redone = True
             now = new.get("cpu_other_load")

@@ -716,7 +716,7 @@ def _open_file(e: BaseException) -> str | None:
     return None
 
 
-# the answer's columns first (sweep/answer.py); the others by their order, the last first
+# the answer's columns first (sweep/answer.py), then the others from the left
 FIRST = ("job", "combination", "status", "tokens/s", "speedup", "peak GiB", "loss ok", "fits",
          "planned tokens/s", "planned peak GiB", "error")
 
@@ -735,8 +735,7 @@ def print_table(df, title: str = "Sweep results", cols: int | None = None) -> No
     screen.show(t, [d for d in dropped if not failed or d != "error"], cols,
                 "results.md has them all")
     for r in failed:  # the reason of each row that did not finish, as its column would
-        line = f"job {r.job}: {r.error}"
-        print(line if len(line) <= cols else line[:cols - 1] + "…")
+        print(screen.cut(f"job {r.job}: {r.error}", cols))
     busy = contended(df)
     if busy:
         print(screen.wrapped(f"warning: {busy}", cols), file=sys.stderr)

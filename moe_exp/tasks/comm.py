@@ -167,7 +167,6 @@ class CommTask(Task):
 
 
 def _print(df, d, out_dir: Path) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     t = Table(title=f"collectives on {d.world} ranks ({dist.get_backend()})")
@@ -180,5 +179,5 @@ def _print(df, d, out_dir: Path) -> None:
                   f"{r.busbw_gbps:.3f} GB/s")
     from .. import screen
 
-    Console(width=screen.width(), highlight=False).print(t)
+    screen.console().print(t)
     print(f"record: {out_dir / 'metrics.json'} (table: comm.csv, comm.md)", file=sys.stderr)

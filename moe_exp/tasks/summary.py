@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from ..bench.load import busy, load_warning
@@ -201,7 +200,7 @@ def print_summary(r: dict, path: Path | None = None, rows=None,
         table.add_row(k, v)
     from .. import screen
 
-    console = Console(width=screen.width(), highlight=False)
+    console = screen.console()
     console.print(table)
     if path:
         print(f"record: {path}", flush=True)  # (whole: a path to copy)

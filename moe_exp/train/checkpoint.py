@@ -201,7 +201,8 @@ def check(cfg, world: int, profiled: int) -> None:
                           f" {last + profiled}): its record is in its run dir")
     if m["step"] >= last:
         raise ConfigError("train.resume_from", f"{path} is at step {m['step']}: no measured "
-                          f"step is left before step {last} (raise train.steps)")
+                          f"step is left before step {last} (resume from an earlier "
+                          "checkpoint)")
 
 
 def check_weights(cfg) -> Path:
@@ -452,7 +453,7 @@ class Checkpointer:
                "checkpoint_path": str(self.last_path) if self.last_path else None,
                "checkpoint_load_s": self.load_s}
         off = "train.checkpoint_every=0" if not self.every else \
-            "no checkpoint saved (train.checkpoint_every > the run's steps)" if self.root \
+            "no checkpoint saved (the run ended before its first)" if self.root \
             else "written by rank 0"
         why = {k: off for k, v in rec.items() if v is None}
         if self.load_s is None:

@@ -424,7 +424,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
             if read:
                 log.read(step)
             if ckpt and ckpt.root:
-                _checkpoint(ckpt, step, read, log, res, win.measured(step), step + 1 == total)
+                _checkpoint(ckpt, step, read, log, res, win.measured(step))
             if step + 1 < total and step < win.prof_from and evaluate.due(step + 1, False):
                 win.pause(evaluate(step + 1))  # (not under the profiler: its
                 # collectives would count in comm_ms)
@@ -433,6 +433,9 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                 ticking = None
             bar.update(1)
         win.finish()
+        if ckpt and ckpt.root and start < total and not ckpt.due(total):  # the last step's
+            _checkpoint(ckpt, total - 1, True, log, res, False, last=True)  # (after the
+            # window and the profiler: in no figure)
         if evaluate.due(total, True):  # after the window: in no figure
             evaluate(total)
         done = True

@@ -82,18 +82,20 @@ def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh=None):
 
 def expert_placement(experts: nn.Module, shards: int):
     """FSDP2's shard_placement_fn for a block's stacked experts (experts x in x out):
-    Shard(1) where `shards` ranks do not split the experts evenly, as torchtitan does.
+    where `shards` ranks do not split the experts evenly, the first of dims 1 and 2 they
+    split evenly (FSDP2 pads dim 0 only), as torchtitan shards on dim 1.
 
-    Sharded on dim 0, fewer experts than ranks would leave a rank whole experts and the
-    others none (mixtral's 8 over 64 ranks: 21 GiB on rank 0, not 2.9); other params keep
-    FSDP2's Shard(0)."""
+    Sharded on dim 0, fewer experts than ranks leave a rank whole experts and the others
+    none (mixtral's 8 over 64 ranks: 21.1 GiB on rank 0 against 2.7); where no dim
+    splits evenly, and for other params, FSDP2's Shard(0)."""
     from torch.distributed.tensor import Shard
 
     mine = {id(q) for q in experts.parameters()}
 
     def placement(param):
-        return Shard(1) if id(param) in mine and param.ndim == 3 and \
-            param.shape[0] % shards else None
+        if id(param) not in mine or param.ndim != 3 or param.shape[0] % shards == 0:
+            return None
+        return next((Shard(d) for d in (1, 2) if param.shape[d] % shards == 0), None)
 
     return placement
 
