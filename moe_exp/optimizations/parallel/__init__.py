@@ -71,9 +71,9 @@ def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh=None):
                     # FSDP2 skips the reduce-scatter, divides, and forced to sum, divides again)
                     experts.set_force_sum_reduction_for_comms(True)
                 units[-1].append(experts)
-            experts = getattr(block.ffn, "experts", None)
+            experts = getattr(block.ffn, "experts", None)  # (expert_fsdp's: sharded above)
             fully_shard(block, mesh=world_mesh, **kw, shard_placement_fn=None if experts is None
-                        else expert_placement(experts, shards))
+                        or p.name == "expert_fsdp" else expert_placement(experts, shards))
         fully_shard(model, mesh=world_mesh, **kw)
         if p.prefetch:
             _prefetch(model, units, p.prefetch)
