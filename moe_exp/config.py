@@ -8,6 +8,7 @@ Choices among strings, such as `train.compile`, are checked in `validate.py`.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -250,6 +251,9 @@ class PrecisionConfig:
                              since="compute")
 
 
+TP_OPTIONS = ("fsdp", "expert_fsdp")  # the parallel options parallel.tp composes with
+
+
 @dataclass
 class ParallelConfig:
     name: str = knob("none", "the parallel option", choices=("none",) + RANKED, off="none",
@@ -262,8 +266,16 @@ class ParallelConfig:
                             read_by=(Reads("parallel.name", RANKED), Reads("task",
                             COMM_TASK)), check=Range(1, 10**9, note="seconds"))
     expert_parallel_size: Optional[int] = knob(None, "ranks experts are sharded over; "
-                                               "null = all", read_by=EXPERT, check=at_least(1,
+                                               "null = all (all data ranks under tp)", read_by=EXPERT, check=at_least(1,
                                                "or null (all ranks)"))
+    tp: int = knob(1, "tensor-parallel ranks: heads, FFN columns, experts' FFN columns and the "
+                   "vocab split over them (dp = world / tp)", since=1,
+                   read_by=Reads("parallel.name", TP_OPTIONS), column="tp",
+                   check=at_least(1, "(1 = off)"))
+    sequence_parallel: bool = knob(True, "with tp > 1, norms and the residual stream sharded "
+                                   "on the sequence (reduce-scatter + all-gather for all-reduce)",
+                                   since=True, read_by=Reads("parallel.name", TP_OPTIONS),
+                                   column="sp")
     bucket_cap_mb: float = knob(25.0, "DDP's gradient bucket size", read_by=DDP, check=Range(0,
                                 MAX_BUCKET_MB, lo_open=True, note="MB"))
     gradient_as_bucket_view: bool = knob(True, "DDP's gradients as views of its buckets",
@@ -299,6 +311,70 @@ class ParallelConfig:
     profile_steps: int = knob(2, "the last N steps run under torch.profiler (comm time)",
                               read_by=Reads("parallel.name",
                               RANKED), unread_ok=True, check=at_least(0))
+
+
+def tp_size(p) -> int:
+    """The tensor-parallel size: parallel.tp where the option reads it, else 1."""
+    return p.tp if p.name in TP_OPTIONS else 1
+
+
+def data_ranks(p, world: int) -> int:
+    """The ranks that take their own data: tensor-parallel ranks share theirs."""
+    return world // tp_size(p)
+
+
+def ep_size(p, world: int) -> int:
+    """Expert parallel's size: parallel.expert_parallel_size, or every data rank."""
+    return p.expert_parallel_size or data_ranks(p, world)
+
+
+def mesh_dims(p, devices: int, world: int) -> list[tuple[str, int]]:
+    """The run's device mesh, (name, size) outer dim first, its dims named as torchtitan's:
+    dp_replicate, dp_shard and tp; expert parallel's dp and ep (dp x ep is its dp_shard)."""
+    tp, data = tp_size(p), data_ranks(p, world)
+    if p.name == "ddp":
+        return [("dp_replicate", world)]
+    if p.name == "hsdp":
+        return list(zip(("dp_replicate", "dp_shard"), hsdp_mesh(p, devices, world)))
+    if p.name in ("expert", "expert_fsdp"):
+        ep = ep_size(p, world)
+        return [("dp", data // ep), ("ep", ep)] + ([("tp", tp)] if tp > 1 else [])
+    if p.name == "fsdp":
+        return [("dp_shard", data)] + ([("tp", tp)] if tp > 1 else [])
+    return []
+
+
+def group_dim(ranks: tuple, dims: list[tuple[str, int]]) -> str:
+    """The mesh dims a collective's group spans, named: 'tp', 'dp_shard', 'world'.
+
+    A group spans a run of adjacent dims: its size is theirs and its ranks step by the
+    innermost one's stride. Expert parallel's dp x ep is its dp_shard."""
+    sizes = [n for _, n in dims]
+    for i in range(len(dims)):
+        for j in range(len(dims) - 1, i - 1, -1):
+            size = math.prod(sizes[i:j + 1])
+            stride = math.prod(sizes[j + 1:])
+            if size == len(ranks) > 1 and all(b - a == stride for a, b in zip(ranks, ranks[1:])):
+                names = [d for d, n in dims[i:j + 1] if n > 1]
+                if names == ["dp", "ep"]:
+                    return "dp_shard"
+                return "world" if len(names) > 1 else names[0]
+    return "world" if len(ranks) == math.prod(sizes) else f"{len(ranks)} ranks"
+
+
+def tp_splits(m, tp: int) -> list[tuple[str, int]]:
+    """The model sizes tensor parallel splits, (key, size) pairs, each of which tp must
+    divide: heads, the FFNs' hidden sizes (experts' and shared ones too) and the vocab."""
+    sizes = [("model.num_heads", m.num_heads), ("model.vocab_size", m.vocab_size),
+             ("model.ffn_hidden_size", m.ffn_hidden_size)]
+    if m.attention_type != "mla":
+        sizes.append(("model.num_kv_heads", m.num_kv_heads))
+    if m.num_experts > 0 and m.first_k_dense and m.dense_ffn_hidden_size:
+        sizes.append(("model.dense_ffn_hidden_size", m.dense_ffn_hidden_size))
+    if m.num_experts > 0 and m.num_shared_experts:
+        sizes.append(("model.shared_ffn_hidden_size", m.num_shared_experts *
+                      (m.shared_ffn_hidden_size or m.ffn_hidden_size)))
+    return sizes
 
 
 def hsdp_mesh(p, devices: int, world: int) -> tuple[int, int]:

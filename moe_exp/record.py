@@ -114,6 +114,7 @@ class Training(ExpertLoad, Planned):
     comm_ms: F = None
     comm_share: F = None
     comm_exposed_ms: F = None
+    comm_kinds: D = None  # rank 0's comm_ms and comm_exposed_ms per collective kind
     grad_reduce_bytes: I = None
     z_loss: F = None
     seq_aux_loss: F = None
@@ -223,6 +224,7 @@ class Plan(Planned):
     planned_memory_gib: F = None
     planned_flops_per_step: F = None
     planned_comm: D = None
+    planned_comm_groups: D = None  # planned_comm per mesh dim: {"tp": {kind: ...}, ...}
     planned_mfu: F = None
 
 

@@ -14,8 +14,8 @@ import torch
 from omegaconf import OmegaConf
 
 from .config import (CHOICES, CONF, FLOPS, FSDP2, MAX_STEPS, ConfigError, NotReady,
-                     NothingLeft, Unsupported, default_choices, env_source, group_options,
-                     no_such_key)
+                     NothingLeft, Unsupported, data_ranks, default_choices, env_source, ep_size,
+                     group_options, no_such_key, tp_size)
 from .ranks import rank_env, world_size
 
 
@@ -366,11 +366,12 @@ def check_parallel(cfg) -> None:
         if m.pad_to_capacity and m.capacity_factor is not None:
             raise ConfigError("model.pad_to_capacity", f"not under parallel={p.name}: its "
                               "all-to-all sends the kept rows (no static shapes); leave it out")
-        ep = p.expert_parallel_size or launched
-        if launched % ep:
+        ep = ep_size(p, launched)
+        if data_ranks(p, launched) % ep:
             ranks = (f"hardware.devices={n}" if launched == n else
                      f"world size {launched} (torchrun's WORLD_SIZE)")
-            raise ConfigError("parallel.expert_parallel_size", f"must divide the {ranks}, "
+            tp = "" if tp_size(p) == 1 else f" over parallel.tp={p.tp}"
+            raise ConfigError("parallel.expert_parallel_size", f"must divide the {ranks}{tp}, "
                               f"got {ep}")
         if m.num_experts % ep:
             raise ConfigError("parallel.expert_parallel_size", f"model.num_experts="
@@ -382,6 +383,7 @@ def check_parallel(cfg) -> None:
                           "set parallel.accum_no_sync=false or static_graph=false")
     _check_hook(cfg)
     _check_hsdp(cfg, launched)
+    _check_tp(cfg, launched)
     if p.name in FSDP2:
         if p.cpu_offload and cfg.optim.name == "muon":
             raise ConfigError("parallel.cpu_offload", "not with optim=muon: its Newton-Schulz "
@@ -399,6 +401,31 @@ def _check_hook(cfg) -> None:
                           "(precision.grad_scaler): an overflowed step's inf stays in "
                           "PowerSGD's error feedback, and every later step is skipped (use "
                           "parallel.comm_hook=fp16 or bf16, or precision=bf16)")
+
+
+def _check_tp(cfg, world: int) -> None:
+    """parallel.tp: it divides the world and every size it splits."""
+    from .config import tp_splits
+
+    p, m, n = cfg.parallel, cfg.model, cfg.hardware.devices
+    if tp_size(p) == 1:
+        return
+    if world % p.tp:
+        ranks = f"hardware.devices={n}" if world == n else f"world size {world} (WORLD_SIZE)"
+        raise ConfigError("parallel.tp", f"must divide the {ranks}, got {p.tp}")
+    for key, size in tp_splits(m, p.tp):
+        if size % p.tp:
+            raise ConfigError("parallel.tp", f"must divide {key}={size} (it splits it over "
+                              f"the tensor-parallel ranks), got {p.tp}")
+    if p.sequence_parallel and cfg.train.seq_len % p.tp:
+        raise ConfigError("parallel.sequence_parallel", f"train.seq_len={cfg.train.seq_len} "
+                          f"does not split over parallel.tp={p.tp} ranks: set a multiple of "
+                          f"{p.tp} or parallel.sequence_parallel=false")
+    if cfg.optim.name == "muon":
+        raise ConfigError("parallel.tp", "not with optim=muon yet: its Newton-Schulz step "
+                          "would see each rank's columns only (allowed: 1)")
+    if p.cpu_offload:
+        raise ConfigError("parallel.cpu_offload", "not with parallel.tp > 1 (allowed: false)")
 
 
 def _check_hsdp(cfg, world: int) -> None:

@@ -73,6 +73,57 @@ def ep_grads_match(overrides, batch: int, per_rank: bool = False) -> dict:
         distributed.finish()
 
 
+def tp_grads_match(overrides, batch: int) -> dict | None:
+    """One forward/backward under parallel.tp (dp = world / tp) vs one process running each
+    dp rank's micro-batch apart (the mean of their losses). Rank 0's comparison: each
+    gradient's largest difference relative to its largest entry, and the losses."""
+    from torch.distributed.tensor import DTensor
+
+    from moe_exp import distributed
+    from moe_exp.config import ep_size
+    from moe_exp.model import build_model
+    from moe_exp.optimizations import apply
+
+    cfg = _cfg(overrides)
+    d = distributed.init(cfg)
+    try:
+        torch.manual_seed(0)
+        ref = build_model(cfg.model)
+        model = build_model(cfg.model)
+        model.load_state_dict(ref.state_dict())
+        dp = d.world // cfg.parallel.tp
+        g = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, cfg.model.vocab_size, (batch * dp, 17), generator=g)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        applied = apply(model, cfg, torch.device("cpu"), d.world)
+        mine = slice(d.rank // cfg.parallel.tp * batch, (d.rank // cfg.parallel.tp + 1) * batch)
+        out = applied.model(x[mine], y[mine])
+        out.loss.backward()
+        applied.before_step()
+        loss = distributed.all_mean(out.loss.detach())
+        grads = [q.grad.full_tensor() if isinstance(q.grad, DTensor) else q.grad
+                 for q in applied.model.parameters()]  # (collectives: on every rank)
+        expert = [getattr(q, "_expert_parallel", False) for q in applied.model.parameters()]
+        every = [None] * d.world
+        dist.all_gather_object(every, grads)
+        if not d.main:
+            return None
+        tp, ep = cfg.parallel.tp, ep_size(cfg.parallel, d.world)
+        # rank 0's ep group on mesh (dp, ep, tp): ranks i * tp; its experts in order
+        grads = [torch.cat([every[i * tp][k] for i in range(ep)]) if e else gr
+                 for k, (gr, e) in enumerate(zip(grads, expert))]
+        outs = [ref(x[r * batch:(r + 1) * batch], y[r * batch:(r + 1) * batch])
+                for r in range(dp)]
+        ref_loss = sum(o.loss for o in outs) / dp
+        ref_loss.backward()
+        names = [n for n, _ in ref.named_parameters()]
+        diffs = {n: ((mine_g - p.grad).abs().max() / p.grad.abs().max()).item()
+                 for n, p, mine_g in zip(names, ref.parameters(), grads)}
+        return {"loss": loss.item(), "ref_loss": ref_loss.item(), "grad_diffs": diffs}
+    finally:
+        distributed.finish()
+
+
 def fail_on_rank_1(overrides) -> str:
     """Rank 1 raises; rank 0 waits in a collective that would never finish on its own."""
     from moe_exp import distributed

@@ -55,7 +55,12 @@ PLANS = {"fsdp": ["parallel=fsdp"],
                                       "model.capacity_factor=0.9"],
          "expert_fsdp": ["parallel=expert_fsdp"],
          # 3 experts over 2 ranks: FSDP2 shards the stacks on dim 1 (issue 49)
-         "fsdp-3experts": ["parallel=fsdp", "model.num_experts=3"]}
+         "fsdp-3experts": ["parallel=fsdp", "model.num_experts=3"],
+         # tensor parallel (issue 49): the split weights, the DTensor collectives
+         "fsdp-tp2": ["parallel=fsdp", "parallel.tp=2"],
+         "fsdp-tp2-nosp-deepseek": ["parallel=fsdp", "parallel.tp=2", "model=tiny_deepseek",
+                                    "parallel.sequence_parallel=false"],
+         "expert_fsdp-tp2": ["parallel=expert_fsdp", "parallel.tp=2"]}
 PLANS = {k: [*o, "hardware.devices=2", "train.micro_batch_size=4"] for k, o in PLANS.items()}
 # dist_helpers calls: (ranks, helper, its args)
 CALLS = {
@@ -78,6 +83,18 @@ CALLS = {
     **{f"clip {k}": (2, "grad_norm_matches", [["parallel=hsdp", "hardware.devices=2", mesh,
                                                "model.aux_loss_coef=0"], 3])
        for k, mesh in HSDP_2.items()},
+    # tensor parallel (dp = world / tp): GQA, Qwen3's QK-norm, MLA with a dense first block
+    # and a shared expert; with and without sequence parallel; under FSDP2 on 4 ranks
+    # and with expert parallel (ep 2 x tp 2, each rank's experts split over tp)
+    **{f"tp grads {par} {m} {sp} {n}": (n, "tp_grads_match", [
+        [f"parallel={par}", f"hardware.devices={n}", "parallel.tp=2", f"model={m}",
+         f"parallel.sequence_parallel={sp == 'sp'}"], 2])
+       for par, m, sp, n in (
+           ("fsdp", "tiny_moe", "sp", 2), ("fsdp", "tiny_moe", "nosp", 2),
+           ("fsdp", "tiny_qwen3", "sp", 2), ("fsdp", "tiny_deepseek", "sp", 2),
+           ("fsdp", "tiny_deepseek", "nosp", 2), ("fsdp", "tiny_moe", "sp", 4),
+           ("fsdp", "tiny_deepseek", "sp", 4), ("expert_fsdp", "tiny_moe", "sp", 4),
+           ("expert_fsdp", "tiny_deepseek", "nosp", 4))},
     "accum once": (2, "ddp_reductions_per_step", [["train.grad_accum_steps=3"]]),
     "accum every": (2, "ddp_reductions_per_step", [["train.grad_accum_steps=3",
                                                     "parallel.accum_no_sync=false"]]),
@@ -108,6 +125,10 @@ LOSSES = {
     "expert_fsdp-4ranks-1local": ["parallel=expert_fsdp", "hardware.devices=4",
                                   "parallel.expert_parallel_size=2", "model.num_experts=2",
                                   "train.micro_batch_size=1"],
+    # tensor parallel: dp 1 x tp 2 (the rank's micro-batch is the global one), dp 2 x tp 2
+    "fsdp-tp2": ["parallel=fsdp", "parallel.tp=2", "train.micro_batch_size=4"],
+    "fsdp-tp2-4ranks": ["parallel=fsdp", "parallel.tp=2", "hardware.devices=4"],
+    "expert_fsdp-tp2-4ranks": ["parallel=expert_fsdp", "parallel.tp=2", "hardware.devices=4"],
     # a set routing load: each rank's share of the pattern is the one process's
     "expert-balanced": ["parallel=expert", "model.routing=balanced"],
     # DeepSeek's options, the aux-loss-free bias moved by the counts of every rank's tokens
@@ -194,6 +215,21 @@ def test_a_parallel_plan_predicts_rank_0s_peak_within_10_percent(case, launched)
         assert plan.comm[k]["calls"] == c["calls"], k
         assert plan.comm[k]["bytes"] == pytest.approx(c["bytes"], rel=0.1 if k == "all_to_all"
                                                       else 0), k
+
+
+TP_GRADS = [k.removeprefix("tp grads ") for k in CALLS if k.startswith("tp grads ")]
+
+
+@pytest.mark.parametrize("case", TP_GRADS)
+def test_tensor_parallel_loss_and_every_gradient_match_one_process(case, launched):
+    """parallel.tp=2 (issue 49): the loss and every parameter's gradient, gathered whole,
+    equal one process's on the same micro-batches within 1e-5 of the gradient's largest
+    entry (fp32; the split matmuls sum in another order)."""
+    res = launched[f"tp grads {case}"]
+    assert res["loss"] == pytest.approx(res["ref_loss"], rel=1e-5)
+    assert any(".experts.w1" in n for n in res["grad_diffs"])
+    worst = max(res["grad_diffs"].items(), key=lambda kv: kv[1])
+    assert worst[1] < 1e-5, worst
 
 
 @pytest.mark.parametrize("parallel", [*CLIPPED, *HSDP_2, "fsdp-3experts"])
@@ -342,6 +378,10 @@ def test_cli_expert_parallel_record(tmp_path):
     assert rec["comm_ms"] > 0 and 0 < rec["comm_share"] < 1
     # the all_to_all waits for gloo's threads: most of it is exposed
     assert 0.5 * rec["comm_ms"] < rec["comm_exposed_ms"] <= rec["comm_ms"]
+    kinds = rec["comm_kinds"]  # (per kind: the union of that kind's events)
+    assert kinds["all_to_all"]["ms"] > 0 and "all_reduce" in kinds  # (the grad sync)
+    assert all(0 <= v["exposed_ms"] <= v["ms"] <= rec["comm_ms"] * (1 + 1e-9)
+               for v in kinds.values())
     assert rec["measured_steps"] == 6 - 2  # the last parallel.profile_steps are not timed
     for layer in rec["tokens_per_expert"]:  # nor counted: top_k = 2 choices per token
         assert sum(layer) == rec["measured_steps"] * rec["tokens_per_step"] * 2
@@ -457,6 +497,11 @@ PARALLEL_ERRORS = [
     # 2 x 256 GiB buffers per rank (the ranks ran out of memory, before)
     (["task=comm", "hardware.devices=2", "comm.max_bytes=1000000000000"], "comm.max_bytes"),
     (["parallel=hsdp", "hardware.devices=2", "parallel.replicate=4"], "parallel.replicate"),
+    (["parallel=fsdp", "hardware.devices=2", "parallel.tp=4"], "parallel.tp"),
+    (["parallel=fsdp", "hardware.devices=4", "parallel.tp=4"], "parallel.tp"),  # 2 kv heads
+    (["parallel=fsdp", "hardware.devices=2", "parallel.tp=2", "train.seq_len=33"],
+     "parallel.sequence_parallel"),
+    (["parallel=ddp", "hardware.devices=2", "parallel.tp=2"], "parallel.tp"),
     (["parallel=ddp", "hardware.devices=2", "parallel.comm_hook=powersgd",
       "parallel.powersgd_rank=0"], "parallel.powersgd_rank"),
 ]

@@ -8,6 +8,7 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 from torch import nn
 
+from ..config import tp_size
 from .attention import apply_attention
 from .checkpointing import apply_checkpointing
 from .compile import apply_compile, compile_decode
@@ -50,8 +51,8 @@ def apply_inference(model: nn.Module, cfg, device: torch.device) -> tuple[Callab
 def apply(model: nn.Module, cfg, device: torch.device, world: int = 1) -> Applied:
     """Apply the run's optimizations to a plain model, in torchtitan's order.
 
-    attention kernel -> precision -> expert parallel -> activation checkpointing -> data
-    parallel (DDP and its comm hook, FSDP2 or HSDP) -> compile.
+    attention kernel -> precision -> tensor parallel -> expert parallel -> activation
+    checkpointing -> data parallel (DDP and its comm hook, FSDP2 or HSDP) -> compile.
 
     Gradient accumulation, train.grad_accum_steps, is the loop's: train/loop.py.
     """
@@ -63,21 +64,27 @@ def apply(model: nn.Module, cfg, device: torch.device, world: int = 1) -> Applie
         router_fp32(model)
     par = cfg.parallel.name
     mesh = ep_group = dp_group = None
+    tp = tp_size(cfg.parallel)
+    if tp > 1:
+        from .parallel import apply_tensor
+
+        mesh = apply_tensor(model, cfg, world)
     if par in ("expert", "expert_fsdp"):
         from .parallel import apply_expert
 
-        mesh, ep_group, dp_group = apply_expert(model, cfg, world)
+        mesh, ep_group, dp_group = apply_expert(model, cfg, world, mesh)
     model = apply_checkpointing(model, cfg.train.activation_checkpointing)
     before_step = clip = no_sync = reduce_bytes = None
     if par != "none":
-        from .parallel import accum_no_sync, apply_data_parallel, clip_grad_norm, grad_sync
+        from .parallel import (accum_no_sync, apply_data_parallel, clip_grad_norm, grad_sync,
+                               tp_sync)
 
         model = apply_data_parallel(model, cfg, device, world, mesh)
         if par == "ddp":
             from .parallel import register_comm_hook
 
             reduce_bytes = register_comm_hook(model, cfg)
-        before_step = grad_sync(model, cfg, world, dp_group)
+        before_step = grad_sync(model, cfg, world, dp_group) or tp_sync(model, tp)
         no_sync = accum_no_sync(model, cfg)
         clip = lambda params, max_norm: clip_grad_norm(params, max_norm, ep_group)  # noqa: E731
     model = apply_compile(model, cfg.train.compile)

@@ -144,12 +144,25 @@ class StepOps(TorchDispatchMode):
     @property
     def comm(self) -> dict:
         """Calls and bytes per collective: name -> {"calls", "bytes"}."""
-        seen = {}
-        for name, nbytes, _ in self.calls:
-            got = seen.setdefault(name, {"calls": 0, "bytes": 0})
-            got["calls"] += 1
-            got["bytes"] += nbytes
-        return seen
+        return _tally((name, nbytes) for name, nbytes, _ in self.calls)
+
+    def comm_by_group(self, dims: list) -> dict:
+        """comm per mesh dim the groups span (config.group_dim): dim -> name -> tally."""
+        from ..config import group_dim
+
+        out: dict = {}
+        for name, nbytes, ranks in self.calls:
+            out.setdefault(group_dim(ranks, dims), []).append((name, nbytes))
+        return {g: _tally(calls) for g, calls in sorted(out.items())}
+
+
+def _tally(calls) -> dict:
+    seen: dict = {}
+    for name, nbytes in calls:
+        got = seen.setdefault(name, {"calls": 0, "bytes": 0})
+        got["calls"] += 1
+        got["bytes"] += nbytes
+    return seen
 
 
 def process_group(a):

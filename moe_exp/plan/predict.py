@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from ..bench.memory import GIB
+from ..config import data_ranks, mesh_dims
 from ..screen import Status, phase
 from ..results import fill_null_reasons
 
@@ -56,8 +57,12 @@ def _figures(cfg, rec: dict, step) -> None:
                            for k, v in sorted(step.comm.items())}
     rec["planned_comm_gib"] = sum(v["gib"] for v in rec["planned_comm"].values())
     rec["world_size"] = world = cfg.hardware.devices
+    rec["planned_comm_groups"] = {
+        g: {k: {"calls": v["calls"], "gib": v["bytes"] / GIB} for k, v in kinds.items()}
+        for g, kinds in step.ops.comm_by_group(mesh_dims(cfg.parallel, world, world)).items()}
     phase("the step's time")
-    _times(cfg, rec, step, t.micro_batch_size * t.grad_accum_steps * t.seq_len * world)
+    _times(cfg, rec, step, t.micro_batch_size * t.grad_accum_steps * t.seq_len *
+           data_ranks(cfg.parallel, world))  # (tensor-parallel ranks share their tokens)
 
 
 # what a task=bench run records of its plan (train.plan)

@@ -185,7 +185,7 @@ def trace_step(cfg, micro_batch: int | None = None) -> StepMemory:
         torch.nn.functional.scaled_dot_product_attention
     with mock.patch.object(Transformer, "reset_parameters", _no_init), fake_world(world), \
             mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", sdpa):
-        with FakeTensorMode():
+        with FakeTensorMode(), _real_meshes():
             phase("building the model on fake tensors")
             built = build_step(cfg, b, FAKE_DEVICE, world)
             if cfg.parallel.name == "ddp":
@@ -196,6 +196,23 @@ def trace_step(cfg, micro_batch: int | None = None) -> StepMemory:
             if cfg.parallel.name == "ddp":
                 ddp_calls(got, built[0].model)
     return got
+
+
+@contextlib.contextmanager
+def _real_meshes():
+    """Device meshes built on real tensors in a fake trace: FSDP2 joins a tensor-parallel
+    mesh with its own, computing coordinates from the ranks' tensor."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    init = DeviceMesh.__init__
+
+    def real(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            init(self, *args, **kwargs)
+
+    with mock.patch.object(DeviceMesh, "__init__", real):
+        yield
 
 
 @contextlib.contextmanager

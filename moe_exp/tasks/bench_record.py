@@ -109,15 +109,19 @@ def record_checkpoints(rec: dict, ckpt, res) -> None:
 
 
 def record_run(cfg, rec: dict, res, device: torch.device, world: int, watch=None) -> None:
-    """Record the loop's figures, each null with its reason; bench.metrics derives them."""
+    """Record the loop's figures, each null with its reason; bench.metrics derives them.
+
+    Tensor-parallel ranks share their tokens: the step's are the data ranks'."""
+    from ..config import data_ranks
+
     t, why = cfg.train, rec["null_reasons"]
     tm, (mem, mem_why) = res.timings, res.memory
     if world > 1:  # the slowest rank sets the pace; the largest peak is what must fit
-        _across_ranks(res, tm, mem, device)
+        _across_ranks(res, tm, mem, device, world // data_ranks(cfg.parallel, world))
     peak = cfg.hardware.peak_flops.get(cfg.precision.name)
     rec.update(step_metrics(
         tm["step_ms"], tm, tokens_per_step=t.micro_batch_size * t.grad_accum_steps * t.seq_len,
-        world=world, wall_s=res.wall_s, first_step_s=res.first_step_s,
+        world=data_ranks(cfg.parallel, world), devices=world, wall_s=res.wall_s, first_step_s=res.first_step_s,
         compiled=t.compile != "off", flops_per_token=rec["flops_per_token"], peak_flops=peak,
         startup_s=res.startup_s if own_process() else None),
         loss_first=res.losses[0], loss_last=res.losses[-1], losses=res.losses,
@@ -158,9 +162,10 @@ def record_run(cfg, rec: dict, res, device: torch.device, world: int, watch=None
         why["tracked_peak_gib"] = watch.why
     record_errors(rec, device.type == "cpu")
     rec.update(comm_ms=res.comm_ms, comm_share=res.comm_share,  # (nulls present: a sweep's
-               comm_exposed_ms=res.comm_exposed_ms)  # table has the columns for every row)
+               comm_exposed_ms=res.comm_exposed_ms,  # table has the columns for every row)
+               comm_kinds=res.comm_kinds or None)
     if res.comm_ms is None:
-        why["comm_ms"] = why["comm_share"] = why["comm_exposed_ms"] = (
+        why["comm_ms"] = why["comm_share"] = why["comm_exposed_ms"] = why["comm_kinds"] = (
             "one rank: no communication" if world == 1 else
             "parallel.profile_steps=0 or train.steps <= profile_steps")
 
@@ -314,13 +319,14 @@ def slowest_rank_steps(every: torch.Tensor, keys: list[str]) -> dict:
     return {k: pick[:, i].tolist() for i, k in enumerate(keys)}
 
 
-def _across_ranks(res, tm: dict, mem: dict, device) -> None:
+def _across_ranks(res, tm: dict, mem: dict, device, share: int = 1) -> None:
     """Combine the ranks' step times, peaks, comm, expert counts and aux losses, in place.
 
     Each step takes the times of the rank whose step was slowest, its phases too, so they add
     up to its step. Peaks, comm time and share and the per-step expert imbalance take the
-    max. Expert counts are summed. The aux losses, each rank's over its micro-batches, take
-    the mean over ranks."""
+    max. Expert counts are summed, divided by `share`: the ranks that route the same tokens
+    (tensor parallel's). The aux losses, each rank's over its micro-batches, take the mean
+    over ranks."""
     import torch.distributed as dist
 
     from ..distributed import all_gather_stack, all_max, all_mean, collective_device
@@ -335,11 +341,12 @@ def _across_ranks(res, tm: dict, mem: dict, device) -> None:
                     res.comm_exposed_ms, res.step_max_over_mean], dev)
     mem.update(zip(mkeys, vals))
     res.comm_ms, res.comm_share, res.comm_exposed_ms, res.step_max_over_mean = vals[-4:]
-    if res.counts is not None:
+    if res.counts is not None:  # (tensor-parallel ranks route the same tokens: once)
         dist.all_reduce(res.counts)
         choices = torch.tensor([res.choices], dtype=torch.float64, device=dev)
         dist.all_reduce(choices)
-        res.choices = int(choices.item())
+        res.counts //= share
+        res.choices = int(choices.item()) // share
     if res.balance is not None:
         res.balance, res.z, res.seq_balance = all_mean(torch.tensor(
             [res.balance, res.z, res.seq_balance], dtype=torch.float64, device=dev)).tolist()

@@ -7,7 +7,7 @@ from ..config import FSDP2, ConfigError
 from ..plan.predict import HEADROOM, KINDS, plan_step
 from ..record import Plan
 from .protocol import Task
-from .summary import run_line
+from .summary import layout, run_line
 
 
 class PlanTask(Task):
@@ -70,16 +70,13 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
     split = ", ".join(f"{k} {r[f'planned_{k}_gib']:,.3f}" for k in KINDS
                       if r.get(f"planned_{k}_gib"))
     step, world = r.get("planned_step_ms"), r.get("world_size") or 1
-    where = "one device" if world == 1 else f"rank 0 of {world} ({r['parallel']})"
+    where = "one device" if world == 1 else f"rank 0 of {world} ({layout(r)})"
     return [
         ("plan", f"{run_line(r)} micro-batch {r['micro_batch_size']} on {r['hardware']}, "
                  f"{where} (traced in {r['plan_s']:.1f} s)"),
         ("peak memory", f"{r['planned_peak_gib']:,.3f} GiB per device: {split}"),
         ("fits", fits),
-        *([("collectives", ", ".join(f"{k} {size_text(v['gib'])} in {v['calls']} call"
-                                     f"{'s' * (v['calls'] != 1)}"
-                                     for k, v in r["planned_comm"].items())
-            + " a step (each rank)")] if r.get("planned_comm") else []),
+        *([("collectives", _collectives(r))] if r.get("planned_comm") else []),
         ("step", f"{r['planned_flops_per_step']:.3g} FLOPs" + (
             f"; {step:,.1f} ms ({r['planned_compute_ms']:,.1f} computing {_basis(r)}, "
             f"{r['planned_comm_ms']:,.1f} communicating{_exposed(r)}), "
@@ -97,6 +94,19 @@ def _basis(r: dict) -> str:
     kernels = r.get("planned_kernel_ms")
     return f"at the rates of {basis.removeprefix('calibration ')}" + (
         f", kernels {kernels:,.1f} of it" if kernels is not None else "")
+
+
+def _collectives(r: dict) -> str:
+    """Each collective's bytes and calls a step, by the mesh dim its groups span where
+    there are several (tp: ...; dp_shard: ...)."""
+    def kinds(comm):
+        return ", ".join(f"{k} {size_text(v['gib'])} in {v['calls']} call"
+                         f"{'s' * (v['calls'] != 1)}" for k, v in comm.items())
+
+    groups = r.get("planned_comm_groups") or {}
+    text = "; ".join(f"{g}: {kinds(c)}" for g, c in groups.items()) if len(groups) > 1 \
+        else kinds(r["planned_comm"])
+    return text + " a step (each rank)"
 
 
 def _exposed(r: dict) -> str:

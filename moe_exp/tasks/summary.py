@@ -60,6 +60,14 @@ def _plan_check(r: dict) -> str:
     return text + f" (traced in {r['plan_s']:.1f} s)"
 
 
+def layout(r: dict) -> str:
+    """The parallel option and its sizes: 'fsdp', 'fsdp x tp 2 (sequence parallel)'."""
+    tp = r.get("tp") or 1
+    if tp == 1:
+        return r["parallel"]
+    return f"{r['parallel']} x tp {tp}" + (" (sequence parallel)" if r.get("sp") else "")
+
+
 def run_line(r: dict) -> str:
     """The run's knobs as label=value words, for a summary's first row.
 
@@ -84,7 +92,7 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
            else f"null: {why.get('mfu', 'unknown')}")
     rows = [
         ("run", f"{run_line(r)} on {r['device_name']}"),
-        *([("parallel", f"{r['parallel']} on {r['world_size']} "
+        *([("parallel", f"{layout(r)} on {r['world_size']} "
                         f"rank{'s' * (r['world_size'] != 1)}; collectives "
                         + (f"{r['comm_ms']:.1f} ms/step" if r.get("comm_ms") is not None
                            else f"null: {why.get('comm_ms', 'unknown')}")
@@ -93,6 +101,9 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                            if r.get("comm_exposed_ms") is not None else "")
                         + _reduced(r))]
           if (r.get("world_size") or 1) > 1 or r["parallel"] != "none" else []),
+        *([("by kind", ", ".join(f"{k} {v['ms']:.1f} ms ({v['exposed_ms']:.1f} exposed)"
+                                 for k, v in r["comm_kinds"].items()) + " (rank 0)")]
+          if len(r.get("comm_kinds") or {}) > 1 else []),
         ("params", f"{r['params_total'] / 1e6:,.2f}M total, {r['params_active'] / 1e6:,.2f}M active"),
         ("tokens/s", f"{r['tokens_per_s']:,.0f}  ({r['tokens_per_s_per_device']:,.0f} per device)"),
         ("step time", f"{_f(r['step_time_ms'], '.1f', ' ms')} median, "

@@ -51,6 +51,7 @@ class LoopResult:
     comm_ms: float | None = None  # per step, from the profiled last steps (distributed only)
     comm_share: float | None = None  # comm_ms / those profiled steps' own time
     comm_exposed_ms: float | None = None  # of comm_ms, the time no computation overlaps
+    comm_kinds: dict = field(default_factory=dict)  # per collective kind: ms, exposed_ms
     startup_s: float | None = None  # process start -> first measured step (compile included)
     cpu_window: tuple | None = None  # CPU ticks in the window: load.window's tuple
     memory: tuple = ({}, {})  # MemoryMeter.read() at the window's end (before any profiler)
@@ -205,7 +206,8 @@ class _Window:
             self.res.profiler = self._closed
         if not dist.is_initialized():
             return
-        self.res.comm_ms, self.res.comm_exposed_ms = comm_times(self._closed, n)
+        self.res.comm_ms, self.res.comm_exposed_ms, self.res.comm_kinds = \
+            comm_times(self._closed, n)
         if self.res.comm_ms is not None:  # (the same steps: the median step is not)
             self.res.comm_share = self.res.comm_ms / prof_ms
 

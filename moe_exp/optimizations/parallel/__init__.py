@@ -1,7 +1,8 @@
-"""Parallelism, parallel=none|ddp|fsdp|expert|expert_fsdp|hsdp, applied to a plain model.
+"""Parallelism, parallel=none|ddp|fsdp|expert|expert_fsdp|hsdp, applied to a plain model,
+and parallel.tp (tensor.py) under parallel=fsdp.
 
-optimizations.apply uses torchtitan's order: expert parallel first, then activation
-checkpointing, then data parallel, then compile.
+optimizations.apply uses torchtitan's order: tensor parallel, expert parallel, activation
+checkpointing, data parallel, compile.
 
 Gradient semantics: every rank's loss is the mean over its own micro-batch; the update
 equals the single-process one on the concatenated global batch."""
@@ -13,23 +14,70 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...config import FSDP2
+from ...config import FSDP2, data_ranks
 from .expert import shard_experts
 from .hooks import record_reduce_bytes, register_comm_hook  # noqa: F401 (the API)
 
 
-def expert_groups(cfg, world: int):
-    """Expert parallel's groups: (device mesh over dp x ep, ep process group, dp process group)."""
+def expert_groups(cfg, world: int, mesh=None):
+    """Expert parallel's groups: (device mesh over dp x ep [x tp], ep process group, dp
+    process group); `mesh`, tensor parallel's, where it has one."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    ep = cfg.parallel.expert_parallel_size or world
-    mesh = init_device_mesh(cfg.hardware.device, (world // ep, ep), mesh_dim_names=("dp", "ep"))
+    if mesh is None:
+        ep = cfg.parallel.expert_parallel_size or world
+        mesh = init_device_mesh(cfg.hardware.device, (world // ep, ep),
+                                mesh_dim_names=("dp", "ep"))
     return mesh, mesh["ep"].get_group(), mesh["dp"].get_group()
 
 
-def apply_expert(model: nn.Module, cfg, world: int):
-    mesh, ep_group, dp_group = expert_groups(cfg, world)
+def apply_tensor(model: nn.Module, cfg, world: int):
+    """parallel.tp: split the model over the tp dim of the run's mesh; returns the mesh.
+
+    fsdp: (dp_shard, tp). expert_fsdp: (dp, ep, tp), dp x ep flattened to the ranks FSDP2
+    shards the rest over (dp_shard); the experts are split in apply_expert."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ...config import ep_size
+    from .tensor import apply_tensor_parallel
+
+    p, tp = cfg.parallel, cfg.parallel.tp
+    if p.name == "expert_fsdp":
+        ep = ep_size(p, world)
+        mesh = init_device_mesh(cfg.hardware.device, (data_ranks(p, world) // ep, ep, tp),
+                                mesh_dim_names=("dp", "ep", "tp"))
+    else:
+        mesh = init_device_mesh(cfg.hardware.device, (world // tp, tp),
+                                mesh_dim_names=("dp_shard", "tp"))
+    apply_tensor_parallel(model, mesh["tp"], p.sequence_parallel,
+                          experts=p.name != "expert_fsdp")
+    return mesh
+
+
+def tp_sync(model: nn.Module, tp: int):
+    """With tensor parallel, each gradient in its parameter's placements before the step."""
+    if tp <= 1:
+        return None
+    from .tensor import sync_grads
+
+    params = list(model.parameters())
+    return lambda: sync_grads(params)
+
+
+def apply_expert(model: nn.Module, cfg, world: int, mesh=None):
+    """Shard the experts over the ep group; under tensor parallel, split each rank's
+    experts over the tp group too (etp = tp)."""
+    mesh, ep_group, dp_group = expert_groups(cfg, world, mesh)
     shard_experts(model, ep_group)
+    if "tp" in (mesh.mesh_dim_names or ()):
+        from .expert import ExpertParallel
+        from .tensor import split_experts
+
+        for m in model.modules():
+            if isinstance(m, ExpertParallel):
+                m.local = split_experts(m.local, mesh["tp"])
+                for prm in m.local.parameters():
+                    prm._expert_parallel = True
     return mesh, ep_group, dp_group
 
 
@@ -53,8 +101,14 @@ def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh=None):
               "reshard_after_forward": p.reshard_after_forward}
         if p.cpu_offload:
             kw["offload_policy"] = CPUOffloadPolicy()
-        world_mesh = init_device_mesh(cfg.hardware.device, (world,)) if p.name != "hsdp" \
-            else hsdp_device_mesh(cfg, world)
+        names = mesh.mesh_dim_names or () if mesh is not None else ()
+        if "tp" in names:  # (tensor parallel: FSDP2 over the data ranks)
+            world_mesh = mesh["dp_shard"] if "dp_shard" in names else \
+                mesh["dp", "ep"]._flatten("dp_shard")
+        elif p.name == "hsdp":
+            world_mesh = hsdp_device_mesh(cfg, world)
+        else:
+            world_mesh = init_device_mesh(cfg.hardware.device, (world,))
         units = []  # per block: [block, its FSDP-sharded experts (expert_fsdp)]
         shards = world_mesh.size(world_mesh.ndim - 1)  # (HSDP: its shard dim's ranks)
         for block in _blocks(model):
@@ -65,7 +119,8 @@ def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh=None):
                             shard_placement_fn=expert_placement(experts, mesh["dp"].size()))
                 for prm in experts.parameters():  # fully_shard made new ones: mark them again
                     prm._expert_parallel = True
-                experts.set_gradient_divide_factor(float(world))  # sum over ep, mean over all
+                # sum over ep, mean over the data ranks (tensor-parallel ones share theirs)
+                experts.set_gradient_divide_factor(float(data_ranks(p, world)))
                 if dist.get_backend() == "gloo" and mesh["dp"].size() > 1:
                     # gloo has no PREMUL_SUM: sum, then divide (not over one rank: there
                     # FSDP2 skips the reduce-scatter, divides, and forced to sum, divides again)
@@ -242,8 +297,21 @@ def _on_cuda(ev) -> bool:
     return str(getattr(ev, "device_type", "")).endswith("CUDA")
 
 
-def comm_times(prof, steps: int) -> tuple[float | None, float | None]:
-    """Communication time per step from a torch.profiler trace: (comm_ms, comm_exposed_ms).
+# a collective's kind from its event's name, lowercased without "_" (c10d's ops, gloo's
+# and NCCL's kernels: ncclDevKernel_AllGather_RING_LL; an all-to-all is NCCL's SendRecv)
+_KINDS = (("all_gather", ("allgather",)), ("reduce_scatter", ("reducescatter",)),
+          ("all_reduce", ("allreduce",)), ("all_to_all", ("alltoall", "sendrecv")),
+          ("broadcast", ("broadcast",)))
+
+
+def _kind(ev) -> str | None:
+    name = ev.name.lower().replace("_", "")
+    return next((k for k, words in _KINDS if any(w in name for w in words)), None)
+
+
+def comm_times(prof, steps: int) -> tuple[float | None, float | None, dict]:
+    """Communication time per step from a torch.profiler trace: (comm_ms, comm_exposed_ms,
+    by kind: {"all_gather": {"ms", "exposed_ms"}, ...}).
 
     The trace's events are read once.
 
@@ -258,9 +326,11 @@ def comm_times(prof, steps: int) -> tuple[float | None, float | None]:
     that are neither a collective nor a wait on one. gloo runs a collective on its own
     threads while the caller waits, as in expert parallel's all_to_all, or computes on, as
     with DDP's gradient all-reduce during the backward: the first is exposed, the second
-    is not."""
+    is not.
+
+    By kind, the same for each kind's events alone (kinds in flight at once each count it)."""
     if steps <= 0:
-        return None, None
+        return None, None, {}
     events = list(prof.events())
     comm = [ev for ev in events if _is_comm(ev)]
     kernels = [ev for ev in comm if "nccl" in ev.name.lower() and _on_cuda(ev)]
@@ -271,8 +341,18 @@ def comm_times(prof, steps: int) -> tuple[float | None, float | None]:
         compute = [ev for ev in events if not getattr(ev, "cpu_children", None)
                    and not _is_comm(ev) and not any(w in ev.name.lower() for w in _NOT_COMPUTE)]
     busy = [(ev.time_range.start, ev.time_range.end) for ev in compute]
-    total = union_us(spans)
-    return total / 1e3 / steps, (total - overlap_us(spans, busy)) / 1e3 / steps
+
+    def times(evs):
+        spans = [(ev.time_range.start, ev.time_range.end) for ev in evs]
+        total = union_us(spans)
+        return total / 1e3 / steps, (total - overlap_us(spans, busy)) / 1e3 / steps
+
+    kinds: dict = {}
+    for ev in kernels or comm:
+        if (k := _kind(ev)) is not None:
+            kinds.setdefault(k, []).append(ev)
+    by_kind = {k: dict(zip(("ms", "exposed_ms"), times(evs))) for k, evs in sorted(kinds.items())}
+    return (*times(kernels or comm), by_kind)
 
 
 def _merged(spans) -> list[tuple[float, float]]:

@@ -1,0 +1,208 @@
+"""Tensor parallel (parallel.tp) with sequence parallel (parallel.sequence_parallel) on
+torch's DTensor API, as torchtitan and Megatron-Core split a block.
+
+Attention: q/k/v column-wise (each rank its heads), o row-wise; dense FFN: w1/w3
+column-wise, w2 row-wise; embedding vocab-sharded, head column-wise with the logits
+gathered; norms replicated. With sequence parallel the residual stream between the split
+regions is sharded on the sequence: each region all-gathers its input and reduce-scatters
+its output (one all-reduce's bytes, norms on 1/tp of the tokens). Without it the stream
+is replicated and each region all-reduces its output.
+
+The MoE (experts split over the TP group, etp = tp): the router runs replicated on the
+gathered tokens; each expert's w1/w3 columns and w2 rows are split, as are the shared
+experts'; the routed and shared outputs are partial sums, reduced once at the layer's end.
+Gradients inside follow Megatron's rule that a tensor feeding split weights gets a partial
+gradient: the layer's input gradient is reduce-scattered (or all-reduced) once; the
+router's share is divided by tp so the sum comes out whole, and the routing weights,
+which multiply partial outputs, have theirs all-reduced (T x k numbers).
+
+Every parameter becomes a DTensor on the TP mesh (Shard or Replicate), so FSDP2 composes on
+a 2-D (dp, tp) mesh; `sync_grads` turns the Partial gradients of replicated weights (norms
+under sequence parallel) into their parameters' placements where no FSDP2 does it."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                               RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
+
+from ...model.moe import MoE
+
+
+def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool,
+                          experts: bool = True) -> None:
+    """Split `model` (a model.transformer.Transformer) over the 1-D TP mesh, in place.
+
+    experts=False leaves the routed experts whole, for expert parallel to shard first
+    (parallel.apply_expert then splits each rank's with split_experts)."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    parallelize_module(model, mesh, {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+    })
+    _norm(model.norm, mesh, sequence_parallel)
+    for block in model.layers:
+        _norm(block.attn_norm, mesh, sequence_parallel)
+        _norm(block.ffn_norm, mesh, sequence_parallel)
+        _attention(block.attn, mesh, seq)
+        if isinstance(block.ffn, MoE):
+            _moe(block.ffn, mesh, seq, experts)
+        else:
+            _dense(block.ffn, mesh, seq)
+
+
+def _norm(norm: nn.Module, mesh, sequence_parallel: bool, dim: int = 1) -> None:
+    if sequence_parallel or dim != 1:
+        parallelize_module(norm, mesh, SequenceParallel(sequence_dim=dim, use_local_output=True))
+    else:
+        _replicated(norm, mesh)
+
+
+def _replicated(module: nn.Module, mesh) -> None:
+    """Weights replicated (Replicate DTensors) and run on the local tensors it is given."""
+    def inp(_m, args, _mesh):
+        return tuple(DTensor.from_local(a, mesh, (Replicate(),), run_check=False)
+                     if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a
+                     for a in args)
+
+    def out(_m, y, _mesh):
+        return y.to_local() if isinstance(y, DTensor) else y
+
+    distribute_module(module, mesh, input_fn=inp, output_fn=out)
+
+
+def _attention(attn: nn.Module, mesh, seq) -> None:
+    """Heads split: GQA's q/k/v, or MLA's q (after its low-rank part) and latent expansion
+    column-wise; o row-wise."""
+    tp = mesh.size()
+    parallelize_module(attn, mesh, {
+        "": PrepareModuleInput(input_layouts=(seq, None, None),
+                               desired_input_layouts=(Replicate(), None, None),
+                               use_local_output=False),  # (x, cos, sin)
+        "wo": RowwiseParallel(output_layouts=seq)})
+    attn.n_heads //= tp  # the views take this rank's heads
+    if hasattr(attn, "wkv_a"):
+        return _latent(attn, mesh)
+    parallelize_module(attn, mesh, {"wq": ColwiseParallel(), "wk": ColwiseParallel(),
+                                    "wv": ColwiseParallel()})
+    for name in ("q_norm", "k_norm"):  # Qwen3's per-head norms, on this rank's heads
+        norm = getattr(attn, name)
+        if not isinstance(norm, nn.Identity):
+            _norm(norm, mesh, True, dim=2)
+    attn.n_kv //= tp
+
+
+def _latent(attn: nn.Module, mesh) -> None:
+    """MLA: q's low-rank part and the shared latent (wkv_a, kv_norm) replicated.
+
+    The latent's RoPE key, shared by every head, reaches this rank's heads only: its
+    gradient is partial and summed over the group; the rest of wkv_a's is whole."""
+    if isinstance(attn.wq, nn.Sequential):  # (q_lora_rank: down, norm, up)
+        distribute_module(attn.wq[0], mesh)
+        distribute_module(attn.wq[1], mesh)
+        parallelize_module(attn.wq[2], mesh, ColwiseParallel())
+    else:
+        parallelize_module(attn.wq, mesh, ColwiseParallel())
+    parallelize_module(attn.wkv_b, mesh, ColwiseParallel())
+    _replicated(attn.kv_norm, mesh)
+    distribute_module(attn.wkv_a, mesh)
+    rank = attn.kv_rank
+
+    def local(_m, _args, out):
+        latent, rope = out.split([rank, out.shape[-1] - rank], dim=-1)
+        return torch.cat([latent.to_local(), rope.to_local(grad_placements=(Partial(),))], -1)
+
+    attn.wkv_a.register_forward_hook(local)
+
+
+def _dense(ffn: nn.Module, mesh, seq) -> None:
+    parallelize_module(ffn, mesh, {
+        "": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                               use_local_output=False),
+        "w1": ColwiseParallel(), "w3": ColwiseParallel(),
+        "w2": RowwiseParallel(output_layouts=seq)})
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, k: float):
+        ctx.k = k
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.k, None
+
+
+def _partial_grad(x, mesh, placement):
+    """x (local, `placement` on the mesh) gathered whole; its gradient is taken as partial
+    sums: reduce-scattered (Shard) or all-reduced (Replicate) back."""
+    d = DTensor.from_local(x, mesh, (placement,), run_check=False)
+    return d.redistribute(mesh, (Replicate(),)).to_local(grad_placements=(Partial(),))
+
+
+class _SplitFFN(nn.Module):
+    """Holds a module's weights split over the TP group as DTensors and runs it on the local
+    shards: its output is this rank's partial sum. `dims`: weight name -> split dim."""
+
+    def __init__(self, inner: nn.Module, mesh, dims: dict):
+        super().__init__()
+        rank, tp = mesh.get_local_rank(), mesh.size()
+        for name, dim in dims.items():
+            full = getattr(inner, name) if hasattr(inner, name) else inner.get_parameter(name)
+            local = full.detach().chunk(tp, dim)[rank].clone()
+            shard = nn.Parameter(DTensor.from_local(local, mesh, (Shard(dim),), run_check=False))
+            _set(inner, name, shard)
+        self.inner, self.names = inner, tuple(dims)
+
+    def forward(self, *args):
+        local = {n: self.inner.get_parameter(n).to_local() for n in self.names}
+        return torch.func.functional_call(self.inner, local, args)
+
+
+def _set(module: nn.Module, name: str, value) -> None:
+    *path, last = name.split(".")
+    for p in path:
+        module = getattr(module, p)
+    setattr(module, last, value)
+
+
+def split_experts(experts: nn.Module, mesh) -> nn.Module:
+    """Stacked experts (E, in, out) with each expert's w1/w3 columns and w2 rows split."""
+    return _SplitFFN(experts, mesh, {"w1": 2, "w3": 2, "w2": 1})
+
+
+def _moe(moe: MoE, mesh, seq, experts: bool) -> None:
+    tp = mesh.size()
+    if experts:
+        moe.experts = split_experts(moe.experts, mesh)
+    if moe.shared_experts is not None:
+        moe.shared_experts = _SplitFFN(moe.shared_experts, mesh,
+                                       {"w1.weight": 0, "w3.weight": 0, "w2.weight": 1})
+    _replicated(moe.router.gate, mesh)
+    moe.router.register_forward_pre_hook(lambda _m, args: (_ScaleGrad.apply(args[0], 1 / tp),))
+
+    def whole_weight_grads(_m, _args, out):  # they multiply partial outputs
+        logits, probs, weights, experts = out
+        w = DTensor.from_local(weights, mesh, (Replicate(),), run_check=False)
+        return logits, probs, w.to_local(grad_placements=(Partial(),)), experts
+
+    moe.router.register_forward_hook(whole_weight_grads)
+    moe.register_forward_pre_hook(lambda _m, args: (_partial_grad(args[0], mesh, seq),))
+
+    def reduce(_m, _args, out):
+        y = DTensor.from_local(out[0], mesh, (Partial(),), run_check=False)
+        return (y.redistribute(mesh, (seq,)).to_local(),) + tuple(out[1:])
+
+    moe.register_forward_hook(reduce)
+
+
+def sync_grads(params) -> None:
+    """Each DTensor gradient in its parameter's placements (a replicated weight's Partial
+    gradient all-reduced); where FSDP2 shards, its reduce does this."""
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and g.placements != p.placements:
+            p.grad = g.redistribute(p.device_mesh, p.placements)
