@@ -266,12 +266,17 @@ class ParallelConfig:
                             read_by=(Reads("parallel.name", RANKED), Reads("task",
                             COMM_TASK)), check=Range(1, 10**9, note="seconds"))
     expert_parallel_size: Optional[int] = knob(None, "ranks experts are sharded over; "
-                                               "null = all (all data ranks under tp)", read_by=EXPERT, check=at_least(1,
+                                               "null = all (all data ranks under tp)",
+                                               read_by=EXPERT, check=at_least(1,
                                                "or null (all ranks)"))
     tp: int = knob(1, "tensor-parallel ranks: heads, FFN columns, experts' FFN columns and the "
                    "vocab split over them (dp = world / tp)", since=1,
                    read_by=Reads("parallel.name", TP_OPTIONS), column="tp",
                    check=at_least(1, "(1 = off)"))
+    etp: int = knob(0, "experts under tp (expert_fsdp): 0 = split over the tp ranks like the "
+                    "FFN (etp = tp); 1 = whole, expert parallel over the tp ranks too", since=0,
+                    read_by=Reads("parallel.name", ("expert_fsdp",)), column="etp",
+                    check=Range(0, 1024))
     sequence_parallel: bool = knob(True, "with tp > 1, norms and the residual stream sharded "
                                    "on the sequence (reduce-scatter + all-gather for all-reduce)",
                                    since=True, read_by=Reads("parallel.name", TP_OPTIONS),
@@ -323,9 +328,16 @@ def data_ranks(p, world: int) -> int:
     return world // tp_size(p)
 
 
+def experts_whole(p) -> bool:
+    """parallel.etp=1 under tensor parallel: experts kept whole, expert parallel over the
+    tp ranks too (each takes its sequence shard's tokens)."""
+    return tp_size(p) > 1 and p.name == "expert_fsdp" and p.etp == 1
+
+
 def ep_size(p, world: int) -> int:
-    """Expert parallel's size: parallel.expert_parallel_size, or every data rank."""
-    return p.expert_parallel_size or data_ranks(p, world)
+    """Expert parallel's size: parallel.expert_parallel_size, or every data rank (every
+    rank where the experts are whole under tensor parallel: parallel.etp=1)."""
+    return p.expert_parallel_size or (world if experts_whole(p) else data_ranks(p, world))
 
 
 def mesh_dims(p, devices: int, world: int) -> list[tuple[str, int]]:
@@ -337,7 +349,7 @@ def mesh_dims(p, devices: int, world: int) -> list[tuple[str, int]]:
     if p.name == "hsdp":
         return list(zip(("dp_replicate", "dp_shard"), hsdp_mesh(p, devices, world)))
     if p.name in ("expert", "expert_fsdp"):
-        ep = ep_size(p, world)
+        ep = ep_size(p, world) // (tp if experts_whole(p) else 1)
         return [("dp", data // ep), ("ep", ep)] + ([("tp", tp)] if tp > 1 else [])
     if p.name == "fsdp":
         return [("dp_shard", data)] + ([("tp", tp)] if tp > 1 else [])
@@ -348,7 +360,8 @@ def group_dim(ranks: tuple, dims: list[tuple[str, int]]) -> str:
     """The mesh dims a collective's group spans, named: 'tp', 'dp_shard', 'world'.
 
     A group spans a run of adjacent dims: its size is theirs and its ranks step by the
-    innermost one's stride. Expert parallel's dp x ep is its dp_shard."""
+    innermost one's stride. Expert parallel's dp x ep is its dp_shard; ep x tp, etp=1's
+    expert-parallel group, is ep_tp."""
     sizes = [n for _, n in dims]
     for i in range(len(dims)):
         for j in range(len(dims) - 1, i - 1, -1):
@@ -358,7 +371,8 @@ def group_dim(ranks: tuple, dims: list[tuple[str, int]]) -> str:
                 names = [d for d, n in dims[i:j + 1] if n > 1]
                 if names == ["dp", "ep"]:
                     return "dp_shard"
-                return "world" if len(names) > 1 else names[0]
+                return "world" if len(names) > 1 and size == math.prod(sizes) else \
+                    "_".join(names)
     return "world" if len(ranks) == math.prod(sizes) else f"{len(ranks)} ranks"
 
 

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from .config import (CHOICES, CONF, FLOPS, FSDP2, MAX_STEPS, ConfigError, NotReady,
                      NothingLeft, Unsupported, data_ranks, default_choices, env_source, ep_size,
-                     group_options, no_such_key, tp_size)
+                     experts_whole, group_options, no_such_key, tp_size)
 from .ranks import rank_env, world_size
 
 
@@ -367,10 +367,10 @@ def check_parallel(cfg) -> None:
             raise ConfigError("model.pad_to_capacity", f"not under parallel={p.name}: its "
                               "all-to-all sends the kept rows (no static shapes); leave it out")
         ep = ep_size(p, launched)
-        if data_ranks(p, launched) % ep:
+        if (launched if experts_whole(p) else data_ranks(p, launched)) % ep:
             ranks = (f"hardware.devices={n}" if launched == n else
                      f"world size {launched} (torchrun's WORLD_SIZE)")
-            tp = "" if tp_size(p) == 1 else f" over parallel.tp={p.tp}"
+            tp = "" if tp_size(p) == 1 or experts_whole(p) else f" over parallel.tp={p.tp}"
             raise ConfigError("parallel.expert_parallel_size", f"must divide the {ranks}{tp}, "
                               f"got {ep}")
         if m.num_experts % ep:
@@ -421,6 +421,20 @@ def _check_tp(cfg, world: int) -> None:
         raise ConfigError("parallel.sequence_parallel", f"train.seq_len={cfg.train.seq_len} "
                           f"does not split over parallel.tp={p.tp} ranks: set a multiple of "
                           f"{p.tp} or parallel.sequence_parallel=false")
+    if p.name == "expert_fsdp" and p.etp not in (0, 1, p.tp):
+        raise ConfigError("parallel.etp", f"must be 0 (split over the tp ranks) or 1 (whole), "
+                          f"or parallel.tp={p.tp}, got {p.etp}")
+    if experts_whole(p) and not p.sequence_parallel:
+        raise ConfigError("parallel.etp", "1 runs the MoE on each rank's sequence shard: it "
+                          "needs parallel.sequence_parallel=true")
+    if experts_whole(p) and ep_size(p, world) % p.tp:
+        raise ConfigError("parallel.expert_parallel_size", f"with parallel.etp=1 it counts "
+                          f"the tp ranks: a multiple of parallel.tp={p.tp}, got "
+                          f"{ep_size(p, world)}")
+    if cfg.train.compile != "off":
+        raise ConfigError("train.compile", "not with parallel.tp > 1 yet: inductor fails on "
+                          "the split model (\"Mixing fake modes NYI\", torch 2.13; "
+                          "allowed: off)")
     if cfg.optim.name == "muon":
         raise ConfigError("parallel.tp", "not with optim=muon yet: its Newton-Schulz step "
                           "would see each rank's columns only (allowed: 1)")

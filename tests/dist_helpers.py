@@ -13,26 +13,32 @@ def _cfg(overrides):
     return cfg
 
 
+def _twins(cfg, world: int, rows: int):
+    """The same weights twice, one as one process's model, one with the run's
+    optimizations applied, and `rows` sequences of 16 tokens: (ref, applied, x, y)."""
+    from moe_exp.model import build_model
+    from moe_exp.optimizations import apply
+
+    torch.manual_seed(0)
+    ref = build_model(cfg.model)
+    model = build_model(cfg.model)
+    model.load_state_dict(ref.state_dict())
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.model.vocab_size, (rows, 17), generator=g)
+    return ref, apply(model, cfg, torch.device("cpu"), world), tokens[:, :-1], tokens[:, 1:]
+
+
 def ep_grads_match(overrides, batch: int, per_rank: bool = False) -> dict:
     """One forward/backward of the global batch: EP on 2 ranks vs one process on rank 0.
     Returns rank 0's comparison (max abs differences, counts equal). per_rank: the one
     process runs each rank's micro-batch apart (the mean of their losses), as token
     capacity is each micro-batch's."""
     from moe_exp import distributed
-    from moe_exp.model import build_model
-    from moe_exp.optimizations import apply
 
     cfg = _cfg(overrides)
     d = distributed.init(cfg)
     try:
-        torch.manual_seed(0)
-        ref = build_model(cfg.model)
-        model = build_model(cfg.model)
-        model.load_state_dict(ref.state_dict())
-        g = torch.Generator().manual_seed(1)
-        tokens = torch.randint(0, cfg.model.vocab_size, (batch * d.world, 17), generator=g)
-        x, y = tokens[:, :-1], tokens[:, 1:]
-        applied = apply(model, cfg, torch.device("cpu"), d.world)
+        ref, applied, x, y = _twins(cfg, d.world, batch * d.world)
         mine = slice(d.rank * batch, (d.rank + 1) * batch)
         out = applied.model(x[mine], y[mine])
         out.loss.backward()
@@ -80,22 +86,13 @@ def tp_grads_match(overrides, batch: int) -> dict | None:
     from torch.distributed.tensor import DTensor
 
     from moe_exp import distributed
-    from moe_exp.config import ep_size
-    from moe_exp.model import build_model
-    from moe_exp.optimizations import apply
+    from moe_exp.config import ep_size, experts_whole
 
     cfg = _cfg(overrides)
     d = distributed.init(cfg)
     try:
-        torch.manual_seed(0)
-        ref = build_model(cfg.model)
-        model = build_model(cfg.model)
-        model.load_state_dict(ref.state_dict())
         dp = d.world // cfg.parallel.tp
-        g = torch.Generator().manual_seed(1)
-        tokens = torch.randint(0, cfg.model.vocab_size, (batch * dp, 17), generator=g)
-        x, y = tokens[:, :-1], tokens[:, 1:]
-        applied = apply(model, cfg, torch.device("cpu"), d.world)
+        ref, applied, x, y = _twins(cfg, d.world, batch * dp)
         mine = slice(d.rank // cfg.parallel.tp * batch, (d.rank // cfg.parallel.tp + 1) * batch)
         out = applied.model(x[mine], y[mine])
         out.loss.backward()
@@ -108,9 +105,10 @@ def tp_grads_match(overrides, batch: int) -> dict | None:
         dist.all_gather_object(every, grads)
         if not d.main:
             return None
-        tp, ep = cfg.parallel.tp, ep_size(cfg.parallel, d.world)
-        # rank 0's ep group on mesh (dp, ep, tp): ranks i * tp; its experts in order
-        grads = [torch.cat([every[i * tp][k] for i in range(ep)]) if e else gr
+        ep = ep_size(cfg.parallel, d.world)
+        # rank 0's ep group on mesh (dp, ep, tp): ranks i * tp (etp=1: ep x tp, ranks i)
+        step = 1 if experts_whole(cfg.parallel) else cfg.parallel.tp
+        grads = [torch.cat([every[i * step][k] for i in range(ep)]) if e else gr
                  for k, (gr, e) in enumerate(zip(grads, expert))]
         outs = [ref(x[r * batch:(r + 1) * batch], y[r * batch:(r + 1) * batch])
                 for r in range(dp)]

@@ -60,7 +60,8 @@ PLANS = {"fsdp": ["parallel=fsdp"],
          "fsdp-tp2": ["parallel=fsdp", "parallel.tp=2"],
          "fsdp-tp2-nosp-deepseek": ["parallel=fsdp", "parallel.tp=2", "model=tiny_deepseek",
                                     "parallel.sequence_parallel=false"],
-         "expert_fsdp-tp2": ["parallel=expert_fsdp", "parallel.tp=2"]}
+         "expert_fsdp-tp2": ["parallel=expert_fsdp", "parallel.tp=2"],
+         "expert_fsdp-tp2-etp1": ["parallel=expert_fsdp", "parallel.tp=2", "parallel.etp=1"]}
 PLANS = {k: [*o, "hardware.devices=2", "train.micro_batch_size=4"] for k, o in PLANS.items()}
 # dist_helpers calls: (ranks, helper, its args)
 CALLS = {
@@ -95,6 +96,12 @@ CALLS = {
            ("fsdp", "tiny_deepseek", "nosp", 2), ("fsdp", "tiny_moe", "sp", 4),
            ("fsdp", "tiny_deepseek", "sp", 4), ("expert_fsdp", "tiny_moe", "sp", 4),
            ("expert_fsdp", "tiny_deepseek", "nosp", 4))},
+    # etp=1: experts whole, EP over ep x tp, each rank's MoE on its sequence shard (the aux
+    # losses are each shard's: off, as the reference has one per micro-batch)
+    **{f"tp grads expert_fsdp etp1 {m} {n}": (n, "tp_grads_match", [
+        ["parallel=expert_fsdp", f"hardware.devices={n}", "parallel.tp=2", "parallel.etp=1",
+         f"model={m}", "model.aux_loss_coef=0"], 2])
+       for m, n in (("tiny_moe", 4), ("tiny_deepseek", 2))},
     "accum once": (2, "ddp_reductions_per_step", [["train.grad_accum_steps=3"]]),
     "accum every": (2, "ddp_reductions_per_step", [["train.grad_accum_steps=3",
                                                     "parallel.accum_no_sync=false"]]),
@@ -129,6 +136,8 @@ LOSSES = {
     "fsdp-tp2": ["parallel=fsdp", "parallel.tp=2", "train.micro_batch_size=4"],
     "fsdp-tp2-4ranks": ["parallel=fsdp", "parallel.tp=2", "hardware.devices=4"],
     "expert_fsdp-tp2-4ranks": ["parallel=expert_fsdp", "parallel.tp=2", "hardware.devices=4"],
+    "expert_fsdp-tp2-etp1-4ranks": ["parallel=expert_fsdp", "parallel.tp=2", "parallel.etp=1",
+                                    "hardware.devices=4"],
     # a set routing load: each rank's share of the pattern is the one process's
     "expert-balanced": ["parallel=expert", "model.routing=balanced"],
     # DeepSeek's options, the aux-loss-free bias moved by the counts of every rank's tokens
@@ -378,6 +387,7 @@ def test_cli_expert_parallel_record(tmp_path):
     assert rec["comm_ms"] > 0 and 0 < rec["comm_share"] < 1
     # the all_to_all waits for gloo's threads: most of it is exposed
     assert 0.5 * rec["comm_ms"] < rec["comm_exposed_ms"] <= rec["comm_ms"]
+    assert "by kind" in p.stdout  # (the summary's row of comm_kinds)
     kinds = rec["comm_kinds"]  # (per kind: the union of that kind's events)
     assert kinds["all_to_all"]["ms"] > 0 and "all_reduce" in kinds  # (the grad sync)
     assert all(0 <= v["exposed_ms"] <= v["ms"] <= rec["comm_ms"] * (1 + 1e-9)
@@ -502,6 +512,13 @@ PARALLEL_ERRORS = [
     (["parallel=fsdp", "hardware.devices=2", "parallel.tp=2", "train.seq_len=33"],
      "parallel.sequence_parallel"),
     (["parallel=ddp", "hardware.devices=2", "parallel.tp=2"], "parallel.tp"),
+    (["parallel=fsdp", "hardware.devices=2", "parallel.tp=2", "train.compile=default"],
+     "train.compile"),
+    (["parallel=fsdp", "hardware.devices=2", "parallel.tp=2", "optim=muon"], "parallel.tp"),
+    (["parallel=expert_fsdp", "hardware.devices=2", "parallel.tp=2", "parallel.etp=1",
+      "parallel.sequence_parallel=false"], "parallel.etp"),
+    (["parallel=expert_fsdp", "hardware.devices=2", "parallel.tp=2", "parallel.etp=3"],
+     "parallel.etp"),
     (["parallel=ddp", "hardware.devices=2", "parallel.comm_hook=powersgd",
       "parallel.powersgd_rank=0"], "parallel.powersgd_rank"),
 ]

@@ -207,3 +207,57 @@ def test_a_plan_says_its_phases_and_a_recompute_by_block(monkeypatch):
                     "forward, block 1 of 2", "forward, block 2 of 2", "backward",
                     "backward (recomputing), block 2 of 2",
                     "backward (recomputing), block 1 of 2", "the optimizer step"]
+
+
+def test_the_plans_lazy_chunks_are_fsdp2s_chunks():
+    """plan/trace._Chunks makes FSDP2's chunks of a parameter as they are asked for (made
+    all at once over 256 ranks they took a third of a DeepSeek-V3 plan): each is the one
+    FSDP2's _chunk_with_empty gives, empty tensors and ranks past the data included."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    from moe_exp.plan.trace import _Chunks
+
+    for size, n, dim in [(10, 4, 0), (3, 8, 0), (8, 8, 0), (7, 3, 1), (0, 4, 0), (1, 64, 0),
+                         (0, 3, 1)]:
+        t = torch.randn(size, 7) if dim == 0 else torch.randn(5, size)
+        want, got = _chunk_with_empty(t, n, dim), _Chunks(t, n, dim)
+        assert len(got) == len(want) == n
+        for i in range(n):
+            assert got[i].shape == want[i].shape and torch.equal(got[i], want[i])
+
+
+def test_collective_groups_are_named_by_the_mesh_dims_they_span():
+    """planned_comm_groups' names (config.group_dim): the group's ranks, stepping by the
+    stride of the innermost dim of a run of adjacent mesh dims; expert parallel's dp x ep
+    is its dp_shard."""
+    from moe_exp.config import group_dim
+
+    dims = [("dp", 2), ("ep", 2), ("tp", 2)]
+    assert group_dim((0, 1), dims) == "tp"
+    assert group_dim((0, 2), dims) == "ep"
+    assert group_dim((0, 4), dims) == "dp"
+    assert group_dim((1, 3, 5, 7), dims) == "dp_shard"
+    assert group_dim(tuple(range(8)), dims) == "world"
+    assert group_dim((0, 1), [("dp_shard", 2)]) == "dp_shard"
+    assert group_dim((0, 1), [("dp_shard", 1), ("tp", 2)]) == "tp"
+    assert group_dim((0, 1, 2, 3), dims) == "ep_tp"  # (parallel.etp=1's)
+
+
+def test_a_tensor_parallel_plan_names_each_collectives_mesh_dim(tmp_path, capsys,
+                                                               monkeypatch):
+    """tp 2 x FSDP 2 on a fake process group of 4: rank 0's collectives split between the
+    tp and dp_shard dims (planned_comm_groups, and the summary's collectives line);
+    the parameters a quarter of one device's, as the record's tp and sp say."""
+    monkeypatch.setenv("COLUMNS", "200")  # (the summary's lines unwrapped)
+    one = run_inproc([*PLAN, "model=tiny_dense"], tmp_path / "one")
+    rec = run_inproc([*PLAN, "model=tiny_dense", "parallel=fsdp", "hardware.devices=4",
+                      "parallel.tp=2"], tmp_path / "tp")
+    assert rec["status"] == "ok", rec["error"]
+    assert rec["tp"] == 2 and rec["sp"] is True
+    groups = rec["planned_comm_groups"]
+    assert set(groups) == {"tp", "dp_shard"}
+    assert sum(v["gib"] for g in groups.values() for v in g.values()) == \
+        pytest.approx(rec["planned_comm_gib"])
+    assert rec["planned_params_gib"] == pytest.approx(one["planned_params_gib"] / 4, rel=0.02)
+    out = capsys.readouterr().out
+    assert "tp: " in out and "dp_shard: " in out and "fsdp x tp 2 (sequence parallel)" in out

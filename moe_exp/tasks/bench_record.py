@@ -112,16 +112,18 @@ def record_run(cfg, rec: dict, res, device: torch.device, world: int, watch=None
     """Record the loop's figures, each null with its reason; bench.metrics derives them.
 
     Tensor-parallel ranks share their tokens: the step's are the data ranks'."""
-    from ..config import data_ranks
+    from ..config import data_ranks, experts_whole
 
     t, why = cfg.train, rec["null_reasons"]
     tm, (mem, mem_why) = res.timings, res.memory
     if world > 1:  # the slowest rank sets the pace; the largest peak is what must fit
-        _across_ranks(res, tm, mem, device, world // data_ranks(cfg.parallel, world))
+        share = 1 if experts_whole(cfg.parallel) else world // data_ranks(cfg.parallel, world)
+        _across_ranks(res, tm, mem, device, share)
     peak = cfg.hardware.peak_flops.get(cfg.precision.name)
     rec.update(step_metrics(
         tm["step_ms"], tm, tokens_per_step=t.micro_batch_size * t.grad_accum_steps * t.seq_len,
-        world=data_ranks(cfg.parallel, world), devices=world, wall_s=res.wall_s, first_step_s=res.first_step_s,
+        world=data_ranks(cfg.parallel, world), devices=world, wall_s=res.wall_s,
+        first_step_s=res.first_step_s,
         compiled=t.compile != "off", flops_per_token=rec["flops_per_token"], peak_flops=peak,
         startup_s=res.startup_s if own_process() else None),
         loss_first=res.losses[0], loss_last=res.losses[-1], losses=res.losses,

@@ -1,5 +1,5 @@
 """Parallelism, parallel=none|ddp|fsdp|expert|expert_fsdp|hsdp, applied to a plain model,
-and parallel.tp (tensor.py) under parallel=fsdp.
+and parallel.tp (tensor.py) under fsdp and expert_fsdp.
 
 optimizations.apply uses torchtitan's order: tensor parallel, expert parallel, activation
 checkpointing, data parallel, compile.
@@ -24,11 +24,14 @@ def expert_groups(cfg, world: int, mesh=None):
     process group); `mesh`, tensor parallel's, where it has one."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from ...config import experts_whole
+
     if mesh is None:
         ep = cfg.parallel.expert_parallel_size or world
         mesh = init_device_mesh(cfg.hardware.device, (world // ep, ep),
                                 mesh_dim_names=("dp", "ep"))
-    return mesh, mesh["ep"].get_group(), mesh["dp"].get_group()
+    ep_mesh = mesh["ep", "tp"]._flatten("ep_tp") if experts_whole(cfg.parallel) else mesh["ep"]
+    return mesh, ep_mesh.get_group(), mesh["dp"].get_group()
 
 
 def apply_tensor(model: nn.Module, cfg, world: int):
@@ -38,19 +41,19 @@ def apply_tensor(model: nn.Module, cfg, world: int):
     shards the rest over (dp_shard); the experts are split in apply_expert."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ...config import ep_size
+    from ...config import ep_size, experts_whole
     from .tensor import apply_tensor_parallel
 
-    p, tp = cfg.parallel, cfg.parallel.tp
-    if p.name == "expert_fsdp":
-        ep = ep_size(p, world)
+    p, tp, whole = cfg.parallel, cfg.parallel.tp, experts_whole(cfg.parallel)
+    if p.name == "expert_fsdp":  # (etp=1: expert parallel over ep x tp)
+        ep = ep_size(p, world) // (tp if whole else 1)
         mesh = init_device_mesh(cfg.hardware.device, (data_ranks(p, world) // ep, ep, tp),
                                 mesh_dim_names=("dp", "ep", "tp"))
     else:
         mesh = init_device_mesh(cfg.hardware.device, (world // tp, tp),
                                 mesh_dim_names=("dp_shard", "tp"))
     apply_tensor_parallel(model, mesh["tp"], p.sequence_parallel,
-                          experts=p.name != "expert_fsdp")
+                          experts="whole" if whole else p.name != "expert_fsdp")
     return mesh
 
 
@@ -66,10 +69,13 @@ def tp_sync(model: nn.Module, tp: int):
 
 def apply_expert(model: nn.Module, cfg, world: int, mesh=None):
     """Shard the experts over the ep group; under tensor parallel, split each rank's
-    experts over the tp group too (etp = tp)."""
+    experts over the tp group too (etp = tp), or with parallel.etp=1 shard them over ep x
+    tp, whole."""
+    from ...config import experts_whole
+
     mesh, ep_group, dp_group = expert_groups(cfg, world, mesh)
     shard_experts(model, ep_group)
-    if "tp" in (mesh.mesh_dim_names or ()):
+    if "tp" in (mesh.mesh_dim_names or ()) and not experts_whole(cfg.parallel):
         from .expert import ExpertParallel
         from .tensor import split_experts
 

@@ -32,11 +32,12 @@ from ...model.moe import MoE
 
 
 def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool,
-                          experts: bool = True) -> None:
+                          experts: bool | str = True) -> None:
     """Split `model` (a model.transformer.Transformer) over the 1-D TP mesh, in place.
 
     experts=False leaves the routed experts whole, for expert parallel to shard first
-    (parallel.apply_expert then splits each rank's with split_experts)."""
+    (parallel.apply_expert then splits each rank's with split_experts); "whole"
+    (parallel.etp=1) runs each MoE on the rank's sequence shard, unsplit."""
     seq = Shard(1) if sequence_parallel else Replicate()
     parallelize_module(model, mesh, {
         "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
@@ -47,15 +48,17 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool,
         _norm(block.attn_norm, mesh, sequence_parallel)
         _norm(block.ffn_norm, mesh, sequence_parallel)
         _attention(block.attn, mesh, seq)
-        if isinstance(block.ffn, MoE):
+        if isinstance(block.ffn, MoE) and experts == "whole":
+            _moe_on_shard(block.ffn, mesh)
+        elif isinstance(block.ffn, MoE):
             _moe(block.ffn, mesh, seq, experts)
         else:
             _dense(block.ffn, mesh, seq)
 
 
-def _norm(norm: nn.Module, mesh, sequence_parallel: bool, dim: int = 1) -> None:
-    if sequence_parallel or dim != 1:
-        parallelize_module(norm, mesh, SequenceParallel(sequence_dim=dim, use_local_output=True))
+def _norm(norm: nn.Module, mesh, sequence_parallel: bool) -> None:
+    if sequence_parallel:  # (on the sequence shard; its weight's gradient Partial)
+        parallelize_module(norm, mesh, SequenceParallel(use_local_output=True))
     else:
         _replicated(norm, mesh)
 
@@ -89,8 +92,9 @@ def _attention(attn: nn.Module, mesh, seq) -> None:
                                     "wv": ColwiseParallel()})
     for name in ("q_norm", "k_norm"):  # Qwen3's per-head norms, on this rank's heads
         norm = getattr(attn, name)
-        if not isinstance(norm, nn.Identity):
-            _norm(norm, mesh, True, dim=2)
+        if not isinstance(norm, nn.Identity):  # (x: batch, sequence, heads, head dim)
+            parallelize_module(norm, mesh, SequenceParallel(sequence_dim=2,
+                                                            use_local_output=True))
     attn.n_kv //= tp
 
 
@@ -151,8 +155,7 @@ class _SplitFFN(nn.Module):
         super().__init__()
         rank, tp = mesh.get_local_rank(), mesh.size()
         for name, dim in dims.items():
-            full = getattr(inner, name) if hasattr(inner, name) else inner.get_parameter(name)
-            local = full.detach().chunk(tp, dim)[rank].clone()
+            local = inner.get_parameter(name).detach().chunk(tp, dim)[rank].clone()
             shard = nn.Parameter(DTensor.from_local(local, mesh, (Shard(dim),), run_check=False))
             _set(inner, name, shard)
         self.inner, self.names = inner, tuple(dims)
@@ -206,3 +209,22 @@ def sync_grads(params) -> None:
         g = p.grad
         if isinstance(g, DTensor) and g.placements != p.placements:
             p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+def _moe_on_shard(moe: MoE, mesh) -> None:
+    """parallel.etp=1: the MoE on this rank's sequence shard, as on a data rank of its own.
+
+    Its tokens, (T, H) flattened, are the shard's: the router and shared experts run
+    sequence-parallel (replicated weights, Partial gradients), and expert parallel's
+    all-to-all spans the tp ranks. The aux losses are each shard's; their gradients are
+    divided by tp, so the ranks' sum is their mean, as one loss per data rank."""
+    tp = mesh.size()
+    shared = moe.shared_experts
+    for linear in [moe.router.gate] + ([shared.w1, shared.w3, shared.w2] if shared else []):
+        parallelize_module(linear, mesh, SequenceParallel(sequence_dim=0, use_local_output=True))
+
+    def mean_aux(_m, _args, out):  # (output, balance, seq balance, z, counts, chosen)
+        return (out[0], *(_ScaleGrad.apply(v, 1 / tp) for v in out[1:4]), *out[4:])
+
+    moe.register_forward_hook(mean_aux)
+
