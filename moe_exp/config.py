@@ -328,6 +328,12 @@ def data_ranks(p, world: int) -> int:
     return world // tp_size(p)
 
 
+def routing_copies(p) -> int:
+    """How many ranks route the same tokens: the tensor-parallel ones, each with the whole
+    gathered sequence, unless each routes its own shard (parallel.etp=1)."""
+    return 1 if experts_whole(p) else tp_size(p)
+
+
 def experts_whole(p) -> bool:
     """parallel.etp=1 under tensor parallel: experts kept whole, expert parallel over the
     tp ranks too (each takes its sequence shard's tokens)."""

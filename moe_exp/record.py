@@ -114,7 +114,7 @@ class Training(ExpertLoad, Planned):
     comm_ms: F = None
     comm_share: F = None
     comm_exposed_ms: F = None
-    comm_kinds: D = None  # rank 0's comm_ms and comm_exposed_ms per collective kind
+    comm_kinds: D = None  # comm_ms and comm_exposed_ms per collective kind, max over ranks
     grad_reduce_bytes: I = None
     z_loss: F = None
     seq_aux_loss: F = None

@@ -247,7 +247,9 @@ def test_a_tensor_parallel_plan_names_each_collectives_mesh_dim(tmp_path, capsys
                                                                monkeypatch):
     """tp 2 x FSDP 2 on a fake process group of 4: rank 0's collectives split between the
     tp and dp_shard dims (planned_comm_groups, and the summary's collectives line);
-    the parameters a quarter of one device's, as the record's tp and sp say."""
+    the parameters a quarter of one device's, as the record's tp and sp say; its FLOPs half
+    of one device's on the same micro-batch (the local ops of DTensor's, not their global
+    shapes nor sharding propagation's shape runs)."""
     monkeypatch.setenv("COLUMNS", "200")  # (the summary's lines unwrapped)
     one = run_inproc([*PLAN, "model=tiny_dense"], tmp_path / "one")
     rec = run_inproc([*PLAN, "model=tiny_dense", "parallel=fsdp", "hardware.devices=4",
@@ -259,5 +261,8 @@ def test_a_tensor_parallel_plan_names_each_collectives_mesh_dim(tmp_path, capsys
     assert sum(v["gib"] for g in groups.values() for v in g.values()) == \
         pytest.approx(rec["planned_comm_gib"])
     assert rec["planned_params_gib"] == pytest.approx(one["planned_params_gib"] / 4, rel=0.02)
+    assert rec["planned_flops_per_step"] == pytest.approx(one["planned_flops_per_step"] / 2,
+                                                          rel=1e-3)
+    assert set(groups["tp"]) == {"all_gather", "reduce_scatter", "all_reduce"}
     out = capsys.readouterr().out
     assert "tp: " in out and "dp_shard: " in out and "fsdp x tp 2 (sequence parallel)" in out

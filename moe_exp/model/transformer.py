@@ -240,6 +240,14 @@ class Block(nn.Module):
         return x + y, balance, seq, z, counts, routed
 
 
+class CrossEntropy(nn.Module):
+    """The next-token loss on (tokens, vocab) logits; a module, so a parallel layout can
+    take its place."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, targets)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -252,6 +260,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.loss = CrossEntropy()
         cos, sin = rope_tables(head_dim(cfg), cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -281,7 +290,7 @@ class Transformer(nn.Module):
                 counts.append(c)
                 routed.append(r)
         logits = self.head(self.norm(x))
-        ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        ce = self.loss(logits.flatten(0, 1).float(), targets.flatten())
         if not counts:  # dense
             zero = torch.zeros((), device=x.device)
             none = torch.zeros(0, 0, dtype=torch.long, device=x.device)

@@ -8,12 +8,15 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 from torch import nn
 
-from ..config import tp_size
+from ..config import FSDP2, tp_size
 from .attention import apply_attention
 from .checkpointing import apply_checkpointing
 from .compile import apply_compile, compile_decode
 from .precision import (apply_fp8, autocast_factory, grad_scaler, router_fp32,
                         set_matmul_precision)
+
+
+MESHED = FSDP2 + ("expert",)  # the options that run on a device mesh
 
 
 @dataclass
@@ -65,14 +68,18 @@ def apply(model: nn.Module, cfg, device: torch.device, world: int = 1) -> Applie
     par = cfg.parallel.name
     mesh = ep_group = dp_group = None
     tp = tp_size(cfg.parallel)
+    if par in MESHED:
+        from .parallel import device_mesh
+
+        mesh = device_mesh(cfg, world)
     if tp > 1:
         from .parallel import apply_tensor
 
-        mesh = apply_tensor(model, cfg, world)
+        apply_tensor(model, cfg, mesh)
     if par in ("expert", "expert_fsdp"):
         from .parallel import apply_expert
 
-        mesh, ep_group, dp_group = apply_expert(model, cfg, world, mesh)
+        ep_group, dp_group = apply_expert(model, cfg, mesh)
     model = apply_checkpointing(model, cfg.train.activation_checkpointing)
     before_step = clip = no_sync = reduce_bytes = None
     if par != "none":

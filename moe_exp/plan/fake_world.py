@@ -16,8 +16,6 @@ def fake_world(world: int):
     torch's "fake" backend's collectives move nothing. Device meshes are made outside fake
     mode."""
     import torch.distributed as dist
-    import torch.distributed.device_mesh as device_mesh
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     if world == 1:
         yield
@@ -27,20 +25,13 @@ def fake_world(world: int):
                            "run it outside one")
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    real = device_mesh.init_device_mesh
-
-    def init_device_mesh(*args, **kwargs):  # (a mesh's ranks are a real tensor)
-        with unset_fake_temporarily():
-            return real(*args, **kwargs)
-
     import torch.nn.parallel.distributed as ddp
 
     from ..optimizations import parallel
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:  # (DDP's check that the ranks' shapes agree reads values: one rank traced)
-        with mock.patch.object(device_mesh, "init_device_mesh", init_device_mesh), \
-                mock.patch.object(ddp, "_verify_param_shape_across_processes", _skip), \
+        with mock.patch.object(ddp, "_verify_param_shape_across_processes", _skip), \
                 mock.patch.object(parallel, "register_comm_hook", _fake_comm_hook), \
                 _python_reducer():
             yield

@@ -7,6 +7,7 @@ import contextlib
 import functools
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # ops that move no tensor data (new storage, views and metadata)
@@ -97,14 +98,28 @@ class StepOps(TorchDispatchMode):
         # (plan/calibration.py); None for a sync
         self.io: list[tuple | None] = []
         self.split: int | None = None  # ops from here on are the optimizer's (eager)
+        self.shadow = 0  # > 0 inside DTensor's sharding propagation (_shadow_runs)
+        self._patch = contextlib.ExitStack()
+
+    def __enter__(self):
+        self._patch.enter_context(_shadow_runs(self))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._patch.close()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.utils._pytree import tree_leaves
 
         kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # (its local ops, collectives included, come back here)
         packet = func.overloadpacket
         out = func(*args, **kwargs)
-        if not self.on:
+        if not self.on or self.shadow:
             return out
         self.dispatched += func.namespace != "prim"  # (prim.device: a fake tensor's .device)
         if packet in SYNCS:
@@ -118,7 +133,9 @@ class StepOps(TorchDispatchMode):
         if func.namespace in ("c10d", "_c10d_functional"):
             if name not in ("wait_tensor", "wrap_tensor_autograd"):
                 name = name.replace("allgather", "all_gather").replace("allreduce", "all_reduce") \
-                    .replace("alltoall", "all_to_all").removesuffix("_base").removesuffix("_single")
+                    .replace("alltoall", "all_to_all")
+                for end in ("_base", "_single", "_into_tensor", "_tensor"):  # (c10d, functional)
+                    name = name.removesuffix(end)
                 sizes = [t.numel() * t.element_size() for t in tensors]
                 self.calls.append((name, sum(sizes) if name == "all_reduce" else
                                    max(sizes, default=0), group_ranks(args, kwargs)))
@@ -154,6 +171,28 @@ class StepOps(TorchDispatchMode):
         for name, nbytes, ranks in self.calls:
             out.setdefault(group_dim(ranks, dims), []).append((name, nbytes))
         return {g: _tally(calls) for g, calls in sorted(out.items())}
+
+
+@contextlib.contextmanager
+def _shadow_runs(ops: StepOps):
+    """Mark the ops DTensor's sharding propagation runs to learn an op's output shape: the
+    op again at its global shape (each time while tracing), no work of the step's."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    real = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def marked(self, *args, **kwargs):
+        ops.shadow += 1
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            ops.shadow -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = marked
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = real
 
 
 def _tally(calls) -> dict:

@@ -200,18 +200,21 @@ def trace_step(cfg, micro_batch: int | None = None) -> StepMemory:
 
 @contextlib.contextmanager
 def _real_meshes():
-    """Device meshes built on real tensors in a fake trace: FSDP2 joins a tensor-parallel
-    mesh with its own, computing coordinates from the ranks' tensor. FSDP2's chunks lazy."""
+    """Device meshes built on real tensors in a fake trace, their ranks' coordinates being
+    values: the run's (init_device_mesh) and those FSDP2 builds joining a tensor-parallel
+    mesh with its own (DeviceMesh). FSDP2's chunks lazy."""
+    import torch.distributed.device_mesh as device_mesh
     from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.device_mesh import DeviceMesh
 
-    init = DeviceMesh.__init__
+    def real(fn):
+        def outside_fake(*args, **kwargs):
+            with unset_fake_temporarily():
+                return fn(*args, **kwargs)
+        return outside_fake
 
-    def real(self, *args, **kwargs):
-        with unset_fake_temporarily():
-            init(self, *args, **kwargs)
-
-    with mock.patch.object(DeviceMesh, "__init__", real), _lazy_chunks():
+    mesh, init = device_mesh.DeviceMesh, device_mesh.init_device_mesh
+    with mock.patch.object(mesh, "__init__", real(mesh.__init__)), \
+            mock.patch.object(device_mesh, "init_device_mesh", real(init)), _lazy_chunks():
         yield
 
 

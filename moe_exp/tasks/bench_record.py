@@ -112,13 +112,12 @@ def record_run(cfg, rec: dict, res, device: torch.device, world: int, watch=None
     """Record the loop's figures, each null with its reason; bench.metrics derives them.
 
     Tensor-parallel ranks share their tokens: the step's are the data ranks'."""
-    from ..config import data_ranks, experts_whole
+    from ..config import data_ranks, routing_copies
 
     t, why = cfg.train, rec["null_reasons"]
     tm, (mem, mem_why) = res.timings, res.memory
     if world > 1:  # the slowest rank sets the pace; the largest peak is what must fit
-        share = 1 if experts_whole(cfg.parallel) else world // data_ranks(cfg.parallel, world)
-        _across_ranks(res, tm, mem, device, share)
+        _across_ranks(res, tm, mem, device, routing_copies(cfg.parallel))
     peak = cfg.hardware.peak_flops.get(cfg.precision.name)
     rec.update(step_metrics(
         tm["step_ms"], tm, tokens_per_step=t.micro_batch_size * t.grad_accum_steps * t.seq_len,
@@ -325,13 +324,14 @@ def _across_ranks(res, tm: dict, mem: dict, device, share: int = 1) -> None:
     """Combine the ranks' step times, peaks, comm, expert counts and aux losses, in place.
 
     Each step takes the times of the rank whose step was slowest, its phases too, so they add
-    up to its step. Peaks, comm time and share and the per-step expert imbalance take the
-    max. Expert counts are summed, divided by `share`: the ranks that route the same tokens
-    (tensor parallel's). The aux losses, each rank's over its micro-batches, take the mean
-    over ranks."""
+    up to its step. Peaks, comm time (each kind's too) and share and the per-step expert
+    imbalance take the max. Expert counts are summed, divided by `share`: the ranks that
+    route the same tokens (tensor parallel's). The aux losses, each rank's over its
+    micro-batches, take the mean over ranks."""
     import torch.distributed as dist
 
     from ..distributed import all_gather_stack, all_max, all_mean, collective_device
+    from ..optimizations.parallel import COMM_KINDS
 
     dev = collective_device(device)
     keys = list(tm)
@@ -339,9 +339,14 @@ def _across_ranks(res, tm: dict, mem: dict, device, share: int = 1) -> None:
                                           device=dev))  # (rank, key, step)
     tm.update(slowest_rank_steps(every, keys))
     mkeys = sorted(mem)  # the same keys on every rank, nulls included
-    vals = all_max([*(mem[k] for k in mkeys), res.comm_ms, res.comm_share,
-                    res.comm_exposed_ms, res.step_max_over_mean], dev)
+    kinds = [(k, f) for k in COMM_KINDS for f in ("ms", "exposed_ms")]
+    vals = all_max([*(mem[k] for k in mkeys),
+                    *((res.comm_kinds.get(k) or {}).get(f) for k, f in kinds), res.comm_ms,
+                    res.comm_share, res.comm_exposed_ms, res.step_max_over_mean], dev)
     mem.update(zip(mkeys, vals))
+    by_kind = dict(zip(kinds, vals[len(mkeys):]))
+    res.comm_kinds = {k: {f: by_kind[k, f] for f in ("ms", "exposed_ms")} for k in COMM_KINDS
+                      if by_kind[k, "ms"] is not None}
     res.comm_ms, res.comm_share, res.comm_exposed_ms, res.step_max_over_mean = vals[-4:]
     if res.counts is not None:  # (tensor-parallel ranks route the same tokens: once)
         dist.all_reduce(res.counts)

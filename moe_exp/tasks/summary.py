@@ -102,7 +102,7 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                         + _reduced(r))]
           if (r.get("world_size") or 1) > 1 or r["parallel"] != "none" else []),
         *([("by kind", ", ".join(f"{k} {v['ms']:.1f} ms ({v['exposed_ms']:.1f} exposed)"
-                                 for k, v in r["comm_kinds"].items()) + " (rank 0)")]
+                                 for k, v in r["comm_kinds"].items()) + " (max over ranks)")]
           if len(r.get("comm_kinds") or {}) > 1 else []),
         ("params", f"{r['params_total'] / 1e6:,.2f}M total, {r['params_active'] / 1e6:,.2f}M active"),
         ("tokens/s", f"{r['tokens_per_s']:,.0f}  ({r['tokens_per_s_per_device']:,.0f} per device)"),

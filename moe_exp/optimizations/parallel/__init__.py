@@ -19,42 +19,36 @@ from .expert import shard_experts
 from .hooks import record_reduce_bytes, register_comm_hook  # noqa: F401 (the API)
 
 
-def expert_groups(cfg, world: int, mesh=None):
-    """Expert parallel's groups: (device mesh over dp x ep [x tp], ep process group, dp
-    process group); `mesh`, tensor parallel's, where it has one."""
+def device_mesh(cfg, world: int):
+    """The run's one device mesh, its dims and sizes config.mesh_dims's: (dp_shard[, tp])
+    for fsdp, (dp, ep[, tp]) for expert parallel, (dp_replicate, dp_shard) for hsdp."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from ...config import mesh_dims
+
+    dims = mesh_dims(cfg.parallel, cfg.hardware.devices, world)
+    return init_device_mesh(cfg.hardware.device, tuple(n for _, n in dims),
+                            mesh_dim_names=tuple(d for d, _ in dims))
+
+
+def expert_groups(cfg, mesh):
+    """Expert parallel's (ep, dp) process groups on the run's mesh: ep x tp is the ep group
+    where the experts stay whole under tensor parallel (parallel.etp=1)."""
     from ...config import experts_whole
 
-    if mesh is None:
-        ep = cfg.parallel.expert_parallel_size or world
-        mesh = init_device_mesh(cfg.hardware.device, (world // ep, ep),
-                                mesh_dim_names=("dp", "ep"))
     ep_mesh = mesh["ep", "tp"]._flatten("ep_tp") if experts_whole(cfg.parallel) else mesh["ep"]
-    return mesh, ep_mesh.get_group(), mesh["dp"].get_group()
+    return ep_mesh.get_group(), mesh["dp"].get_group()
 
 
-def apply_tensor(model: nn.Module, cfg, world: int):
-    """parallel.tp: split the model over the tp dim of the run's mesh; returns the mesh.
-
-    fsdp: (dp_shard, tp). expert_fsdp: (dp, ep, tp), dp x ep flattened to the ranks FSDP2
-    shards the rest over (dp_shard); the experts are split in apply_expert."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from ...config import ep_size, experts_whole
+def apply_tensor(model: nn.Module, cfg, mesh) -> None:
+    """parallel.tp: split the model over the tp dim of the run's mesh; under expert_fsdp
+    the experts are split (or sharded whole over ep x tp) in apply_expert."""
+    from ...config import experts_whole
     from .tensor import apply_tensor_parallel
 
-    p, tp, whole = cfg.parallel, cfg.parallel.tp, experts_whole(cfg.parallel)
-    if p.name == "expert_fsdp":  # (etp=1: expert parallel over ep x tp)
-        ep = ep_size(p, world) // (tp if whole else 1)
-        mesh = init_device_mesh(cfg.hardware.device, (data_ranks(p, world) // ep, ep, tp),
-                                mesh_dim_names=("dp", "ep", "tp"))
-    else:
-        mesh = init_device_mesh(cfg.hardware.device, (world // tp, tp),
-                                mesh_dim_names=("dp_shard", "tp"))
+    p, whole = cfg.parallel, experts_whole(cfg.parallel)
     apply_tensor_parallel(model, mesh["tp"], p.sequence_parallel,
                           experts="whole" if whole else p.name != "expert_fsdp")
-    return mesh
 
 
 def tp_sync(model: nn.Module, tp: int):
@@ -67,13 +61,13 @@ def tp_sync(model: nn.Module, tp: int):
     return lambda: sync_grads(params)
 
 
-def apply_expert(model: nn.Module, cfg, world: int, mesh=None):
+def apply_expert(model: nn.Module, cfg, mesh):
     """Shard the experts over the ep group; under tensor parallel, split each rank's
     experts over the tp group too (etp = tp), or with parallel.etp=1 shard them over ep x
     tp, whole."""
     from ...config import experts_whole
 
-    mesh, ep_group, dp_group = expert_groups(cfg, world, mesh)
+    ep_group, dp_group = expert_groups(cfg, mesh)
     shard_experts(model, ep_group)
     if "tp" in (mesh.mesh_dim_names or ()) and not experts_whole(cfg.parallel):
         from .expert import ExpertParallel
@@ -84,7 +78,7 @@ def apply_expert(model: nn.Module, cfg, world: int, mesh=None):
                 m.local = split_experts(m.local, mesh["tp"])
                 for prm in m.local.parameters():
                     prm._expert_parallel = True
-    return mesh, ep_group, dp_group
+    return ep_group, dp_group
 
 
 def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh=None):
@@ -97,7 +91,6 @@ def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh=None):
                    bucket_cap_mb=p.bucket_cap_mb, gradient_as_bucket_view=p.gradient_as_bucket_view,
                    static_graph=p.static_graph)
     if p.name in FSDP2:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         from ..precision import DTYPES
@@ -107,14 +100,9 @@ def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh=None):
               "reshard_after_forward": p.reshard_after_forward}
         if p.cpu_offload:
             kw["offload_policy"] = CPUOffloadPolicy()
-        names = mesh.mesh_dim_names or () if mesh is not None else ()
-        if "tp" in names:  # (tensor parallel: FSDP2 over the data ranks)
-            world_mesh = mesh["dp_shard"] if "dp_shard" in names else \
-                mesh["dp", "ep"]._flatten("dp_shard")
-        elif p.name == "hsdp":
-            world_mesh = hsdp_device_mesh(cfg, world)
-        else:
-            world_mesh = init_device_mesh(cfg.hardware.device, (world,))
+        # the data ranks (expert_fsdp: dp x ep); hsdp: its 2-D mesh
+        world_mesh = mesh if p.name == "hsdp" else mesh["dp_shard"] if p.name == "fsdp" \
+            else mesh["dp", "ep"]._flatten("dp_shard")
         units = []  # per block: [block, its FSDP-sharded experts (expert_fsdp)]
         shards = world_mesh.size(world_mesh.ndim - 1)  # (HSDP: its shard dim's ranks)
         for block in _blocks(model):
@@ -159,19 +147,6 @@ def expert_placement(experts: nn.Module, shards: int):
         return next((Shard(d) for d in (1, 2) if param.shape[d] % shards == 0), None)
 
     return placement
-
-
-def hsdp_device_mesh(cfg, world: int):
-    """HSDP's 2-D mesh: FSDP2 over it replicates over "replicate" and shards over "shard".
-
-    Gradients are reduce-scattered within a replica group, then all-reduced across groups.
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from ...config import hsdp_mesh
-
-    shape = hsdp_mesh(cfg.parallel, cfg.hardware.devices, world)
-    return init_device_mesh(cfg.hardware.device, shape, mesh_dim_names=("replicate", "shard"))
 
 
 def _prefetch(root, units: list, n: int) -> None:
@@ -308,6 +283,7 @@ def _on_cuda(ev) -> bool:
 _KINDS = (("all_gather", ("allgather",)), ("reduce_scatter", ("reducescatter",)),
           ("all_reduce", ("allreduce",)), ("all_to_all", ("alltoall", "sendrecv")),
           ("broadcast", ("broadcast",)))
+COMM_KINDS = tuple(k for k, _ in _KINDS)
 
 
 def _kind(ev) -> str | None:

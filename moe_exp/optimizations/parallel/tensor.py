@@ -2,11 +2,12 @@
 torch's DTensor API, as torchtitan and Megatron-Core split a block.
 
 Attention: q/k/v column-wise (each rank its heads), o row-wise; dense FFN: w1/w3
-column-wise, w2 row-wise; embedding vocab-sharded, head column-wise with the logits
-gathered; norms replicated. With sequence parallel the residual stream between the split
-regions is sharded on the sequence: each region all-gathers its input and reduce-scatters
-its output (one all-reduce's bytes, norms on 1/tp of the tokens). Without it the stream
-is replicated and each region all-reduces its output.
+column-wise, w2 row-wise; embedding vocab-sharded, head column-wise, its logits left on
+their vocab shards for a vocab-parallel loss (Megatron's); norms replicated. With sequence
+parallel the residual stream between the split regions is sharded on the sequence: each
+region all-gathers its input and reduce-scatters its output (one all-reduce's bytes, norms
+on 1/tp of the tokens). Without it the stream is replicated and each region all-reduces
+its output.
 
 The MoE (experts split over the TP group, etp = tp): the router runs replicated on the
 gathered tokens; each expert's w1/w3 columns and w2 rows are split, as are the shared
@@ -22,6 +23,7 @@ under sequence parallel) into their parameters' placements where no FSDP2 does i
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
@@ -41,8 +43,9 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool,
     seq = Shard(1) if sequence_parallel else Replicate()
     parallelize_module(model, mesh, {
         "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+        "head": ColwiseParallel(input_layouts=seq),  # (local logits, this rank's vocab)
     })
+    model.loss = VocabParallelLoss(mesh)
     _norm(model.norm, mesh, sequence_parallel)
     for block in model.layers:
         _norm(block.attn_norm, mesh, sequence_parallel)
@@ -54,6 +57,46 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool,
             _moe(block.ffn, mesh, seq, experts)
         else:
             _dense(block.ffn, mesh, seq)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Mean cross entropy of (N, V/tp) logits, this rank's vocab shard from `start`: a max
+    and one (N, 2) sum all-reduced, so no rank holds whole logits; the backward is local."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, group, start: int):
+        v = logits.shape[-1]
+        m = logits.detach().amax(-1)
+        dist.all_reduce(m, dist.ReduceOp.MAX, group=group)
+        e = (logits - m.unsqueeze(-1)).exp_()
+        local = targets - start
+        hit = (local >= 0) & (local < v)
+        idx = local.clamp(0, v - 1).unsqueeze(-1)
+        picked = (logits.gather(-1, idx).squeeze(-1) - m).masked_fill(~hit, 0)
+        sums = torch.stack([e.sum(-1), picked])
+        dist.all_reduce(sums, group=group)
+        valid = targets != -100  # (F.cross_entropy's ignore_index)
+        n = valid.sum()
+        loss = ((sums[0].log() - sums[1]) * valid).sum() / n
+        ctx.save_for_backward(e.div_(sums[0].unsqueeze(-1)), idx, hit & valid, valid, n)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        p, idx, hit, valid, n = ctx.saved_tensors  # p: softmax, changed in place
+        p.scatter_add_(-1, idx, -hit.unsqueeze(-1).to(p.dtype))
+        return p.mul_((valid * g / n).unsqueeze(-1).to(p.dtype)), None, None, None
+
+
+class VocabParallelLoss(nn.Module):
+    """The model's loss on the head's vocab-sharded logits (N, V/tp)."""
+
+    def __init__(self, mesh):
+        super().__init__()
+        self.group, self.rank = mesh.get_group(), mesh.get_local_rank()
+
+    def forward(self, logits, targets):
+        return _VocabParallelCE.apply(logits, targets, self.group, self.rank * logits.shape[-1])
 
 
 def _norm(norm: nn.Module, mesh, sequence_parallel: bool) -> None:
