@@ -104,6 +104,20 @@ def test_an_fsdp_plan_shards_over_a_fake_process_group(tmp_path):
     assert not dist.is_initialized()
 
 
+def test_an_fsdp_plans_optimizer_step_moves_its_shard_only():
+    """FSDP2's parameters are DTensors: the optimizer step's ops on them count the rank's
+    shard (the local ops DTensor runs), so over 2 ranks the step reads and writes half of
+    one device's bytes (it counted the whole model's before). (A parallel plan steps AdamW
+    for-loop: plan.trace.planned_config.)"""
+    def optimizer_bytes(extra):
+        ops = trace_step(compose(["hardware=cpu", "task=plan", "model=tiny_dense",
+                                  "optim.impl=for-loop", *extra])).ops
+        return sum(op[1] for op in ops.ops[ops.split:])
+
+    one, two = optimizer_bytes([]), optimizer_bytes(["parallel=fsdp", "hardware.devices=2"])
+    assert two == pytest.approx(one / 2, rel=0.1)  # (the norm for clipping: pow and sum)
+
+
 def test_a_plan_sweep_is_one_table_the_plans_that_fit_first(tmp_path):
     d = tmp_path / "s"
     r = run_cli(["-m", *PLAN, "train.micro_batch_size=8,2", "hardware.memory_gib=0.05",
