@@ -588,6 +588,11 @@ class TrainConfig:
                       "beside the measurement (planned_peak_gib, planned_peak_error); the "
                       "pre-flight skips a run whose planned peak exceeds the memory",
                       since=True)
+    plan_depth: str = knob("auto", "blocks a plan traces: auto = two small depths of a model "
+                           "of 8 or more blocks, its figures extrapolated to the whole; full = "
+                           "every block", choices=("auto", "full"), tasks=(),
+                           also_in=PLAN_TASK + PLANNED, since="auto")  # (unhashed: auto
+    # gives full's figures, tests/test_plan.py checks it)
     resume_from: Optional[str] = knob(None, "continue from a checkpoint: its step_* dir, a dir "
                                       "of them (the latest) or the run dir that holds them",
                                       since=None, not_in=PLAN_TASK)

@@ -226,6 +226,7 @@ class Plan(Planned):
     planned_comm: D = None
     planned_comm_groups: D = None  # planned_comm per mesh dim: {"tp": {kind: ...}, ...}
     planned_mfu: F = None
+    planned_from_blocks: L = None  # the two depths traced, the rest extrapolated (plan_depth)
 
 
 @dataclass

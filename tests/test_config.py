@@ -366,8 +366,8 @@ HYDRA_ERRORS = [
                       "activation_checkpointing, attention, checkpoint_async, "
                       "checkpoint_dir, checkpoint_every, checkpoint_keep, compile, eval_every, "
                       "eval_sequences, gc_every, grad_accum_steps, log_every, micro_batch_size, "
-                      "plan, profile, profile_steps, resume_from, seed, seq_len, steps, "
-                      "target_loss, warmup_steps)"),
+                      "plan, plan_depth, profile, profile_steps, resume_from, seed, seq_len, "
+                      "steps, target_loss, warmup_steps)"),
     ("seed_row=all", "error: Could not override 'seed_row'. No match in the defaults list; "
                      "To append to your default list use +seed_row=all"),
     ("train.steps=abc", "error: train.steps: Error merging override train.steps=abc; Value "

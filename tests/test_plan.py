@@ -118,6 +118,33 @@ def test_an_fsdp_plans_optimizer_step_moves_its_shard_only():
     assert two == pytest.approx(one / 2, rel=0.1)  # (the norm for clipping: pow and sum)
 
 
+@pytest.mark.parametrize("overrides", [
+    ["model=tiny_moe", "parallel=expert_fsdp", "hardware.devices=4", "parallel.tp=2",
+     "train.activation_checkpointing=selective"],
+    ["model=tiny_deepseek", "train.grad_accum_steps=2", "train.activation_checkpointing=full"],
+])
+def test_a_deep_model_is_planned_from_two_shallow_traces(tmp_path, overrides):
+    """train.plan_depth=auto traces 2 and 3 of a deep model's alike blocks (past its dense
+    first) and extrapolates: every figure equals the whole model's trace, the peak's
+    phase and split by kind too, and the record names the depths traced."""
+    def flat(d, pre=""):
+        for k, v in d.items():
+            yield from flat(v, f"{pre}{k}.") if isinstance(v, dict) else [(pre + k, v)]
+
+    runs = {d: run_inproc([*PLAN, *overrides, "hardware=h100", "precision=bf16",
+                           "model.num_layers=8", f"train.plan_depth={d}"], tmp_path / d)
+            for d in ("auto", "full")}
+    auto, full = ({k: v for k, v in flat(r) if k.startswith("planned")} for r in runs.values())
+    lead = 1 if "model=tiny_deepseek" in overrides else 0
+    assert runs["auto"]["planned_from_blocks"] == [lead + 2, lead + 3]
+    assert runs["full"]["planned_from_blocks"] is None
+    assert "plan_depth=full" in runs["full"]["null_reasons"]["planned_from_blocks"]
+    auto.pop("planned_from_blocks"), full.pop("planned_from_blocks")
+    assert auto.keys() == full.keys() and full["planned_step_ms"] > 0 < full["planned_mfu"]
+    for k, v in full.items():
+        assert auto[k] == (pytest.approx(v, rel=1e-9) if isinstance(v, float) else v), k
+
+
 def test_a_plan_sweep_is_one_table_the_plans_that_fit_first(tmp_path):
     d = tmp_path / "s"
     r = run_cli(["-m", *PLAN, "train.micro_batch_size=8,2", "hardware.memory_gib=0.05",

@@ -37,6 +37,18 @@ def fake_world(world: int):
             yield
     finally:
         dist.destroy_process_group()
+        _forget_shardings()
+
+
+def _forget_shardings() -> None:
+    """Clears DTensor's caches of each op's sharding. They key an op by its meshes' layout,
+    not their process groups: the next plan's op on an equal mesh would take this world's
+    groups, gone ("Could not resolve the process group registered under the name 7")."""
+    from torch.distributed.tensor import debug
+
+    for clear in ("_clear_python_sharding_prop_cache", "_clear_fast_path_sharding_prop_cache"):
+        if hasattr(debug, clear):
+            getattr(debug, clear)()
 
 
 def ddp_buckets(ddp) -> None:

@@ -98,11 +98,10 @@ class StepOps(TorchDispatchMode):
         # (plan/calibration.py); None for a sync
         self.io: list[tuple | None] = []
         self.split: int | None = None  # ops from here on are the optimizer's (eager)
-        self.shadow = 0  # > 0 inside DTensor's sharding propagation (_shadow_runs)
         self._patch = contextlib.ExitStack()
 
     def __enter__(self):
-        self._patch.enter_context(_shadow_runs(self))
+        self._patch.enter_context(_propagation_unseen())
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -119,7 +118,7 @@ class StepOps(TorchDispatchMode):
             return NotImplemented  # (its local ops, collectives included, come back here)
         packet = func.overloadpacket
         out = func(*args, **kwargs)
-        if not self.on or self.shadow:
+        if not self.on:
             return out
         self.dispatched += func.namespace != "prim"  # (prim.device: a fake tensor's .device)
         if packet in SYNCS:
@@ -174,21 +173,21 @@ class StepOps(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _shadow_runs(ops: StepOps):
-    """Mark the ops DTensor's sharding propagation runs to learn an op's output shape: the
-    op again at its global shape (each time while tracing), no work of the step's."""
+def _propagation_unseen():
+    """DTensor's sharding propagation runs an op again on fake tensors of its global shape
+    to learn the output's (once per op and shapes in a process): outside every dispatch
+    mode, so that neither the op recorder nor the memory tracker takes it for the step's.
+    (A process's first DeepSeek-V3 plan held 10 GiB of them at its first optimizer step.)"""
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.utils._python_dispatch import _disable_current_modes
 
     real = ShardingPropagator._propagate_tensor_meta_non_cached
 
-    def marked(self, *args, **kwargs):
-        ops.shadow += 1
-        try:
+    def unseen(self, *args, **kwargs):
+        with _disable_current_modes():
             return real(self, *args, **kwargs)
-        finally:
-            ops.shadow -= 1
 
-    ShardingPropagator._propagate_tensor_meta_non_cached = marked
+    ShardingPropagator._propagate_tensor_meta_non_cached = unseen
     try:
         yield
     finally:

@@ -22,36 +22,83 @@ KINDS = ("params", "grads", "optimizer", "activations", "temporaries", "buffers"
 
 
 def plan_step(cfg, rec: dict) -> None:
-    """The plan's figures into rec: memory by kind, fit, FLOPs, collectives, roofline time."""
+    """The plan's figures into rec: memory by kind, fit, FLOPs, collectives, roofline time.
+
+    A model of many alike blocks is traced at two small depths and its figures taken on
+    the line through them (plan/depth.py, train.plan_depth)."""
+    from .depth import traced_depths
     from .trace import trace_step
 
     t0 = time.perf_counter()
     with Status(f"[plan] {cfg.model.name} on {cfg.hardware.name}" + (
             f", rank 0 of {cfg.hardware.devices:,}" if cfg.hardware.devices > 1 else "")):
-        step = trace_step(cfg)
-        rec["plan_s"] = time.perf_counter() - t0
-        _figures(cfg, rec, step)
+        depths = traced_depths(cfg)
+        if depths is None:
+            step = trace_step(cfg)
+            rec["plan_s"] = time.perf_counter() - t0
+            _figures(cfg, rec, step)
+            rec["planned_from_blocks"] = None
+            rec["null_reasons"]["planned_from_blocks"] = \
+                "train.plan_depth=full" if cfg.train.plan_depth == "full" else \
+                f"every block traced (models of {cfg.model.num_layers} blocks are)"
+        else:
+            _deep(cfg, rec, depths)
+            rec["plan_s"] = time.perf_counter() - t0
     fill_null_reasons(rec, WHY)
 
 
-def _figures(cfg, rec: dict, step) -> None:
+def _deep(cfg, rec: dict, depths: tuple[int, int]) -> None:
+    """The plan of cfg's model from plans of `depths` blocks, on the line through them."""
+    from .depth import at_depth, extrapolate
+    from .trace import trace_step
+
+    recs, steps = [], []
+    for d in depths:
+        phase(f"tracing {d} of the model's {cfg.model.num_layers} blocks")
+        shallow, got = at_depth(cfg, d), {"null_reasons": {}}
+        steps.append(trace_step(shallow))
+        _figures(shallow, got, steps[-1])
+        recs.append(got)
+    line, peak, at_peak = extrapolate(cfg, depths, recs, steps)
+    rec.update(line)  # (DERIVED's, the deeper plan's where not set again below)
+    rec["calibration_s"] = recs[0].get("calibration_s")  # (made, if at all, by the first)
+    rec["null_reasons"] = recs[0]["null_reasons"]
+    rec["planned_from_blocks"] = list(depths)
+    _params(cfg, rec)
+    _memory(cfg, rec, peak, at_peak)
+    if rec.get("planned_step_ms") is not None:
+        t = cfg.train
+        _rates(cfg, rec, rec["planned_step_ms"], t.micro_batch_size * t.grad_accum_steps *
+               t.seq_len * data_ranks(cfg.parallel, cfg.hardware.devices))
+
+
+def _params(cfg, rec: dict) -> None:
     from ..bench.flops import param_counts
 
-    why, t = rec["null_reasons"], cfg.train
     counts = param_counts(cfg.model)
     rec.update(params_total=counts["params_total"], params_active=counts["params_active"])
-    rec["planned_peak_gib"] = step.peak_bytes / GIB
+
+
+def _memory(cfg, rec: dict, peak: int, at_peak: dict) -> None:
+    """The peak, its bytes by kind and whether it fits, into rec."""
+    rec["planned_peak_gib"] = peak / GIB
     for k in KINDS:
-        rec[f"planned_{k}_gib"] = step.at_peak.get(k, 0) / GIB
+        rec[f"planned_{k}_gib"] = at_peak.get(k, 0) / GIB
     mem = plan_memory_gib(cfg.hardware)
     if mem:
         rec["planned_fits"] = bool(rec["planned_peak_gib"] <= mem * (1 - HEADROOM))
         rec["planned_memory_gib"] = float(mem)
     else:
         rec["planned_fits"] = rec["planned_memory_gib"] = None
-        why["planned_fits"] = why["planned_memory_gib"] = (
+        rec["null_reasons"]["planned_fits"] = rec["null_reasons"]["planned_memory_gib"] = (
             f"hardware={cfg.hardware.name} gives no memory_gib (read from the device when "
             "run): set hardware.memory_gib=<GiB per device>")
+
+
+def _figures(cfg, rec: dict, step) -> None:
+    t = cfg.train
+    _params(cfg, rec)
+    _memory(cfg, rec, step.peak_bytes, step.at_peak)
     rec["planned_flops_per_step"] = step.flops
     rec["planned_comm"] = {k: {"calls": v["calls"], "gib": v["bytes"] / GIB}
                            for k, v in sorted(step.comm.items())}
@@ -150,7 +197,6 @@ def _times(cfg, rec: dict, step, tokens: int) -> None:
         step_ms = None if why_compute or why_comm else \
             rec["planned_compute_ms"] + rec["planned_comm_ms"]
         rec["planned_comm_exposed_ms"] = rec["planned_comm_ms"]
-    peak = (hw.peak_flops or {}).get(cfg.precision.name)
     if why_compute or why_comm:
         for k in ("planned_step_ms", "planned_tokens_per_s", "planned_mfu",
                   "planned_comm_exposed_ms"):
@@ -159,12 +205,19 @@ def _times(cfg, rec: dict, step, tokens: int) -> None:
             if text:
                 rec[k], why[k] = None, text
         return
-    ms = rec["planned_step_ms"] = step_ms
+    rec["planned_step_ms"] = step_ms
+    _rates(cfg, rec, step_ms, tokens)
+
+
+def _rates(cfg, rec: dict, ms: float, tokens: int) -> None:
+    """Tokens/s and MFU of a step of `ms` into rec; `tokens` counts every rank's."""
+    hw = cfg.hardware
+    peak = (hw.peak_flops or {}).get(cfg.precision.name)
     rec["planned_tokens_per_s"] = tokens / (ms / 1e3)
-    rec["planned_mfu"] = step.flops / (ms / 1e3) / peak if peak else None
+    rec["planned_mfu"] = rec["planned_flops_per_step"] / (ms / 1e3) / peak if peak else None
     if not peak:
-        why["planned_mfu"] = f"no peak FLOP/s known for hardware={hw.name} at precision=" \
-                             f"{cfg.precision.name}"
+        rec["null_reasons"]["planned_mfu"] = f"no peak FLOP/s known for hardware={hw.name} " \
+                                             f"at precision={cfg.precision.name}"
 
 
 def _calibrated_ms(cfg, rec: dict, ops, comm: list | None) -> tuple[float | None, str | None]:

@@ -52,6 +52,9 @@ class StepMemory:
     flops: float | None = None  # the step's FLOPs
     comm: dict = field(default_factory=dict)  # collective -> {"calls", "bytes"} a step
     ops: object = None  # the step's StepOps (its ops and collectives, for the roofline)
+    # each phase's own peak, (bytes, at_peak): the first optimizer step, the micro-steps
+    # and the optimizer step (plan/depth.py extrapolates each over the model's depth)
+    phases: list = field(default_factory=list)
 
 
 def build_step(cfg, micro_batch: int, device: torch.device, world: int):
@@ -69,13 +72,14 @@ def build_step(cfg, micro_batch: int, device: torch.device, world: int):
     return applied, optimizer, scheduler, tokens
 
 
-def _steps(cfg, built, tracker, last=None) -> None:
+def _steps(cfg, built, tracker, last=None, mark=lambda: None) -> None:
     """Runs a first optimizer step, then a full step as train/loop.py runs it.
 
     The first makes the optimizer's state with an update on zero gradients, as big as a
     real step's; the full step (forward, backward, optimizer) then reaches the steady
     state's peak in one step's time, not two. Both run inside whatever modes are active.
-    `last` is a StepOps that records the full step only."""
+    `last` is a StepOps that records the full step only; `mark` is called where each of
+    the three phases ends."""
     from ..train.loop import micro_step, optimizer_step
 
     applied, optimizer, scheduler, tokens = built
@@ -85,6 +89,7 @@ def _steps(cfg, built, tracker, last=None) -> None:
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    mark()
     if last is not None:
         last.on = True
     for sync in applied.micro_contexts(cfg.train.grad_accum_steps):
@@ -95,23 +100,38 @@ def _steps(cfg, built, tracker, last=None) -> None:
             tracker.reset_mod_stats()  # (its per-module figures: one pass's)
     if last is not None:
         last.split = len(last.ops)  # (train.compile compiles the model, not the optimizer)
+    mark()
     phase("the optimizer step")
     optimizer_step(cfg, applied, optimizer, scheduler, applied.scaler, params, None)
+    mark()
 
 
 def _tracked(cfg, built, device: torch.device, modes=(), last=None) -> StepMemory:
     tracker = step_tracker(cfg, *built[:2], built[3])
+    phases = []
+
+    def mark():  # this phase's peak; the next phase's starts from what is live now
+        phases.append(_by_kind(tracker.get_tracker_snapshot("peak").get(device, {})))
+        if hasattr(tracker, "_peak_mem") and hasattr(tracker, "_curr_mem_snap"):
+            for dev, snap in tracker._curr_mem_snap.items():
+                tracker._peak_mem[dev], tracker._peak_mem_snap[dev] = snap["Total"], dict(snap)
+
     with tracker, contextlib.ExitStack() as stack:
         for mode in modes:
             stack.enter_context(mode)
-        _steps(cfg, built, tracker, last=last)
-    snap = tracker.get_tracker_snapshot("peak").get(device, {})
+        _steps(cfg, built, tracker, last=last, mark=mark)
+    peak = max(reversed(phases), key=lambda p: p[0])  # (a tie: the later phase's split)
+    return StepMemory(*peak, phases=phases)
+
+
+def _by_kind(snap: dict) -> tuple[int, dict]:
+    """A tracker snapshot as (total bytes, KINDS' names -> bytes)."""
     at_peak = {}
     for k, v in snap.items():
         name = KINDS.get(str(getattr(k, "value", k)))
         if name:
             at_peak[name] = at_peak.get(name, 0) + int(v)
-    return StepMemory(int(snap.get("Total", 0)), at_peak)
+    return int(snap.get("Total", 0)), at_peak
 
 
 FAKE_DEVICE = torch.device("cpu")  # where fake tensors "live": any profile is traced here

@@ -71,9 +71,12 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                       if r.get(f"planned_{k}_gib"))
     step, world = r.get("planned_step_ms"), r.get("world_size") or 1
     where = "one device" if world == 1 else f"rank 0 of {world} ({layout(r)})"
+    depths = r.get("planned_from_blocks")
+    traced = f"{depths[0]} and {depths[1]} blocks traced, the rest extrapolated, in " \
+        if depths else "traced in "
     return [
         ("plan", f"{run_line(r)} micro-batch {r['micro_batch_size']} on {r['hardware']}, "
-                 f"{where} (traced in {r['plan_s']:.1f} s)"),
+                 f"{where} ({traced}{r['plan_s']:.1f} s)"),
         ("peak memory", f"{r['planned_peak_gib']:,.3f} GiB per device: {split}"),
         ("fits", fits),
         *([("collectives", _collectives(r))] if r.get("planned_comm") else []),
