@@ -20,7 +20,7 @@ def traced_depths(cfg) -> tuple[int, int] | None:
         return None
     lead = m.first_k_dense if m.num_experts else 0
     # (FSDP2's explicit prefetch reaches parallel.prefetch blocks ahead: past its window)
-    a = lead + max(2, getattr(cfg.parallel, "prefetch", 0) + 1)
+    a = lead + max(2, cfg.parallel.prefetch + 1)
     return (a, a + 1) if a + 1 < m.num_layers else None
 
 

@@ -60,16 +60,21 @@ def _deep(cfg, rec: dict, depths: tuple[int, int]) -> None:
         _figures(shallow, got, steps[-1])
         recs.append(got)
     line, peak, at_peak = extrapolate(cfg, depths, recs, steps)
-    rec.update(line)  # (DERIVED's, the deeper plan's where not set again below)
+    rec.update(line)  # (figures not on a line, as tokens/s, are set again below)
     rec["calibration_s"] = recs[0].get("calibration_s")  # (made, if at all, by the first)
     rec["null_reasons"] = recs[0]["null_reasons"]
     rec["planned_from_blocks"] = list(depths)
     _params(cfg, rec)
     _memory(cfg, rec, peak, at_peak)
     if rec.get("planned_step_ms") is not None:
-        t = cfg.train
-        _rates(cfg, rec, rec["planned_step_ms"], t.micro_batch_size * t.grad_accum_steps *
-               t.seq_len * data_ranks(cfg.parallel, cfg.hardware.devices))
+        _rates(cfg, rec, rec["planned_step_ms"], _tokens(cfg))
+
+
+def _tokens(cfg) -> int:
+    """A step's tokens over every rank (tensor-parallel ranks share theirs)."""
+    t = cfg.train
+    return t.micro_batch_size * t.grad_accum_steps * t.seq_len * \
+        data_ranks(cfg.parallel, cfg.hardware.devices)
 
 
 def _params(cfg, rec: dict) -> None:
@@ -96,7 +101,6 @@ def _memory(cfg, rec: dict, peak: int, at_peak: dict) -> None:
 
 
 def _figures(cfg, rec: dict, step) -> None:
-    t = cfg.train
     _params(cfg, rec)
     _memory(cfg, rec, step.peak_bytes, step.at_peak)
     rec["planned_flops_per_step"] = step.flops
@@ -108,8 +112,7 @@ def _figures(cfg, rec: dict, step) -> None:
         g: {k: {"calls": v["calls"], "gib": v["bytes"] / GIB} for k, v in kinds.items()}
         for g, kinds in step.ops.comm_by_group(mesh_dims(cfg.parallel, world, world)).items()}
     phase("the step's time")
-    _times(cfg, rec, step, t.micro_batch_size * t.grad_accum_steps * t.seq_len *
-           data_ranks(cfg.parallel, world))  # (tensor-parallel ranks share their tokens)
+    _times(cfg, rec, step, _tokens(cfg))
 
 
 # what a task=bench run records of its plan (train.plan)

@@ -112,9 +112,7 @@ def _tracked(cfg, built, device: torch.device, modes=(), last=None) -> StepMemor
 
     def mark():  # this phase's peak; the next phase's starts from what is live now
         phases.append(_by_kind(tracker.get_tracker_snapshot("peak").get(device, {})))
-        if hasattr(tracker, "_peak_mem") and hasattr(tracker, "_curr_mem_snap"):
-            for dev, snap in tracker._curr_mem_snap.items():
-                tracker._peak_mem[dev], tracker._peak_mem_snap[dev] = snap["Total"], dict(snap)
+        tracker.restart_peak()
 
     with tracker, contextlib.ExitStack() as stack:
         for mode in modes:

@@ -22,6 +22,12 @@ class _PeakOnly:
                 self._peak_mem[dev] = snap["Total"]
                 self._peak_mem_snap[dev] = dict(snap)
 
+    def restart_peak(self) -> None:
+        """The peak from now on: what is live now (a step's phases each have their own)."""
+        if all(hasattr(self, a) for a in ("_curr_mem_snap", "_peak_mem", "_peak_mem_snap")):
+            for dev, snap in self._curr_mem_snap.items():
+                self._peak_mem[dev], self._peak_mem_snap[dev] = snap["Total"], dict(snap)
+
 
 def step_tracker(cfg, applied, optimizer, tokens=None):
     """torch's memory tracker for the run's strategy, keeping the peak only.
