@@ -251,7 +251,7 @@ class PrecisionConfig:
                              since="compute")
 
 
-TP_OPTIONS = ("fsdp", "expert_fsdp")  # the parallel options parallel.tp composes with
+TP_OPTIONS = ("fsdp", "expert_fsdp", "hsdp")  # the parallel options parallel.tp composes with
 
 
 @dataclass
@@ -281,6 +281,10 @@ class ParallelConfig:
                                    "on the sequence (reduce-scatter + all-gather for all-reduce)",
                                    since=True, read_by=Reads("parallel.name", TP_OPTIONS),
                                    column="sp")
+    async_tp: bool = knob(False, "with tp > 1 and train.compile: inductor's async TP, each "
+                          "TP all-gather and reduce-scatter split and overlapped with its "
+                          "matmul on symmetric memory (CUDA only)", since=False,
+                          read_by=Reads("parallel.name", TP_OPTIONS), column="async_tp")
     bucket_cap_mb: float = knob(25.0, "DDP's gradient bucket size", read_by=DDP, check=Range(0,
                                 MAX_BUCKET_MB, lo_open=True, note="MB"))
     gradient_as_bucket_view: bool = knob(True, "DDP's gradients as views of its buckets",
@@ -353,7 +357,8 @@ def mesh_dims(p, devices: int, world: int) -> list[tuple[str, int]]:
     if p.name == "ddp":
         return [("dp_replicate", world)]
     if p.name == "hsdp":
-        return list(zip(("dp_replicate", "dp_shard"), hsdp_mesh(p, devices, world)))
+        return list(zip(("dp_replicate", "dp_shard"), hsdp_mesh(p, devices, world))) + \
+            ([("tp", tp)] if tp > 1 else [])
     if p.name in ("expert", "expert_fsdp"):
         ep = ep_size(p, world) // (tp if experts_whole(p) else 1)
         return [("dp", data // ep), ("ep", ep)] + ([("tp", tp)] if tp > 1 else [])
@@ -398,11 +403,11 @@ def tp_splits(m, tp: int) -> list[tuple[str, int]]:
 
 
 def hsdp_mesh(p, devices: int, world: int) -> tuple[int, int]:
-    """parallel=hsdp's (replicate, shard) mesh shape.
+    """parallel=hsdp's (replicate, shard) mesh shape over the data ranks (tp shares them).
 
     replicate is as set, or else one replica per machine: world // hardware.devices."""
     replicate = p.replicate or max(1, world // devices)
-    return replicate, world // replicate
+    return replicate, data_ranks(p, world) // replicate
 
 
 @dataclass

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from .config import (CHOICES, CONF, FLOPS, FSDP2, MAX_STEPS, ConfigError, NotReady,
                      NothingLeft, Unsupported, data_ranks, default_choices, env_source, ep_size,
-                     experts_whole, group_options, no_such_key, tp_size)
+                     TP_OPTIONS, experts_whole, group_options, no_such_key, tp_size)
 from .ranks import rank_env, world_size
 
 
@@ -382,8 +382,8 @@ def check_parallel(cfg) -> None:
                           "(pytorch/pytorch#143580: a crash, then gradients never reduced); "
                           "set parallel.accum_no_sync=false or static_graph=false")
     _check_hook(cfg)
-    _check_hsdp(cfg, launched)
     _check_tp(cfg, launched)
+    _check_hsdp(cfg, launched)
     if p.name in FSDP2:
         if p.cpu_offload and cfg.optim.name == "muon":
             raise ConfigError("parallel.cpu_offload", "not with optim=muon: its Newton-Schulz "
@@ -408,6 +408,12 @@ def _check_tp(cfg, world: int) -> None:
     from .config import tp_splits
 
     p, m, n = cfg.parallel, cfg.model, cfg.hardware.devices
+    if p.async_tp and p.name in TP_OPTIONS:  # (elsewhere refused as unread)
+        if cfg.hardware.device != "cuda":
+            raise Unsupported("parallel.async_tp", f"needs CUDA GPUs (symmetric memory); "
+                              f"this run's device is {cfg.hardware.device} (allowed: false)")
+        if p.tp == 1:
+            raise ConfigError("parallel.async_tp", "needs parallel.tp > 1 (allowed: false)")
     if tp_size(p) == 1:
         return
     if world % p.tp:
@@ -431,10 +437,9 @@ def _check_tp(cfg, world: int) -> None:
         raise ConfigError("parallel.expert_parallel_size", f"with parallel.etp=1 it counts "
                           f"the tp ranks: a multiple of parallel.tp={p.tp}, got "
                           f"{ep_size(p, world)}")
-    if cfg.train.compile != "off":
-        raise ConfigError("train.compile", "not with parallel.tp > 1 yet: inductor fails on "
-                          "the split model (\"Mixing fake modes NYI\", torch 2.13; "
-                          "allowed: off)")
+    if p.async_tp and cfg.train.compile == "off":
+        raise ConfigError("parallel.async_tp", "needs train.compile (inductor fuses the TP "
+                          "collectives with their matmuls; allowed: false)")
     if cfg.optim.name == "muon":
         raise ConfigError("parallel.tp", "not with optim=muon yet: its Newton-Schulz step "
                           "would see each rank's columns only (allowed: 1)")
@@ -443,15 +448,18 @@ def _check_tp(cfg, world: int) -> None:
 
 
 def _check_hsdp(cfg, world: int) -> None:
-    """Check parallel=hsdp's mesh, replicate x world / replicate: replicate divides the world."""
-    from .config import hsdp_mesh
+    """Check parallel=hsdp's mesh, replicate x data ranks / replicate: replicate divides the
+    data ranks (the world, or world / parallel.tp)."""
+    from .config import data_ranks, hsdp_mesh
 
     p, n = cfg.parallel, cfg.hardware.devices
     if p.name != "hsdp":
         return
     ranks = f"hardware.devices={n}" if world == n else f"world size {world} (WORLD_SIZE)"
+    if tp_size(p) > 1:
+        ranks = f"data ranks ({ranks} / parallel.tp={p.tp})"
     replicate = hsdp_mesh(p, n, world)[0]
-    if world % replicate:
+    if data_ranks(p, world) % replicate:
         got = p.replicate or f"null ({replicate}: world size // hardware.devices)"
         raise ConfigError("parallel.replicate", f"must divide the {ranks}, got {got}")
 

@@ -119,7 +119,7 @@ def state_lower_bound(cfg, world: int) -> float:
     elif p.name == "hsdp":  # sharded within a replica group
         from ..config import hsdp_mesh
 
-        per_rank = total / hsdp_mesh(p, cfg.hardware.devices, world)[1]
+        per_rank = total / (world // hsdp_mesh(p, cfg.hardware.devices, world)[0])
     elif p.name == "expert":
         per_rank = total - experts + experts / (p.expert_parallel_size or world)
     else:

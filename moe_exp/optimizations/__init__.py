@@ -94,7 +94,11 @@ def apply(model: nn.Module, cfg, device: torch.device, world: int = 1) -> Applie
         before_step = grad_sync(model, cfg, world, dp_group) or tp_sync(model, tp)
         no_sync = accum_no_sync(model, cfg)
         clip = lambda params, max_norm: clip_grad_norm(params, max_norm, ep_group)  # noqa: E731
-    model = apply_compile(model, cfg.train.compile)
+    if cfg.parallel.async_tp and tp > 1:
+        from .parallel import enable_async_tp
+
+        enable_async_tp(mesh)
+    model = apply_compile(model, cfg.train.compile, per_block=tp > 1)
     return Applied(model, autocast_factory(cfg.precision, device),
                    grad_scaler(cfg.precision, device), before_step, clip, no_sync,
                    reduce_bytes)

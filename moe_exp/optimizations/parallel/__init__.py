@@ -51,6 +51,17 @@ def apply_tensor(model: nn.Module, cfg, mesh) -> None:
                           experts="whole" if whole else p.name != "expert_fsdp")
 
 
+def enable_async_tp(mesh) -> None:
+    """parallel.async_tp, as torchtitan enables it: inductor's micro-pipelined TP splits
+    each all-gather and reduce-scatter of the tp group and overlaps the pieces with the
+    matmul that uses them, on the group's symmetric memory (CUDA)."""
+    import torch._inductor.config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(mesh["tp"].get_group().group_name)
+
+
 def tp_sync(model: nn.Module, tp: int):
     """With tensor parallel, each gradient in its parameter's placements before the step."""
     if tp <= 1:
@@ -81,7 +92,7 @@ def apply_expert(model: nn.Module, cfg, mesh):
     return ep_group, dp_group
 
 
-def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh=None):
+def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh):
     """Wrap the model for ddp, fsdp, expert_fsdp or hsdp; after AC, before compile."""
     p = cfg.parallel
     if p.name == "ddp":
@@ -101,8 +112,8 @@ def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh=None):
         if p.cpu_offload:
             kw["offload_policy"] = CPUOffloadPolicy()
         # the data ranks (expert_fsdp: dp x ep); hsdp: its 2-D mesh
-        world_mesh = mesh if p.name == "hsdp" else mesh["dp_shard"] if p.name == "fsdp" \
-            else mesh["dp", "ep"]._flatten("dp_shard")
+        world_mesh = mesh["dp_replicate", "dp_shard"] if p.name == "hsdp" else \
+            mesh["dp_shard"] if p.name == "fsdp" else mesh["dp", "ep"]._flatten("dp_shard")
         units = []  # per block: [block, its FSDP-sharded experts (expert_fsdp)]
         shards = world_mesh.size(world_mesh.ndim - 1)  # (HSDP: its shard dim's ranks)
         for block in _blocks(model):
