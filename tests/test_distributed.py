@@ -417,6 +417,7 @@ def test_peak_memory_leaves_out_the_profiled_steps(tmp_path):
     peaks = {}
     for n in (0, 5):  # (each rank a process of its own: its own peak RSS)
         rec = run_inproc(["parallel=ddp", "hardware.devices=2", "logger=none", "train.steps=10",
+                          "train.plan=false",
                           "train.micro_batch_size=4", f"parallel.profile_steps={n}"],
                          tmp_path / str(n))
         assert rec["status"] == "ok", rec["error"]
@@ -585,7 +586,7 @@ def test_sweep_over_parallel_and_devices(tmp_path):
     d = tmp_path / "s"  # (jobs in the sweep's process: their rows are the point here)
     p = run_cli(["-m", "parallel=none,ddp", "hardware.devices=1,2", "logger=none",
                  "train.steps=4", "train.warmup_steps=1", "train.seq_len=32",
-                 "train.micro_batch_size=2",
+                 "train.micro_batch_size=2", "train.plan=false",
                  "sweep.isolate=false", f"hydra.sweep.dir={d}"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     df = pd.read_csv(d / "results.csv")

@@ -157,7 +157,8 @@ def test_checkpointed_run_has_same_losses(mode, tmp_path, default_record):
 
 
 BIG_ACT = ["logger=none", "model.max_seq_len=256", "model.hidden_size=256", "model.num_layers=4",
-           "train.micro_batch_size=16", "train.steps=2", "train.warmup_steps=1"]
+           "train.micro_batch_size=16", "train.steps=2", "train.warmup_steps=1",
+           "train.plan=false"]
 
 
 @pytest.mark.slow
