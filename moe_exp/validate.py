@@ -450,7 +450,7 @@ def _check_tp(cfg, world: int) -> None:
 def _check_hsdp(cfg, world: int) -> None:
     """Check parallel=hsdp's mesh, replicate x data ranks / replicate: replicate divides the
     data ranks (the world, or world / parallel.tp)."""
-    from .config import data_ranks, hsdp_mesh
+    from .config import hsdp_mesh
 
     p, n = cfg.parallel, cfg.hardware.devices
     if p.name != "hsdp":
