@@ -252,6 +252,9 @@ class PrecisionConfig:
 
 
 TP_OPTIONS = ("fsdp", "expert_fsdp", "hsdp")  # the parallel options parallel.tp composes with
+PP_OPTIONS = ("fsdp", "expert_fsdp", "hsdp")  # and parallel.pp (each stage FSDP2's root)
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+PP = Reads("parallel.pp", positive=True, above=1, what="pipeline parallel")
 
 
 @dataclass
@@ -285,6 +288,26 @@ class ParallelConfig:
                           "TP all-gather and reduce-scatter split and overlapped with its "
                           "matmul on symmetric memory (CUDA only)", since=False,
                           read_by=Reads("parallel.name", TP_OPTIONS), column="async_tp")
+    pp: int = knob(1, "pipeline stages: the blocks split into pp stages on as many ranks, "
+                   "each stage's ranks data parallel over world / pp (1 = off)", since=1,
+                   read_by=Reads("parallel.name", PP_OPTIONS), column="pp",
+                   check=at_least(1, "(1 = off)"))
+    pp_schedule: str = knob("1f1b", "the pipeline schedule: gpipe | 1f1b | interleaved_1f1b | "
+                            "zero_bubble (interleaved, the backward split into input and "
+                            "weight parts)", choices=PP_SCHEDULES, since="1f1b", read_by=PP,
+                            column="pp_schedule")
+    pp_microbatches: Optional[int] = knob(None, "micro-batches a rank's train.micro_batch_size "
+                                          "is split into for the pipeline; null = its stages",
+                                          since=None, read_by=PP, column="pp_microbatches",
+                                          check=at_least(1, "or null (the stages)"))
+    pp_split: Optional[List[int]] = knob(None, "the first block of each stage after the "
+                                         "first; null = blocks split evenly", since=None,
+                                         read_by=PP, column="pp_split")
+    pp_stages_per_rank: Optional[int] = knob(None, "stages a rank holds (looped: rank r holds "
+                                             "r, r + pp, ...); null = 2 for the interleaved "
+                                             "schedules, else 1", since=None, read_by=PP,
+                                             column="pp_stages_per_rank",
+                                             check=at_least(1, "or null"))
     bucket_cap_mb: float = knob(25.0, "DDP's gradient bucket size", read_by=DDP, check=Range(0,
                                 MAX_BUCKET_MB, lo_open=True, note="MB"))
     gradient_as_bucket_view: bool = knob(True, "DDP's gradients as views of its buckets",
@@ -327,15 +350,57 @@ def tp_size(p) -> int:
     return p.tp if p.name in TP_OPTIONS else 1
 
 
+def pp_size(p) -> int:
+    """The pipeline stages' ranks: parallel.pp where the option reads it, else 1."""
+    return p.pp if p.name in PP_OPTIONS else 1
+
+
 def data_ranks(p, world: int) -> int:
-    """The ranks that take their own data: tensor-parallel ranks share theirs."""
-    return world // tp_size(p)
+    """The ranks that take their own data: tensor-parallel ranks share theirs, and a
+    pipeline's stages theirs."""
+    return world // tp_size(p) // pp_size(p)
+
+
+def data_rank(p, world: int, rank: int) -> int:
+    """Which of the data ranks' batches a rank takes, on the mesh (pp, data dims, tp)."""
+    return rank % (world // pp_size(p)) // tp_size(p)
+
+
+def pp_stages(p, num_layers: int) -> list[int]:
+    """The pipeline's stages as their first blocks: parallel.pp_split's, or the blocks split
+    evenly over pp x stages per rank (the first stages take one more where they do not)."""
+    n = p.pp * stages_per_rank(p)
+    if p.pp_split is not None:
+        return [0, *p.pp_split]
+    size, extra = divmod(num_layers, n)
+    return [i * size + min(i, extra) for i in range(n)]
+
+
+def stages_per_rank(p) -> int:
+    return p.pp_stages_per_rank or (2 if p.pp_schedule in ("interleaved_1f1b", "zero_bubble")
+                                    else 1)
+
+
+def pp_microbatches(p) -> int:
+    return p.pp_microbatches or p.pp * stages_per_rank(p)
+
+
+PP_COLUMNS = ("pp_microbatches", "pp_stages_per_rank", "pp_split")
+
+
+def pp_columns(p, layers: int) -> dict:
+    """A record's pipeline columns as the run resolves their nulls; null at pp = 1."""
+    if pp_size(p) == 1:
+        return dict.fromkeys(PP_COLUMNS)
+    return dict(zip(PP_COLUMNS, (pp_microbatches(p), stages_per_rank(p),
+                                 pp_stages(p, layers)[1:])))
 
 
 def routing_copies(p) -> int:
     """How many ranks route the same tokens: the tensor-parallel ones, each with the whole
-    gathered sequence, unless each routes its own shard (parallel.etp=1)."""
-    return 1 if experts_whole(p) else tp_size(p)
+    gathered sequence, unless each routes its own shard (parallel.etp=1); a pipeline's
+    stages each hold the counts of every stage (parallel.pp's model sums them)."""
+    return (1 if experts_whole(p) else tp_size(p)) * pp_size(p)
 
 
 def experts_whole(p) -> bool:
@@ -354,16 +419,17 @@ def mesh_dims(p, devices: int, world: int) -> list[tuple[str, int]]:
     """The run's device mesh, (name, size) outer dim first, its dims named as torchtitan's:
     dp_replicate, dp_shard and tp; expert parallel's dp and ep (dp x ep is its dp_shard)."""
     tp, data = tp_size(p), data_ranks(p, world)
+    pp = [("pp", pp_size(p))] if pp_size(p) > 1 else []
     if p.name == "ddp":
         return [("dp_replicate", world)]
     if p.name == "hsdp":
-        return list(zip(("dp_replicate", "dp_shard"), hsdp_mesh(p, devices, world))) + \
+        return pp + list(zip(("dp_replicate", "dp_shard"), hsdp_mesh(p, devices, world))) + \
             ([("tp", tp)] if tp > 1 else [])
     if p.name in ("expert", "expert_fsdp"):
         ep = ep_size(p, world) // (tp if experts_whole(p) else 1)
-        return [("dp", data // ep), ("ep", ep)] + ([("tp", tp)] if tp > 1 else [])
+        return pp + [("dp", data // ep), ("ep", ep)] + ([("tp", tp)] if tp > 1 else [])
     if p.name == "fsdp":
-        return [("dp_shard", data)] + ([("tp", tp)] if tp > 1 else [])
+        return pp + [("dp_shard", data)] + ([("tp", tp)] if tp > 1 else [])
     return []
 
 

@@ -17,17 +17,20 @@ NEW = object()  # a key that existed from the start: always part of the config h
 
 @dataclass(frozen=True)
 class Reads:
-    """Where a run reads a key: where `key`'s value is one of `values`, or > 0 with `positive`.
+    """Where a run reads a key: where `key`'s value is one of `values`, or > `above` (0)
+    with `positive`.
 
     `what` names that option in messages; without it, `group=value` does."""
     key: str  # e.g. "parallel.name"
     values: tuple = ()
     positive: bool = False
     what: str | None = None
+    above: int = 0
 
     def holds(self, get) -> bool:
         value = get(self.key)
-        return bool(value is not None and value > 0) if self.positive else value in self.values
+        return bool(value is not None and value > self.above) if self.positive \
+            else value in self.values
 
     @property
     def group(self) -> str:
@@ -38,7 +41,8 @@ class Reads:
 
         For example 'parallel=fsdp or expert_fsdp' or 'a MoE model (model.num_experts > 0)'."""
         if self.positive:
-            return f"{self.what} ({self.key} > 0)" if self.what else f"{self.key} > 0"
+            return f"{self.what} ({self.key} > {self.above})" if self.what \
+                else f"{self.key} > {self.above}"
         return self.what or f"{self.group}={' or '.join(map(str, self.values))}"
 
     def first(self) -> str:

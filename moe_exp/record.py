@@ -92,6 +92,9 @@ class Planned:
     planned_time_basis: S = None  # datasheet (a floor) | calibration <its file> (...)
     planned_kernel_ms: F = None  # the device's busy time (a calibrated plan's)
     calibration_s: F = None  # making the calibration in this run (hardware.calibration=auto)
+    planned_pp_stage_peaks_gib: L = None  # parallel.pp: each pp rank's planned peak
+    planned_pp_bubble_share: F = None  # parallel.pp: the simulated schedule's idle share
+    planned_pp_send_gib: F = None  # parallel.pp: a rank's sends a step (the most)
 
 
 @dataclass
@@ -116,6 +119,9 @@ class Training(ExpertLoad, Planned):
     comm_exposed_ms: F = None
     comm_kinds: D = None  # comm_ms and comm_exposed_ms per collective kind, max over ranks
     grad_reduce_bytes: I = None
+    pp_bubble_share: F = None  # parallel.pp: the step's share a rank idles in send/recv
+    pp_send_gib: F = None  # parallel.pp: activations and their gradients a rank sends a step
+    pp_stage_peaks_gib: L = None  # parallel.pp: each stage's peak (its ranks' max)
     z_loss: F = None
     seq_aux_loss: F = None
     expert_load_step_max_over_mean: F = None

@@ -383,6 +383,7 @@ def check_parallel(cfg) -> None:
                           "set parallel.accum_no_sync=false or static_graph=false")
     _check_hook(cfg)
     _check_tp(cfg, launched)
+    _check_pp(cfg, launched)
     _check_hsdp(cfg, launched)
     if p.name in FSDP2:
         if p.cpu_offload and cfg.optim.name == "muon":
@@ -445,6 +446,61 @@ def _check_tp(cfg, world: int) -> None:
                           "would see each rank's columns only (allowed: 1)")
     if p.cpu_offload:
         raise ConfigError("parallel.cpu_offload", "not with parallel.tp > 1 (allowed: false)")
+
+
+def _check_pp(cfg, world: int) -> None:
+    """parallel.pp: the stages divide the world and split the blocks; the micro-batches
+    split train.micro_batch_size and suit the schedule."""
+    from .config import pp_microbatches, pp_size, pp_stages, stages_per_rank
+
+    p, n, layers = cfg.parallel, cfg.hardware.devices, cfg.model.num_layers
+    if pp_size(p) == 1:
+        return
+    if world % p.pp:
+        ranks = f"hardware.devices={n}" if world == n else f"world size {world} (WORLD_SIZE)"
+        raise ConfigError("parallel.pp", f"must divide the {ranks}, got {p.pp}")
+    per_rank, single = stages_per_rank(p), p.pp_schedule in ("gpipe", "1f1b")
+    if single and per_rank > 1:
+        raise ConfigError("parallel.pp_stages_per_rank", f"parallel.pp_schedule="
+                          f"{p.pp_schedule} runs one stage a rank (allowed: 1 or null; "
+                          "interleaved_1f1b and zero_bubble run more)")
+    stages = p.pp * per_rank
+    if stages > layers:
+        raise ConfigError("parallel.pp", f"{stages} stages ({p.pp} ranks x {per_rank} a rank) "
+                          f"for model.num_layers={layers} blocks: at most one stage a block")
+    first = pp_stages(p, layers)
+    if p.pp_split is not None and (len(first) != stages or any(
+            b <= a for a, b in zip(first, first[1:])) or first[-1] >= layers):
+        raise ConfigError("parallel.pp_split", f"needs {stages - 1} increasing first blocks "
+                          f"of the stages after the first, each in 1..{layers - 1} (model."
+                          f"num_layers={layers}), got {list(p.pp_split)}")
+    micro, mbs = pp_microbatches(p), cfg.train.micro_batch_size
+    if mbs % micro:
+        raise ConfigError("parallel.pp_microbatches", f"must divide train.micro_batch_size="
+                          f"{mbs} (each is a part of it), got {micro}")
+    if p.pp_schedule == "1f1b" and micro < p.pp:
+        raise ConfigError("parallel.pp_microbatches", f"1f1b needs at least one a stage "
+                          f"(parallel.pp={p.pp}), got {micro}")
+    rounds = max(1, micro // p.pp)
+    if not single and micro % rounds:
+        raise ConfigError("parallel.pp_microbatches", f"{p.pp_schedule} runs them in rounds "
+                          f"of parallel.pp={p.pp}: fewer than pp or a multiple of "
+                          f"{micro // rounds}, got {micro}")
+    if p.reshard_after_forward and p.pp_schedule == "zero_bubble":
+        raise ConfigError("parallel.reshard_after_forward", "zero_bubble computes weight "
+                          "gradients after FSDP2 resharded the weights (wrong gradients): set "
+                          "false (allowed: false)")
+    if p.reshard_after_forward and p.name == "expert_fsdp" and \
+            cfg.train.activation_checkpointing == "selective":
+        raise ConfigError("parallel.reshard_after_forward", "with parallel.pp > 1, selective "
+                          "checkpointing and expert_fsdp's sharded experts, the recompute "
+                          "finds the experts gathered where the forward gathered them: set "
+                          "false (allowed: false)")
+    if tp_size(p) > 1:
+        raise ConfigError("parallel.tp", f"not with parallel.pp > 1 yet (allowed: 1), got {p.tp}")
+    if cfg.optim.name == "muon":
+        raise ConfigError("optim", "muon not with parallel.pp > 1 yet: its Newton-Schulz "
+                          "round-robin assumes every rank holds every matrix (allowed: adamw)")
 
 
 def _check_hsdp(cfg, world: int) -> None:

@@ -297,3 +297,95 @@ def several(calls) -> list:
         distributed.finish = leave
         leave()
     return results  # (the launch returns rank 0's)
+
+
+def pp_grads_match(overrides, batch: int) -> dict | None:
+    """One schedule step under parallel.pp (every rank's micro-batch of `batch` rows, in
+    parallel.pp_microbatches parts) vs one process running every part apart, the mean of
+    their losses: gradient accumulation. Rank 0's comparison: the losses, expert counts, and
+    each gradient's largest difference relative to its largest entry."""
+    from torch.distributed.tensor import DTensor
+
+    from moe_exp import distributed
+    from moe_exp.config import data_rank, data_ranks, ep_size, pp_microbatches
+
+    cfg = _cfg(["train.seq_len=16", f"train.micro_batch_size={batch}", *overrides])
+    d = distributed.init(cfg)
+    try:
+        dp = data_ranks(cfg.parallel, d.world)
+        ref, applied, x, y = _twins(cfg, d.world, batch * dp)
+        r = data_rank(cfg.parallel, d.world, d.rank)
+        out = applied.model(x[r * batch:(r + 1) * batch], y[r * batch:(r + 1) * batch])
+        loss = distributed.all_mean(out.loss.detach())
+        counts = out.counts.clone()
+        dist.all_reduce(counts)
+        counts //= cfg.parallel.pp
+        grads = {n.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", ""):
+                 q.grad.full_tensor() if isinstance(q.grad, DTensor) else q.grad
+                 for n, q in applied.model.named_parameters()}  # (collectives: every rank)
+        every = [None] * d.world
+        dist.all_gather_object(every, grads)
+        if not d.main:
+            return None
+        parts = dp * pp_microbatches(cfg.parallel)
+        rows = batch * dp // parts
+        outs = [ref(x[i * rows:(i + 1) * rows], y[i * rows:(i + 1) * rows])
+                for i in range(parts)]
+        ref_loss = sum(o.loss for o in outs) / parts
+        ref_loss.backward()
+        ep = ep_size(cfg.parallel, d.world) if cfg.parallel.name.startswith("expert") else 1
+        diffs, held = {}, {}
+        for name, p in ref.named_parameters():
+            local = name.replace(".experts.", ".experts.local.")
+            have = [g[name] for g in every if name in g] or [g[local] for g in every
+                                                             if local in g]
+            held[name] = len(have)
+            mine = torch.cat(have[:ep]) if name != local and ep > 1 else have[0]
+            if mine is None:
+                diffs[name] = float("inf")
+                continue
+            diffs[name] = ((mine - p.grad).abs().max() / p.grad.abs().max()).item()
+        return {"loss": loss.item(), "ref_loss": ref_loss.item(), "grad_diffs": diffs,
+                "held": held, "counts_equal": bool(
+                    not counts.numel() or torch.equal(counts, sum(o.counts for o in outs)))}
+    finally:
+        distributed.finish()
+
+
+def _pp_events(overrides):
+    from moe_exp import distributed
+    cfg = _cfg(overrides)
+    d = distributed.init(cfg)
+    try:
+        ref, applied, x, y = _twins(cfg, d.world, 4)
+        for _ in range(2):
+            applied.model(x, y)
+        with torch.profiler.profile() as prof:
+            applied.model(x, y)
+        names = {}
+        for ev in prof.events():
+            if not getattr(ev, "cpu_parent", None):
+                names.setdefault(ev.name, [0, 0.0])
+                names[ev.name][0] += 1
+                names[ev.name][1] += ev.time_range.end - ev.time_range.start
+        return sorted(((k, v) for k, v in names.items()), key=lambda kv: -kv[1][1])[:25]
+    finally:
+        distributed.finish()
+
+
+def measured_stages(overrides) -> list | None:
+    """measured_step on every rank (a pipeline's stages): each rank's peak of live tensor
+    memory over two real steps, its split and its collectives, gathered on rank 0."""
+    from moe_exp import distributed
+    from moe_exp.plan.trace import measure_step
+
+    cfg = _cfg(overrides)
+    d = distributed.init(cfg)
+    try:
+        got = measure_step(cfg)
+        every = [None] * d.world
+        dist.all_gather_object(every, {"peak": got.peak_bytes, "at_peak": got.at_peak,
+                                       "comm": got.comm})
+        return every if d.main else None
+    finally:
+        distributed.finish()

@@ -307,3 +307,47 @@ def test_a_tensor_parallel_plan_names_each_collectives_mesh_dim(tmp_path, capsys
     assert set(groups["tp"]) == {"all_gather", "reduce_scatter", "all_reduce"}
     out = capsys.readouterr().out
     assert "tp: " in out and "dp_shard: " in out and "fsdp x tp 2 (sequence parallel)" in out
+
+
+@pytest.mark.parametrize("schedule,pp,m,per", [("gpipe", 2, 2, 1), ("1f1b", 4, 8, 1),
+                                               ("interleaved_1f1b", 4, 8, 2),
+                                               ("zero_bubble", 2, 4, 2)])
+def test_a_pipelines_simulated_bubble_is_its_schedules(schedule, pp, m, per):
+    """plan/pipeline.py runs each rank's actions in the schedule's order with their times:
+    with every stage's forward 1 and backward 2 (input and weight 1 each), the idle share is
+    the textbook (p - 1) / (v m + p - 1) for GPipe, 1F1B and interleaved 1F1B, and zero
+    bubble's split backward idles less than interleaved 1F1B."""
+    from types import SimpleNamespace
+
+    from moe_exp.plan.pipeline import schedule_order, simulate
+
+    order = schedule_order(SimpleNamespace(pp=pp, pp_schedule=schedule,
+                                           pp_stages_per_rank=per), m)
+    assert sorted(a for rank in order for a in rank if a[1] == "F") == \
+        [(s, "F", i) for s in range(pp * per) for i in range(m)]  # each forward once
+    seconds = {(s, k): t / per for s in range(pp * per)
+               for k, t in (("F", 1), ("B", 2), ("I", 1), ("W", 1))}
+    span, busy = simulate(order, seconds, 0.0)
+    bubble = [1 - b / span for b in busy]
+    textbook = (pp - 1) / (per * m + pp - 1)
+    if schedule == "zero_bubble":
+        assert max(bubble) < textbook
+    else:
+        assert bubble == pytest.approx([textbook] * pp)
+    # a send between ranks delays what waits for it: the span grows
+    assert simulate(order, seconds, 0.5)[0] > span
+
+
+def test_a_pipeline_is_planned_stage_by_stage(tmp_path):
+    """task=plan with parallel.pp=2 on an h100 profile: each stage's peak, its sends, the
+    simulated schedule's bubble; its step longer than the busiest stage's compute alone."""
+    rec = run_inproc([*PLAN, "parallel=fsdp", "hardware.devices=2", "parallel.pp=2",
+                      "hardware=h100", "parallel.pp_microbatches=4"], tmp_path)
+    assert rec["status"] == "ok", rec["error"]
+    peaks = rec["planned_pp_stage_peaks_gib"]
+    assert len(peaks) == 2 and rec["planned_peak_gib"] == max(peaks)
+    # one micro-batch of 2 x 128 tokens x hidden 128, fp32, each way, 4 micro-batches
+    assert rec["planned_pp_send_gib"] * 2**30 == 4 * 2 * 128 * 128 * 4
+    assert 0.1 < rec["planned_pp_bubble_share"] < 0.5  # 1f1b's textbook 1/5, and the sends
+    assert rec["planned_step_ms"] > rec["planned_compute_ms"] / 2
+    assert rec["planned_tokens_per_s"] > 0 and rec["planned_from_blocks"] is None

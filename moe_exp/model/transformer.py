@@ -320,5 +320,11 @@ def decode(model: Transformer, tokens: torch.Tensor, cache) -> tuple[torch.Tenso
                     torch.zeros(0, 0, dtype=torch.long, device=x.device))
 
 
+def block_items(layers: nn.Module):
+    """(key, block) pairs of a model's blocks: a ModuleList's indices, or the keys of a
+    pipeline stage's ModuleDict (each block's index in the whole model)."""
+    return list(layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(layers))
+
+
 def build_model(cfg) -> Transformer:
     return Transformer(cfg)

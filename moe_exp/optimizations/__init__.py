@@ -8,7 +8,7 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 from torch import nn
 
-from ..config import FSDP2, tp_size
+from ..config import FSDP2, pp_size, tp_size
 from .attention import apply_attention
 from .checkpointing import apply_checkpointing
 from .compile import apply_compile, compile_decode
@@ -54,8 +54,9 @@ def apply_inference(model: nn.Module, cfg, device: torch.device) -> tuple[Callab
 def apply(model: nn.Module, cfg, device: torch.device, world: int = 1) -> Applied:
     """Apply the run's optimizations to a plain model, in torchtitan's order.
 
-    attention kernel -> precision -> tensor parallel -> expert parallel -> activation
-    checkpointing -> data parallel (DDP and its comm hook, FSDP2 or HSDP) -> compile.
+    attention kernel -> precision -> [pipeline stages: each stage then as a model] ->
+    tensor parallel -> expert parallel -> activation checkpointing -> data parallel (DDP and
+    its comm hook, FSDP2 or HSDP) -> compile.
 
     Gradient accumulation, train.grad_accum_steps, is the loop's: train/loop.py.
     """
@@ -65,13 +66,28 @@ def apply(model: nn.Module, cfg, device: torch.device, world: int = 1) -> Applie
         model = apply_fp8(model, cfg.precision)
     if cfg.precision.router_dtype == "fp32":
         router_fp32(model)
-    par = cfg.parallel.name
-    mesh = ep_group = dp_group = None
-    tp = tp_size(cfg.parallel)
+    par, mesh = cfg.parallel.name, None
     if par in MESHED:
         from .parallel import device_mesh
 
         mesh = device_mesh(cfg, world)
+    if pp_size(cfg.parallel) > 1:  # each stage optimized as a model, then the rank's joined
+        from .parallel.pipeline import PipelineModel, split_stages
+
+        parts = [_parallelize(s, cfg, device, world, mesh)
+                 for s in split_stages(model, cfg, mesh)]
+        piped = PipelineModel([m for m, _ in parts], model, cfg, mesh, device)
+        (_, wrapped), model = parts[0], piped  # (its clip: every stage's ranks alike)
+    else:
+        model, wrapped = _parallelize(model, cfg, device, world, mesh)
+    return Applied(model, autocast_factory(cfg.precision, device),
+                   grad_scaler(cfg.precision, device), **(wrapped if par != "none" else {}))
+
+
+def _parallelize(model: nn.Module, cfg, device, world: int, mesh):
+    """Tensor and expert parallel, checkpointing, data parallel and compile, applied to the
+    model or a pipeline's stage. Returns it and Applied's fields for its data parallel."""
+    par, tp, ep_group, dp_group = cfg.parallel.name, tp_size(cfg.parallel), None, None
     if tp > 1:
         from .parallel import apply_tensor
 
@@ -81,7 +97,7 @@ def apply(model: nn.Module, cfg, device: torch.device, world: int = 1) -> Applie
 
         ep_group, dp_group = apply_expert(model, cfg, mesh)
     model = apply_checkpointing(model, cfg.train.activation_checkpointing)
-    before_step = clip = no_sync = reduce_bytes = None
+    wrapped = {}
     if par != "none":
         from .parallel import (accum_no_sync, apply_data_parallel, clip_grad_norm, grad_sync,
                                tp_sync)
@@ -90,15 +106,17 @@ def apply(model: nn.Module, cfg, device: torch.device, world: int = 1) -> Applie
         if par == "ddp":
             from .parallel import register_comm_hook
 
-            reduce_bytes = register_comm_hook(model, cfg)
-        before_step = grad_sync(model, cfg, world, dp_group) or tp_sync(model, tp)
-        no_sync = accum_no_sync(model, cfg)
-        clip = lambda params, max_norm: clip_grad_norm(params, max_norm, ep_group)  # noqa: E731
+            wrapped["reduce_bytes"] = register_comm_hook(model, cfg)
+        wrapped["before_step"] = grad_sync(model, cfg, world, dp_group) or tp_sync(model, tp)
+        pp = mesh["pp"].get_group() if pp_size(cfg.parallel) > 1 else None
+        # (a pipeline's schedule syncs its own micro-batches)
+        wrapped["no_sync"] = None if pp else accum_no_sync(model, cfg)
+        wrapped["clip"] = lambda params, max_norm: clip_grad_norm(  # noqa: E731
+            params, max_norm, ep_group, pp)
     if cfg.parallel.async_tp and tp > 1:
         from .parallel import enable_async_tp
 
         enable_async_tp(mesh)
-    model = apply_compile(model, cfg.train.compile, per_block=tp > 1)
-    return Applied(model, autocast_factory(cfg.precision, device),
-                   grad_scaler(cfg.precision, device), before_step, clip, no_sync,
-                   reduce_bytes)
+    per_block = tp > 1 or pp_size(cfg.parallel) > 1  # (a pipeline's stage: FSDP2's root)
+    return apply_compile(model, cfg.train.compile, per_block=per_block), wrapped
+

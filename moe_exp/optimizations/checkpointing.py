@@ -8,6 +8,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from ..model.transformer import block_items
+
 _aten = torch.ops.aten
 # Selective: keep the outputs of the expensive ops, recompute the cheap elementwise ones.
 SAVE_OPS = {
@@ -51,6 +53,6 @@ def apply_checkpointing(model: nn.Module, mode: str) -> nn.Module:
     if mode == "selective":
         _ignore_profiler_ops()
         kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _policy)
-    for i, block in enumerate(model.layers):
-        model.layers[i] = checkpoint_wrapper(block, **kwargs)
+    for key, block in block_items(model.layers):
+        model.layers[key] = checkpoint_wrapper(block, **kwargs)
     return model

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..model.transformer import block_items
+
 
 def _options(mode: str) -> dict:
     import torch._dynamo.config as dynamo_config
@@ -30,12 +32,13 @@ def apply_compile(model: nn.Module, mode: str, per_block: bool = False) -> nn.Mo
         return model
     if not per_block:
         return _compile(model, mode)
-    for block in model.layers:
+    for _, block in block_items(model.layers):
         block.compile(**_options(mode))
     # The first block's input copied: a compiled block given a view that DTensor's to_local
     # made (the vocab-parallel embedding's output) lost its gradient (torch 2.13: the
     # embedding's was 0)
-    model.embed.register_forward_hook(lambda _m, _args, out: out.clone())
+    if getattr(model, "embed", None) is not None:  # (a pipeline's later stages have none)
+        model.embed.register_forward_hook(lambda _m, _args, out: out.clone())
     return model
 
 

@@ -1,6 +1,8 @@
 """A measured run's check of its own plan, which train.plan turns on: errors in its record."""
 from __future__ import annotations
 
+from ..config import pp_size
+
 
 def record_errors(rec: dict, cpu: bool) -> None:
     """The plan's errors into rec: planned / measured - 1, of the peak and the step time.
@@ -54,6 +56,8 @@ def _tracked_step(cfg, device, start: int) -> tuple[int | None, str | None]:
         return None, "train.plan=false"
     if t.compile != "off":
         return None, "train.compile: the tracker follows eager ops, not a compiled step's"
+    if pp_size(cfg.parallel) > 1:
+        return None, "parallel.pp: not planned (task=plan does not trace pipelines yet)"
     if step < max(start, 1):
         return None, f"train.warmup_steps={t.warmup_steps}: the step tracked is the last " \
                      "warmup step after the first (with the optimizer's state): >= 2"

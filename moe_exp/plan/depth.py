@@ -15,9 +15,11 @@ MIN_BLOCKS = 8  # models of fewer blocks are traced whole
 
 def traced_depths(cfg) -> tuple[int, int] | None:
     """The two depths traced for cfg's model, or None where it is traced whole."""
+    from ..config import pp_size
+
     m = cfg.model
-    if cfg.train.plan_depth == "full" or m.num_layers < MIN_BLOCKS:
-        return None
+    if cfg.train.plan_depth == "full" or m.num_layers < MIN_BLOCKS or pp_size(cfg.parallel) > 1:
+        return None  # (a pipeline's ranks each trace their stages' blocks alone)
     lead = m.first_k_dense if m.num_experts else 0
     # (FSDP2's explicit prefetch reaches parallel.prefetch blocks ahead: past its window)
     a = lead + max(2, cfg.parallel.prefetch + 1)

@@ -1,6 +1,6 @@
 """A fake process group of the configured world size for a traced step, and DDP on it.
 
-Only rank 0 is traced, in this process."""
+One rank is traced, in this process (rank 0, or each pipeline stage's in turn)."""
 from __future__ import annotations
 
 import contextlib
@@ -10,11 +10,11 @@ import torch
 
 
 @contextlib.contextmanager
-def fake_world(world: int):
-    """A fake process group of `world` ranks, for this process's trace of rank 0.
+def fake_world(world: int, rank: int = 0):
+    """A fake process group of `world` ranks, for this process's trace of rank `rank`.
 
-    torch's "fake" backend's collectives move nothing. Device meshes are made outside fake
-    mode."""
+    torch's "fake" backend's collectives and sends move nothing. Device meshes are made
+    outside fake mode."""
     import torch.distributed as dist
 
     if world == 1:
@@ -29,7 +29,7 @@ def fake_world(world: int):
 
     from ..optimizations import parallel
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:  # (DDP's check that the ranks' shapes agree reads values: one rank traced)
         with mock.patch.object(ddp, "_verify_param_shape_across_processes", _skip), \
                 mock.patch.object(parallel, "register_comm_hook", _fake_comm_hook), \

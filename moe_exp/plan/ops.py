@@ -98,6 +98,10 @@ class StepOps(TorchDispatchMode):
         # (plan/calibration.py); None for a sync
         self.io: list[tuple | None] = []
         self.split: int | None = None  # ops from here on are the optimizer's (eager)
+        # a pipeline's action running while each op is recorded: (stage, "F" | "B" | "I" |
+        # "W") or None (plan/pipeline.py tags them)
+        self.tag: tuple | None = None
+        self.tags: list[tuple | None] = []
         self._patch = contextlib.ExitStack()
 
     def __enter__(self):
@@ -122,7 +126,7 @@ class StepOps(TorchDispatchMode):
             return out
         self.dispatched += func.namespace != "prim"  # (prim.device: a fake tensor's .device)
         if packet in SYNCS:
-            self.ops.append((0.0, 0, None, ("sync",)))
+            self._add((0.0, 0, None, ("sync",)))
             if self.keep_io:
                 self.io.append(None)
         if func.is_view or func.namespace == "prim" or packet in NO_DATA:
@@ -138,7 +142,7 @@ class StepOps(TorchDispatchMode):
                 sizes = [t.numel() * t.element_size() for t in tensors]
                 self.calls.append((name, sum(sizes) if name == "all_reduce" else
                                    max(sizes, default=0), group_ranks(args, kwargs)))
-                self.ops.append((0.0, 0, None, ("comm", len(self.calls) - 1)))
+                self._add((0.0, 0, None, ("comm", len(self.calls) - 1)))
                 if self.keep_io:  # (what it writes is ready when it ends)
                     outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
                     self.io.append((_stored(tensors), _stored(tensors + outs)))
@@ -148,10 +152,14 @@ class StepOps(TorchDispatchMode):
         formulas = _formulas()
         flops = formulas[packet](*args, **kwargs, out_val=out) if packet in formulas else 0
         dtype = next((t.dtype for t in tensors if t.is_floating_point()), None)
-        self.ops.append((float(flops), moved, dtype, shape_key(name, args) if flops else None))
+        self._add((float(flops), moved, dtype, shape_key(name, args) if flops else None))
         if self.keep_io:
             self.io.append((_stored(tensors), _stored(outs)))
         return out
+
+    def _add(self, op: tuple) -> None:
+        self.ops.append(op)
+        self.tags.append(self.tag)
 
     @property
     def flops(self) -> float:

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from ..bench.memory import GIB
-from ..config import data_ranks, mesh_dims
+from ..config import PP_COLUMNS, data_ranks, mesh_dims, pp_columns, pp_microbatches, pp_size
 from ..screen import Status, phase
 from ..results import fill_null_reasons
 
@@ -33,7 +33,12 @@ def plan_step(cfg, rec: dict) -> None:
     with Status(f"[plan] {cfg.model.name} on {cfg.hardware.name}" + (
             f", rank 0 of {cfg.hardware.devices:,}" if cfg.hardware.devices > 1 else "")):
         depths = traced_depths(cfg)
-        if depths is None:
+        if pp_size(cfg.parallel) > 1:
+            _pipelined(cfg, rec)
+            rec["plan_s"] = time.perf_counter() - t0
+            rec["planned_from_blocks"] = None
+            rec["null_reasons"]["planned_from_blocks"] = "parallel.pp: each stage's blocks traced"
+        elif depths is None:
             step = trace_step(cfg)
             rec["plan_s"] = time.perf_counter() - t0
             _figures(cfg, rec, step)
@@ -44,7 +49,15 @@ def plan_step(cfg, rec: dict) -> None:
         else:
             _deep(cfg, rec, depths)
             rec["plan_s"] = time.perf_counter() - t0
+    rec.update(pp_columns(cfg.parallel, cfg.model.num_layers))  # (their nulls resolved)
+    if pp_size(cfg.parallel) == 1:
+        for k in (*PIPELINE, *PP_COLUMNS, "pp_schedule"):
+            rec[k] = None
+            rec["null_reasons"][k] = "parallel.pp=1: no pipeline"
     fill_null_reasons(rec, WHY)
+
+
+PIPELINE = ("planned_pp_stage_peaks_gib", "planned_pp_bubble_share", "planned_pp_send_gib")
 
 
 def _deep(cfg, rec: dict, depths: tuple[int, int]) -> None:
@@ -68,6 +81,87 @@ def _deep(cfg, rec: dict, depths: tuple[int, int]) -> None:
     _memory(cfg, rec, peak, at_peak)
     if rec.get("planned_step_ms") is not None:
         _rates(cfg, rec, rec["planned_step_ms"], _tokens(cfg))
+
+
+def _pipelined(cfg, rec: dict) -> None:
+    """A pipeline's plan: each pp rank traced (its stages, the real schedule), the step's
+    time the schedule's simulated span over the traced actions' times (plan/pipeline.py)
+    plus the slowest rank's own work beside them (its optimizer step, its exposed
+    collectives). The record's memory and collectives are the rank with the largest peak's;
+    every stage's peak is in planned_pp_stage_peaks_gib."""
+    from .pipeline import schedule_order, simulate, traced_ranks
+    from .trace import trace_step
+
+    recs, steps = [], []
+    for r in traced_ranks(cfg):
+        phase(f"tracing pipeline rank {r} of {cfg.hardware.devices:,}")
+        got = {"null_reasons": {}}
+        steps.append(trace_step(cfg, rank=r))
+        _figures(cfg, got, steps[-1])
+        recs.append(got)
+    worst = max(range(len(recs)), key=lambda i: recs[i]["planned_peak_gib"])
+    rec.update(recs[worst])
+    rec["planned_pp_stage_peaks_gib"] = [g["planned_peak_gib"] for g in recs]
+    rec["planned_pp_send_gib"] = max(st.comm.get("send", {}).get("bytes", 0)
+                                     for st in steps) / GIB
+    rec["planned_flops_per_step"] = sum(st.flops for st in steps) / len(steps)  # (a device's)
+    why, m = rec["null_reasons"], pp_microbatches(cfg.parallel)
+    if rec.get("planned_step_ms") is None:
+        rec["planned_pp_bubble_share"] = None
+        why["planned_pp_bubble_share"] = why.get("planned_step_ms", WHY)
+        return
+    seconds, rest = {}, []
+    for st, got in zip(steps, recs):
+        tags = _action_seconds(cfg, st)
+        seconds.update({k: v / m for k, v in tags.items()})
+        rest.append(got["planned_step_ms"] - sum(tags.values()) * 1e3)
+    span, busy = simulate(schedule_order(cfg.parallel, m), seconds, _hop_s(cfg, steps[0]))
+    rec["planned_pp_bubble_share"] = sum(1 - b / span for b in busy) / len(busy)
+    rec["planned_step_ms"] = span * 1e3 + max(rest)
+    _rates(cfg, rec, rec["planned_step_ms"], _tokens(cfg))
+
+
+P2P = ("send", "recv")  # a pipeline's sends: its schedule's simulation places them
+
+
+def _hop_s(cfg, step) -> float:
+    """One micro-batch's send between stages, in seconds: the traced sends' mean."""
+    from .roofline import call_seconds
+
+    each = call_seconds(step.ops, cfg.hardware)[0] or []
+    sends = [t for (name, _, _), t in zip(step.ops.calls, each) if name == "send"]
+    return sum(sends) / len(sends) if sends else 0.0
+
+
+def _action_seconds(cfg, step) -> dict:
+    """The seconds of the ops each pipeline action ran, summed over micro-batches:
+    (stage, kind) -> seconds, at the plan's basis (the calibration's rates, else the
+    datasheet's roofline), without collectives."""
+    import copy
+
+    from .roofline import compute_ms
+
+    ops, out = step.ops, {}
+    hw = cfg.hardware
+    if hw.calibration:
+        from .calibrate import calibration_for
+
+        cal = calibration_for(cfg)[0]
+        cal.attention = cfg.train.attention
+    for tag in dict.fromkeys(t for t in ops.tags if t is not None):
+        keep = [t == tag for t in ops.tags]
+        sub = copy.copy(ops)
+        sub.ops = [o for o, k in zip(ops.ops, keep) if k]
+        sub.io = [x for x, k in zip(ops.io, keep) if k] if ops.io else []
+        sub.split = None
+        sub.dispatched = round(ops.dispatched * len(sub.ops) / max(1, len(ops.ops)))
+        if hw.calibration:
+            launches = cal.launches(sub, cfg.precision.name,
+                                    cfg.train.activation_checkpointing)
+            out[tag] = cal.timeline(launches)[0] - cal.data.get("step_us", 0.0) / 1e6
+        else:
+            out[tag] = (compute_ms(sub, hw, cfg.precision.name)[0] or 0.0) / 1e3
+    return out
 
 
 def _tokens(cfg) -> int:
@@ -118,7 +212,8 @@ def _figures(cfg, rec: dict, step) -> None:
 # what a task=bench run records of its plan (train.plan)
 BENCH = ("plan_s", "planned_peak_gib", "planned_step_ms", "planned_compute_ms",
          "planned_comm_ms", "planned_comm_exposed_ms", "planned_tokens_per_s",
-         "planned_comm_gib", "planned_time_basis", "planned_kernel_ms", "calibration_s")
+         "planned_comm_gib", "planned_time_basis", "planned_kernel_ms", "calibration_s",
+         *PIPELINE)
 
 
 def bench_plan(cfg) -> dict:
@@ -188,6 +283,8 @@ def _times(cfg, rec: dict, step, tokens: int) -> None:
 
     why, hw = rec["null_reasons"], cfg.hardware
     each, why_comm = call_seconds(step.ops, hw)
+    if each is not None and pp_size(cfg.parallel) > 1:  # (the schedule's simulation
+        each = [0.0 if c[0] in P2P else t for c, t in zip(step.ops.calls, each)]  # has them)
     rec["planned_comm_ms"] = None if each is None else sum(each) * 1e3
     if hw.calibration:
         step_ms, why_compute = _calibrated_ms(cfg, rec, step.ops, each)

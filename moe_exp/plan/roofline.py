@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import torch
 
-BUS_SHARE = {"all_reduce": lambda n: 2 * (n - 1) / n}  # others: (n - 1) / n
+# others: (n - 1) / n; a send (a pipeline's) moves its message whole
+BUS_SHARE = {"all_reduce": lambda n: 2 * (n - 1) / n, "send": lambda n: 1.0,
+             "recv": lambda n: 1.0}
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 

@@ -17,6 +17,7 @@ from unittest import mock
 
 import torch
 
+from ..config import pp_size
 from ..screen import phase
 from .fake_world import ddp_buckets, ddp_calls, fake_world
 from .ops import StepOps
@@ -178,14 +179,16 @@ def planned_config(cfg):
     return cfg
 
 
-def trace_step(cfg, micro_batch: int | None = None) -> StepMemory:
+def trace_step(cfg, micro_batch: int | None = None, rank: int = 0) -> StepMemory:
     """The plan of one step of `cfg` on one device, traced on fake tensors.
 
-    Under a parallel strategy the device is rank 0 of hardware.devices."""
+    Under a parallel strategy the device is rank `rank` of hardware.devices; in a pipeline
+    each op is tagged with its schedule's action (plan/pipeline.py)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..model.capacity import capacity
     from ..model.transformer import Transformer
+    from .pipeline import tagged
 
     b = micro_batch or cfg.train.micro_batch_size
     io = bool(cfg.hardware.calibration)  # (fused kernels, waits for collectives)
@@ -201,7 +204,9 @@ def trace_step(cfg, micro_batch: int | None = None) -> StepMemory:
     ops = StepOps(io)
     sdpa = cuda_sdpa(cfg.train.attention) if gpu else \
         torch.nn.functional.scaled_dot_product_attention
-    with mock.patch.object(Transformer, "reset_parameters", _no_init), fake_world(world), \
+    piped = tagged(ops) if pp_size(cfg.parallel) > 1 else contextlib.nullcontext()
+    with mock.patch.object(Transformer, "reset_parameters", _no_init), \
+            fake_world(world, rank), piped, \
             mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", sdpa):
         with FakeTensorMode(), _real_meshes():
             phase("building the model on fake tensors")
@@ -268,7 +273,9 @@ def _lazy_chunks():
 def _phases(model):
     """The trace's phase as it goes (screen.phase): forward and backward by block, where a
     checkpointed block's recompute shows the backward's progress; hooks on the blocks."""
-    blocks = list(getattr(model, "layers", []))
+    from ..model.transformer import block_items
+
+    blocks = [b for _, b in block_items(getattr(model, "layers", []))]
     n, state = len(blocks), {"pass": "forward"}
 
     def at(i):

@@ -29,6 +29,36 @@ class _PeakOnly:
                 self._peak_mem[dev], self._peak_mem_snap[dev] = snap["Total"], dict(snap)
 
 
+def _lenient(tracker) -> None:
+    """A pipeline's tracker: its schedule runs backwards inside the model's forward, so a
+    module's forward can end after a backward took it off ModTracker's stack, which then
+    raises ("The Module hierarchy tracking is wrong"). The hierarchy is not read here: its
+    forward ends are let pass, and a module's later calls in a step (each micro-batch's)
+    keep its first call's figures."""
+    mods = tracker._mod_tracker
+
+    def pop(w_mod, name, is_bw):
+        def fn(*args):
+            if mods._user_post_bw_hook is not None and is_bw:
+                mods._user_post_bw_hook(w_mod(), args)
+            if name in mods.parents:
+                mods._active_module_cnt[name] -= 1
+                if mods._active_module_cnt[name] == 0:
+                    mods.parents.remove(name)
+        return fn
+
+    def pre_fw(module, inputs):  # (a stage's next micro-batch: MemTracker's per-module
+        if module in tracker.memory_tracking and not mods.is_bw:  # figures are one call's)
+            return None
+        return real(module, inputs)
+
+    if all(hasattr(mods, a) for a in ("_get_pop_fn", "_active_module_cnt", "parents",
+                                      "_user_post_bw_hook")) and \
+            hasattr(tracker, "memory_tracking"):
+        mods._get_pop_fn, real = pop, tracker._pre_fw_hook
+        tracker._pre_fw_hook = pre_fw
+
+
 def step_tracker(cfg, applied, optimizer, tokens=None):
     """torch's memory tracker for the run's strategy, keeping the peak only.
 
@@ -37,10 +67,13 @@ def step_tracker(cfg, applied, optimizer, tokens=None):
     from torch.distributed._tools.mem_tracker import MemTracker
 
     inputs = () if tokens is None else (tokens,)
-    if cfg.parallel.name in FSDP2:
+    if cfg.parallel.name in FSDP2 and not hasattr(applied.model, "moe_rows"):  # (a
+        # pipeline's stages are each FSDP2's root: MemTracker, their gathers as temporaries)
         tracker = type("Tracker", (_PeakOnly, FSDPMemTracker), {})(applied.model, optimizer)
         tracker.track_inputs(inputs)
     else:
         tracker = type("Tracker", (_PeakOnly, MemTracker), {})()
         tracker.track_external(applied.model, optimizer, *inputs)
+        if hasattr(applied.model, "moe_rows"):
+            _lenient(tracker)
     return tracker

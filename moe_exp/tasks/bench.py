@@ -140,6 +140,7 @@ class BenchTask(Task):
         graphs = [a - b for a, b in zip(record.graph_counts(), cached)]  # this run's
         record.record_compile_cache(rec, cfg, *graphs[:4])
         record.record_cudagraph_skips(rec, cfg, device, graphs[4])
+        record.record_pipeline(cfg, rec, res, built.applied.model, device, built.world)
         record.record_run(cfg, rec, res, device, built.world, watch)
         record.record_checkpoints(rec, ckpt, res)
         record.record_profile(cfg, rec, res, device, c.out_dir if c.main else None)

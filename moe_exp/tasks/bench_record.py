@@ -112,7 +112,7 @@ def record_run(cfg, rec: dict, res, device: torch.device, world: int, watch=None
     """Record the loop's figures, each null with its reason; bench.metrics derives them.
 
     Tensor-parallel ranks share their tokens: the step's are the data ranks'."""
-    from ..config import data_ranks, routing_copies
+    from ..config import PP_OPTIONS, data_ranks, routing_copies
 
     t, why = cfg.train, rec["null_reasons"]
     tm, (mem, mem_why) = res.timings, res.memory
@@ -127,6 +127,10 @@ def record_run(cfg, rec: dict, res, device: torch.device, world: int, watch=None
         startup_s=res.startup_s if own_process() else None),
         loss_first=res.losses[0], loss_last=res.losses[-1], losses=res.losses,
         lrs=res.lrs, gc_ms=res.gc_ms, gc_collections=res.gc_collections)
+    if cfg.parallel.name in PP_OPTIONS and cfg.parallel.pp > 1:
+        rec["backward_ms"] = None
+        why["backward_ms"] = "parallel.pp: the schedule interleaves the micro-batches' " \
+            "forwards and backwards; forward_ms holds both"
     from ..data import markov_floor
 
     rec["loss_floor"] = markov_floor(cfg)
@@ -171,6 +175,38 @@ def record_run(cfg, rec: dict, res, device: torch.device, world: int, watch=None
             "parallel.profile_steps=0 or train.steps <= profile_steps")
 
 
+PIPELINE = ("pp_bubble_share", "pp_send_gib", "pp_stage_peaks_gib")
+
+
+def record_pipeline(cfg, rec: dict, res, model, device: torch.device, world: int) -> None:
+    """parallel.pp's figures: the bubble share (the ranks' mean), the bytes a rank sends a
+    step (the most of any rank) and each stage's peak (its ranks' most). Before record_run,
+    which keeps the ranks' largest peak only."""
+    from ..config import PP_COLUMNS, pp_columns, pp_size
+    from ..distributed import all_gather_stack, collective_device
+
+    why, pp = rec["null_reasons"], pp_size(cfg.parallel)
+    rec.update(pp_columns(cfg.parallel, cfg.model.num_layers))  # (their nulls resolved)
+    if pp == 1:
+        for k in (*PIPELINE, *PP_COLUMNS, "pp_schedule"):
+            rec[k], why[k] = None, "parallel.pp=1: no pipeline"
+        return
+    peak, bubble = res.memory[0].get("peak_mem_gib"), res.bubble_share
+    mine = [math.nan if v is None else v for v in (peak, bubble, model.send_bytes() / GIB)]
+    every = all_gather_stack(torch.tensor(mine, dtype=torch.float64,
+                                          device=collective_device(device))).tolist()
+    per = world // pp  # (ranks of a stage; rank r holds stage r // per, mesh (pp, ...))
+    peaks = [max(r[0] for r in every[i * per:(i + 1) * per]) for i in range(pp)]
+    rec["pp_stage_peaks_gib"] = None if any(map(math.isnan, peaks)) else peaks
+    bubbles = [r[1] for r in every if not math.isnan(r[1])]
+    rec["pp_bubble_share"] = sum(bubbles) / len(bubbles) if bubbles else None
+    rec["pp_send_gib"] = max(r[2] for r in every)
+    if rec["pp_stage_peaks_gib"] is None:
+        why["pp_stage_peaks_gib"] = res.memory[1].get("peak_mem_gib", "a rank's peak unknown")
+    if rec["pp_bubble_share"] is None:
+        why["pp_bubble_share"] = "parallel.profile_steps=0 or train.steps <= profile_steps"
+
+
 def record_moe(cfg, rec: dict, res, model, device: torch.device, world: int) -> None:
     """Expert load and router losses; the padded dispatch's fallbacks."""
     from ..bench.experts import load_stats
@@ -188,6 +224,11 @@ def record_moe(cfg, rec: dict, res, model, device: torch.device, world: int) -> 
             f"model.dispatch={cfg.model.dispatch}: only padded falls back"
             if cfg.model.num_experts else DENSE)
     rec["router_bias_spread"] = bias_spread(model)
+    if world > 1 and hasattr(model, "moe_rows"):  # (a pipeline's rank: its stages' routers)
+        from ..distributed import all_max, collective_device
+
+        rec["router_bias_spread"] = all_max([rec["router_bias_spread"]],
+                                            collective_device(device))[0]
     if rec["router_bias_spread"] is None:
         why["router_bias_spread"] = "model.bias_update_rate=0: no routing bias" \
             if cfg.model.num_experts else DENSE

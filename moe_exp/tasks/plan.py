@@ -70,7 +70,9 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
     split = ", ".join(f"{k} {r[f'planned_{k}_gib']:,.3f}" for k in KINDS
                       if r.get(f"planned_{k}_gib"))
     step, world = r.get("planned_step_ms"), r.get("world_size") or 1
-    where = "one device" if world == 1 else f"rank 0 of {world} ({layout(r)})"
+    peaks = r.get("planned_pp_stage_peaks_gib")
+    who = f"the largest peak's rank of {world}" if peaks else f"rank 0 of {world}"
+    where = "one device" if world == 1 else f"{who} ({layout(r)})"
     depths = r.get("planned_from_blocks")
     traced = f"{depths[0]} and {depths[1]} blocks traced, the rest extrapolated, in " \
         if depths else "traced in "
@@ -80,6 +82,7 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
         ("peak memory", f"{r['planned_peak_gib']:,.3f} GiB per device: {split}"),
         ("fits", fits),
         *([("collectives", _collectives(r))] if r.get("planned_comm") else []),
+        *([("pipeline", _pipeline(r))] if peaks else []),
         ("step", f"{r['planned_flops_per_step']:.3g} FLOPs" + (
             f"; {step:,.1f} ms ({r['planned_compute_ms']:,.1f} computing {_basis(r)}, "
             f"{r['planned_comm_ms']:,.1f} communicating{_exposed(r)}), "
@@ -87,6 +90,15 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
             + (f", MFU {r['planned_mfu']:.0%}" if r.get("planned_mfu") is not None else "")
             if step is not None else f"; time: null ({r['null_reasons']['planned_step_ms']})")),
     ]
+
+
+def _pipeline(r: dict) -> str:
+    """A pipeline's stages' peaks, its sends and its simulated bubble."""
+    bubble = r.get("planned_pp_bubble_share")
+    return "stages' peaks " + " / ".join(f"{p:,.3g}" for p in r["planned_pp_stage_peaks_gib"]) \
+        + f" GiB; sends {size_text(r['planned_pp_send_gib'])} a step (the most of a rank); " \
+        + (f"bubble {bubble:.0%} of the step (its schedule simulated)" if bubble is not None
+           else f"bubble null ({r['null_reasons'].get('planned_pp_bubble_share')})")
 
 
 def _basis(r: dict) -> str:

@@ -61,11 +61,16 @@ def _plan_check(r: dict) -> str:
 
 
 def layout(r: dict) -> str:
-    """The parallel option and its sizes: 'fsdp', 'fsdp x tp 2 (sequence parallel)'."""
-    tp = r.get("tp") or 1
-    if tp == 1:
-        return r["parallel"]
-    return f"{r['parallel']} x tp {tp}" + (" (sequence parallel)" if r.get("sp") else "")
+    """The parallel option and its sizes: 'fsdp', 'fsdp x tp 2 (sequence parallel)',
+    'fsdp x pp 2 (1f1b, 4 micro-batches)'."""
+    tp, pp = r.get("tp") or 1, r.get("pp") or 1
+    out = r["parallel"]
+    if tp > 1:
+        out += f" x tp {tp}" + (" (sequence parallel)" if r.get("sp") else "")
+    if pp > 1:
+        out += f" x pp {pp} ({r.get('pp_schedule')}, {r.get('pp_microbatches') or pp} " \
+               "micro-batches)"
+    return out
 
 
 def run_line(r: dict) -> str:

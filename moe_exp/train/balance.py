@@ -19,6 +19,7 @@ def bias_routers(model: torch.nn.Module) -> list[Router]:
 class BiasBalancer:
     def __init__(self, model: torch.nn.Module):
         self.routers = bias_routers(model)
+        self.rows = getattr(model, "moe_rows", None)  # a pipeline's: its stages' layers
         self.counts = None
 
     def add(self, counts: torch.Tensor) -> None:
@@ -34,7 +35,8 @@ class BiasBalancer:
             return
         if dist.is_initialized():
             dist.all_reduce(self.counts)
-        for router, counts in zip(self.routers, self.counts):
+        counts = self.counts if self.rows is None else self.counts[self.rows]
+        for router, counts in zip(self.routers, counts):
             update_expert_bias(router, counts)
         self.counts = None
 

@@ -32,7 +32,7 @@ def build_run(cfg, device: torch.device, memory, d=None, start: int = 0,
     d is the rank's distributed.Dist, None for one process. start is the steps a resumed run
     has done: the loader leaves their sequences out. seed seeds the weights; None means
     train.seed."""
-    from ..config import data_ranks
+    from ..config import data_rank, data_ranks
     from ..data import build_loader
     from ..hardware import setup_backends
     from ..model import build_model
@@ -56,7 +56,8 @@ def build_run(cfg, device: torch.device, memory, d=None, start: int = 0,
     applied = apply(model, cfg, device, world)
     optimizer, scheduler, impl = build_optimizer(applied.model, cfg, device)
     num_samples = total_steps(t) * t.grad_accum_steps * t.micro_batch_size
-    ranks = data_ranks(cfg.parallel, world)  # (tensor-parallel ranks share their data)
-    loader = build_loader(cfg, device, num_samples, rank // (world // ranks), ranks,
+    ranks = data_ranks(cfg.parallel, world)  # (tensor-parallel ranks share their data, and
+    # a pipeline's stages theirs)
+    loader = build_loader(cfg, device, num_samples, data_rank(cfg.parallel, world, rank), ranks,
                           start * t.grad_accum_steps * t.micro_batch_size)
     return Built(applied, optimizer, scheduler, loader, world, impl, params)

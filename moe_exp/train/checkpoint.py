@@ -266,6 +266,9 @@ class Checkpointer:
         ep = _ep_rank(self.model)  # each EP rank's experts: keys of their own (DCP keeps one
         # tensor per key: the ranks' different experts under one key would be one rank's)
         self.ep_key = None if ep is None else f".experts.local_ep{ep}."
+        # a pipeline's ranks hold different parameters: the optimizer's groups flattened to
+        # keys per parameter (one key per group would keep one rank's list), as torchtitan's
+        self.flat = hasattr(self.model, "moe_rows")
         self.blocking, self.total, self.sizes, self.load_s = [], [], [], None
         self.pending, self.last_path, self.sigterm = None, None, False
         self.resumed = None  # load's loop.pt: the loop starts at its step
@@ -278,11 +281,20 @@ class Checkpointer:
     def _state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model, optim = get_state_dict(self.model, self.optimizer)
+        model, optim = get_state_dict(self.model, self.optimizer, options=self._options())
         if self.ep_key:
             model = _rename(model, EP_KEY, self.ep_key)
-            optim = {**optim, "state": _rename(optim["state"], EP_KEY, self.ep_key)}
+            optim = self._rename_optim(optim, EP_KEY, self.ep_key)
         return {"model": model, "optim": optim}
+
+    def _options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(flatten_optimizer_state_dict=self.flat)
+
+    def _rename_optim(self, optim: dict, old: str, new: str) -> dict:
+        return _rename(optim, old, new) if self.flat else \
+            {**optim, "state": _rename(optim["state"], old, new)}
 
     def _loop_state(self, step: int, history: dict) -> dict:
         return {"step": step, "identity": identity(self.cfg, self.world),
@@ -396,9 +408,9 @@ class Checkpointer:
         model, optim = state["model"], state["optim"]
         if self.ep_key:
             model = _rename(model, self.ep_key, EP_KEY)
-            optim = {**optim, "state": _rename(optim["state"], self.ep_key, EP_KEY)}
+            optim = self._rename_optim(optim, self.ep_key, EP_KEY)
         set_state_dict(self.model, self.optimizer, model_state_dict=model,
-                       optim_state_dict=optim)
+                       optim_state_dict=optim, options=self._options())
         self.scheduler.load_state_dict(loop["scheduler"])
         if self.scaler and loop["scaler"]:
             self.scaler.load_state_dict(loop["scaler"])

@@ -205,8 +205,10 @@ def accum_no_sync(model: nn.Module, cfg):
 
 
 def _blocks(model: nn.Module):
+    from ...model.transformer import block_items
+
     inner = getattr(model, "_checkpoint_wrapped_module", model)
-    for block in inner.layers:
+    for _, block in block_items(inner.layers):
         yield block
 
 
@@ -238,12 +240,12 @@ def _is_expert(p) -> bool:
     return getattr(p, "_expert_parallel", False)
 
 
-def clip_grad_norm(params, max_norm: float, ep_group) -> torch.Tensor:
+def clip_grad_norm(params, max_norm: float, ep_group, pp_group=None) -> torch.Tensor:
     """Global grad-norm clipping across ranks; returns the norm before clipping.
 
     Each parameter's local squares are summed over the groups it is split over: the mesh
     dims with a Shard placement, so not HSDP's replicate dim, and the EP group for expert
-    shards.
+    shards; then over a pipeline's stages (pp_group), each holding its own parameters.
     """
     from torch.distributed.tensor import DTensor
 
@@ -269,6 +271,8 @@ def clip_grad_norm(params, max_norm: float, ep_group) -> torch.Tensor:
         for grp in groups:
             dist.all_reduce(sq, group=grp)
         total = total + sq
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
     norm = total.sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:
@@ -293,7 +297,9 @@ def _on_cuda(ev) -> bool:
 # and NCCL's kernels: ncclDevKernel_AllGather_RING_LL; an all-to-all is NCCL's SendRecv)
 _KINDS = (("all_gather", ("allgather",)), ("reduce_scatter", ("reducescatter",)),
           ("all_reduce", ("allreduce",)), ("all_to_all", ("alltoall", "sendrecv")),
-          ("broadcast", ("broadcast",)))
+          ("broadcast", ("broadcast",)),
+          # a pipeline's sends and receives (on CUDA NCCL's p2p kernels are SendRecv: all_to_all)
+          ("send_recv", ("gloo:send", "gloo:recv", "nccl:send", "nccl:recv")))
 COMM_KINDS = tuple(k for k, _ in _KINDS)
 
 

@@ -1,0 +1,135 @@
+"""A pipeline's plan (parallel.pp): each stage's rank traced, then its schedule simulated.
+
+Every rank of the pp group is traced as the run builds it (its stages, the real schedule on
+the fake process group), each op tagged with the pipeline action it runs in. The actions'
+times then run through the schedule's own order (torch's), each rank one action at a time,
+an action waiting for the one it needs from another stage and its send: the step's time
+and each rank's idle share, the bubble."""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from unittest import mock
+
+KINDS = {"F": "forward", "B": "backward", "I": "input backward", "W": "weight backward"}
+
+
+def traced_ranks(cfg) -> list[int]:
+    """One rank a stage of the pp group: rank i x (world / pp) holds pp index i."""
+    from ..config import pp_size
+
+    pp, world = pp_size(cfg.parallel), cfg.hardware.devices
+    return [i * (world // pp) for i in range(pp)]
+
+
+@contextlib.contextmanager
+def tagged(ops):
+    """Tag each op StepOps records with the pipeline action that runs it: (stage, kind).
+
+    The stages' vote on their metadata, whose sum a fake process group does not carry, is
+    taken as its real outcome: every stage has its shapes (PipelineModel's), STATIC."""
+    from torch.distributed.pipelining._utils import InferenceMode
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+    from torch.distributed.pipelining.stage import _PipelineStageBase as Stage
+
+    def static(self, stages, *_):
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    full = inspect.signature(Stage.backward_one_chunk)
+
+    def wrap(fn, kind):
+        def run(self, *args, **kwargs):
+            k = kind if kind != "B" or full.bind(self, *args, **kwargs).arguments.get(
+                "full_backward", True) else "I"
+            ops.tag = (self.stage_index, k)
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                ops.tag = None
+        return run
+
+    with mock.patch.object(_PipelineSchedule, "_warmup_p2p", static), \
+            mock.patch.object(Stage, "forward_one_chunk", wrap(Stage.forward_one_chunk, "F")), \
+            mock.patch.object(Stage, "backward_one_chunk", wrap(Stage.backward_one_chunk, "B")), \
+            mock.patch.object(Stage, "backward_weight_one_chunk",
+                              wrap(Stage.backward_weight_one_chunk, "W")):
+        yield
+
+
+def schedule_order(p, microbatches: int) -> list[list]:
+    """Each pp rank's actions in the schedule's order (torch's), as (stage, kind, micro-batch)."""
+    from torch.distributed.pipelining import (ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble)
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    from ..config import stages_per_rank
+
+    m = microbatches
+    if p.pp_schedule == "gpipe":  # (the single-stage schedules' own order, as they run it:
+        # torch's IR of them is for display and shifts later ranks' micro-batches)
+        return [[(s, "F", i) for i in range(m)] + [(s, "B", i) for i in range(m)]
+                for s in range(p.pp)]
+    if p.pp_schedule == "1f1b":  # stage s: pp - s forwards, then a backward and a forward
+        out = []
+        for s in range(p.pp):
+            w = min(m, p.pp - s)
+            acts = [(s, "F", i) for i in range(w)]
+            for i in range(m):
+                acts += [(s, "B", i)] + ([(s, "F", w + i)] if w + i < m else [])
+            out.append(acts)
+        return out
+    kind = {"interleaved_1f1b": ScheduleInterleaved1F1B,
+            "zero_bubble": ScheduleInterleavedZeroBubble}[p.pp_schedule]
+    ops = get_schedule_ops(kind, p.pp, m, stages_per_rank(p))
+    return [[(a.stage_index, a.computation_type.value, a.microbatch_index) for a in rank
+             if a is not None and a.computation_type.value in KINDS] for rank in ops]
+
+
+def simulate(order: list[list], seconds: dict, hop_s: float) -> tuple[float, list[float]]:
+    """The schedule's makespan and each rank's busy seconds.
+
+    order: schedule_order's. seconds: (stage, kind) -> one micro-batch's time. hop_s: one
+    micro-batch's send between ranks. A forward waits for the previous stage's; a backward
+    (full or input) for its forward and the next stage's; a weight backward for its input's."""
+    pp = len(order)
+    last = max(s for rank in order for s, _, _ in rank)
+    owner = {s: r for r, rank in enumerate(order) for s, _, _ in rank}
+    end: dict = {}
+    clock, busy, at = [0.0] * pp, [0.0] * pp, [0] * pp
+    back = "B" if any(k == "B" for rank in order for _, k, _ in rank) else "I"
+
+    def ready(s: int, k: str, m: int) -> float | None:
+        need = []
+        if k == "F" and s > 0:
+            need.append((s - 1, "F", m))
+        if k in ("B", "I"):
+            need.append((s, "F", m))
+            if s < last:
+                need.append((s + 1, back, m))
+        if k == "W":
+            need.append((s, "I", m))
+        times = []
+        for d in need:
+            if d not in end:
+                return None
+            times.append(end[d] + (hop_s if owner[d[0]] != owner[s] else 0.0))
+        return max(times, default=0.0)
+
+    left = sum(map(len, order))
+    while left:
+        moved = False
+        for r in range(pp):
+            if at[r] < len(order[r]):
+                s, k, m = order[r][at[r]]
+                t = ready(s, k, m)
+                if t is not None:
+                    d = seconds.get((s, k), 0.0)
+                    end[s, k, m] = clock[r] = max(clock[r], t) + d
+                    busy[r] += d
+                    at[r] += 1
+                    left -= 1
+                    moved = True
+        if not moved:
+            raise RuntimeError(f"the {pp}-rank schedule's order waits on itself")
+    return max(clock), busy
