@@ -460,10 +460,11 @@ def _check_pp(cfg, world: int) -> None:
         ranks = f"hardware.devices={n}" if world == n else f"world size {world} (WORLD_SIZE)"
         raise ConfigError("parallel.pp", f"must divide the {ranks}, got {p.pp}")
     per_rank, single = stages_per_rank(p), p.pp_schedule in ("gpipe", "1f1b")
-    if single and per_rank > 1:
+    if single != (per_rank == 1):
         raise ConfigError("parallel.pp_stages_per_rank", f"parallel.pp_schedule="
-                          f"{p.pp_schedule} runs one stage a rank (allowed: 1 or null; "
-                          "interleaved_1f1b and zero_bubble run more)")
+                          f"{p.pp_schedule} runs {'one stage' if single else 'at least 2'} "
+                          f"a rank, got {per_rank} (allowed: null; gpipe and 1f1b run one, "
+                          "interleaved_1f1b and zero_bubble more)")
     stages = p.pp * per_rank
     if stages > layers:
         raise ConfigError("parallel.pp", f"{stages} stages ({p.pp} ranks x {per_rank} a rank) "

@@ -352,27 +352,6 @@ def pp_grads_match(overrides, batch: int) -> dict | None:
         distributed.finish()
 
 
-def _pp_events(overrides):
-    from moe_exp import distributed
-    cfg = _cfg(overrides)
-    d = distributed.init(cfg)
-    try:
-        ref, applied, x, y = _twins(cfg, d.world, 4)
-        for _ in range(2):
-            applied.model(x, y)
-        with torch.profiler.profile() as prof:
-            applied.model(x, y)
-        names = {}
-        for ev in prof.events():
-            if not getattr(ev, "cpu_parent", None):
-                names.setdefault(ev.name, [0, 0.0])
-                names[ev.name][0] += 1
-                names[ev.name][1] += ev.time_range.end - ev.time_range.start
-        return sorted(((k, v) for k, v in names.items()), key=lambda kv: -kv[1][1])[:25]
-    finally:
-        distributed.finish()
-
-
 def measured_stages(overrides) -> list | None:
     """measured_step on every rank (a pipeline's stages): each rank's peak of live tensor
     memory over two real steps, its split and its collectives, gathered on rank 0."""
