@@ -3,6 +3,8 @@ plans its own step first (train.plan), its record's planned_step_error and
 planned_peak_error. With --calibration the plan's time comes from that calibration
 (task=calibrate); without, from the profile's datasheet (a floor).
 
+--rows pipeline: parallel.pp=2 on 2 gloo ranks, each schedule (tiny_moe, 4 blocks, 4
+micro-batches): the planned bubble beside the measured one (issue 51).
 --rows gpu: issue 50's table on a GPU (moe_1b bf16 micro-batch 8 x 2048 eager, balanced,
 compiled and fully checkpointed; seed_moe8 at hidden 1024, 8 layers, fp32 and bf16, with
 and without full checkpointing). --rows cpu: tiny_moe and small_moe x fp32, bf16 x none,
@@ -45,7 +47,13 @@ ROWS = {
                                                 ("none", "full", "selective"),
                                                 ("off", "default"))],
 }
-KEYS = ("status", "planned_step_ms", "planned_kernel_ms", "step_time_ms", "planned_step_error",
+PP = ["model=tiny_moe", "hardware=cpu", "parallel=fsdp", "hardware.devices=2", "parallel.pp=2",
+      "parallel.pp_microbatches=4", "train.micro_batch_size=8", "model.num_layers=4",
+      "parallel.profile_steps=3"]
+ROWS["pipeline"] = [PP + [f"parallel.pp_schedule={s}"] + (
+    ["parallel.reshard_after_forward=false"] if s == "zero_bubble" else [])
+    for s in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")]
+KEYS = ("status", "pp_bubble_share", "planned_pp_bubble_share", "planned_step_ms", "planned_kernel_ms", "step_time_ms", "planned_step_error",
         "planned_peak_gib", "peak_mem_gib", "tracked_peak_gib", "planned_peak_error",
         "planned_time_basis", "plan_s", "compile_s", "device_name", "error")
 
@@ -144,7 +152,8 @@ def _medians(recs: list) -> dict:
     ok = [r for r in recs if r["status"] == "ok"] or recs
     med = {}
     for k in ("planned_step_ms", "planned_kernel_ms", "step_time_ms", "planned_step_error",
-              "planned_peak_gib", "peak_mem_gib", "tracked_peak_gib", "planned_peak_error"):
+              "planned_peak_gib", "peak_mem_gib", "tracked_peak_gib", "planned_peak_error",
+              "pp_bubble_share", "planned_pp_bubble_share"):
         vals = [r[k] for r in ok if r.get(k) is not None]
         med[k] = statistics.median(vals) if vals else None
     med["status"] = ok[0]["status"]
@@ -158,6 +167,9 @@ def _print(r: dict) -> None:
           f"{f(r['planned_kernel_ms'], ',.1f')} | {f(r['step_time_ms'], ',.1f')} | "
           f"{f(r['planned_step_error'], '+.1%')} | {f(r['planned_peak_gib'], ',.3f')} | "
           f"{f(measured, ',.3f')} | {f(r['planned_peak_error'], '+.1%')} |", flush=True)
+    if r["pp_bubble_share"] is not None or r["planned_pp_bubble_share"] is not None:
+        print(f"  bubble: planned {f(r['planned_pp_bubble_share'], '.1%')}, measured "
+              f"{f(r['pp_bubble_share'], '.1%')}", flush=True)
     if r["status"] != "ok":
         print(f"  ({r['runs'][0].get('error')})", flush=True)
 
