@@ -119,7 +119,7 @@ class Training(ExpertLoad, Planned):
     comm_exposed_ms: F = None
     comm_kinds: D = None  # comm_ms and comm_exposed_ms per collective kind, max over ranks
     grad_reduce_bytes: I = None
-    pp_bubble_share: F = None  # parallel.pp: the step's share a rank idles in send/recv
+    pp_bubble_share: F = None  # parallel.pp: the share of a schedule step a rank runs no action
     pp_send_gib: F = None  # parallel.pp: activations and their gradients a rank sends a step
     pp_stage_peaks_gib: L = None  # parallel.pp: each stage's peak (its ranks' max)
     z_loss: F = None

@@ -7,7 +7,8 @@ within a node (hardware.devices_per_node), else at hardware.network_bandwidth; o
 the time a task=comm record measured, named by hardware.comm_from. The bus share is
 nccl-tests' convention, as task=comm measures it: 2(n-1)/n for an all-reduce, (n-1)/n
 otherwise. Nothing overlaps, so the time is an upper bound where FSDP's prefetch or DDP's
-buckets hide communication."""
+buckets hide communication. A pipeline's send (or receive) moves its bytes whole; from a
+task=comm record, as a 2-rank all-to-all of twice its bytes."""
 from __future__ import annotations
 
 import torch
@@ -116,6 +117,9 @@ def call_seconds(ops, hw) -> tuple[list | None, str | None]:
             out.append(0.0)
         elif name in curves:
             out.append(_measured_s(curves[name], name, nbytes, n))
+        elif name in ("send", "recv") and "all_to_all" in curves:  # (task=comm measures no
+            # sends: a 2-rank all-to-all of twice the bytes sends each rank's half, as one)
+            out.append(_measured_s(curves["all_to_all"], "all_to_all", 2 * nbytes, 2))
         else:
             within = len({r // hw.devices_per_node for r in ranks}) == 1
             bw = hw.link_bandwidth if within else hw.network_bandwidth

@@ -191,7 +191,7 @@ def record_pipeline(cfg, rec: dict, res, model, device: torch.device, world: int
         for k in (*PIPELINE, *PP_COLUMNS, "pp_schedule"):
             rec[k], why[k] = None, "parallel.pp=1: no pipeline"
         return
-    peak, bubble = res.memory[0].get("peak_mem_gib"), res.bubble_share
+    peak, bubble = res.memory[0].get("peak_mem_gib"), _bubble(cfg, model)
     mine = [math.nan if v is None else v for v in (peak, bubble, model.send_bytes() / GIB)]
     every = all_gather_stack(torch.tensor(mine, dtype=torch.float64,
                                           device=collective_device(device))).tolist()
@@ -204,7 +204,23 @@ def record_pipeline(cfg, rec: dict, res, model, device: torch.device, world: int
     if rec["pp_stage_peaks_gib"] is None:
         why["pp_stage_peaks_gib"] = res.memory[1].get("peak_mem_gib", "a rank's peak unknown")
     if rec["pp_bubble_share"] is None:
-        why["pp_bubble_share"] = "parallel.profile_steps=0 or train.steps <= profile_steps"
+        why["pp_bubble_share"] = "no measured step"
+
+
+def _bubble(cfg, model) -> float | None:
+    """The median over the measured steps of a rank's idle share of its schedule's span
+    (PipelineModel.clock), each micro-step's schedule step apart."""
+    import statistics
+
+    from ..config import total_steps
+    from ..train.loop import profiled_steps
+
+    t, n = cfg.train, cfg.train.grad_accum_steps
+    total = total_steps(t)
+    start = total - len(model.clock.steps) // n  # (a resumed run's first step)
+    first, last = max(t.warmup_steps, start), total - profiled_steps(cfg, True)
+    shares = model.clock.idle_shares((first - start) * n, (last - start) * n)
+    return statistics.median(shares) if shares else None
 
 
 def record_moe(cfg, rec: dict, res, model, device: torch.device, world: int) -> None:

@@ -52,8 +52,6 @@ class LoopResult:
     comm_share: float | None = None  # comm_ms / those profiled steps' own time
     comm_exposed_ms: float | None = None  # of comm_ms, the time no computation overlaps
     comm_kinds: dict = field(default_factory=dict)  # per collective kind: ms, exposed_ms
-    bubble_share: float | None = None  # of the profiled steps, the share sends and receives
-    # hold up with nothing computing (a pipeline's bubble)
     startup_s: float | None = None  # process start -> first measured step (compile included)
     cpu_window: tuple | None = None  # CPU ticks in the window: load.window's tuple
     memory: tuple = ({}, {})  # MemoryMeter.read() at the window's end (before any profiler)
@@ -219,8 +217,6 @@ class _Window:
             comm_times(self._closed, n)
         if self.res.comm_ms is not None:  # (the same steps: the median step is not)
             self.res.comm_share = self.res.comm_ms / prof_ms
-        if p2p := self.res.comm_kinds.get("send_recv"):
-            self.res.bubble_share = p2p["exposed_ms"] / prof_ms
 
     def close(self) -> None:
         if self.prof is not None:

@@ -14,6 +14,8 @@ block's aux losses the gradient the whole model's loss gives them (Megatron's
 MoEAuxLossAutoScaler)."""
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -100,6 +102,55 @@ def _shapes(cfg, stage: int, n_stages: int, device) -> dict:
     return {"input_args": tokens if stage == 0 else hidden, "output_args": out}
 
 
+ACTIONS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+
+class ActionClock:
+    """Each schedule step's span on this rank and the time its actions (a stage's forward or
+    backward of a micro-batch) run in it: the rest is the rank's bubble. CUDA events on a
+    GPU, read after the run (no sync in a step); the host's clock on a CPU."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.steps: list = []  # per step: [start, end, [(start, end) of each action]]
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def _s(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+    def wrap(self, stage) -> None:
+        for name in ACTIONS:
+            run = getattr(stage, name)
+
+            def timed(*args, _run=run, **kwargs):
+                t0 = self._now()
+                try:
+                    return _run(*args, **kwargs)
+                finally:
+                    if self.steps and self.steps[-1][1] is None:
+                        self.steps[-1][2].append((t0, self._now()))
+            setattr(stage, name, timed)
+
+    def begin(self) -> None:
+        self.steps.append([self._now(), None, []])
+
+    def end(self) -> None:
+        self.steps[-1][1] = self._now()
+
+    def idle_shares(self, first: int, last: int) -> list[float]:
+        """Each step's idle share of its span, steps first..last - 1 (GPU: synchronizes)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        return [1 - sum(self._s(a, b) for a, b in acts) / self._s(t0, t1)
+                for t0, t1, acts in self.steps[first:last] if t1 is not None]
+
+
 class PipelineModel(nn.Module):
     """A rank's stages as one module, their parameters under the whole model's names.
 
@@ -142,6 +193,9 @@ class PipelineModel(nn.Module):
         piped = [PipelineStage(s, i, n_stages, device, group=self.group,
                                **_shapes(cfg, i, n_stages, device))
                  for s, i in zip(stages, ids)]
+        self.clock = ActionClock(torch.device(device))
+        for st in piped:
+            self.clock.wrap(st)
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
                 "interleaved_1f1b": ScheduleInterleaved1F1B,
                 "zero_bubble": ScheduleInterleavedZeroBubble}[p.pp_schedule]
@@ -166,7 +220,12 @@ class PipelineModel(nn.Module):
             targets = torch.cat([targets, torch.full_like(targets[:1], -100).expand(pad, -1)])
         args = (tokens.contiguous(),) if self.is_first else ()  # (the stage's metadata)
         kw = {"target": targets, "losses": []} if self.is_last else {}
-        (self.schedule.step if grad else self.schedule.eval)(*args, **kw)
+        if grad:
+            self.clock.begin()
+            self.schedule.step(*args, **kw)
+            self.clock.end()
+        else:
+            self.schedule.eval(*args, **kw)
         return self._gathered(tokens.device)
 
     def _gathered(self, device) -> Output:
