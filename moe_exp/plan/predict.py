@@ -93,8 +93,12 @@ def _pipelined(cfg, rec: dict) -> None:
     from .trace import trace_step
 
     recs, steps = [], []
-    for r in traced_ranks(cfg):
-        phase(f"tracing pipeline rank {r} of {cfg.hardware.devices:,}")
+    wait, ranks = Status.current, traced_ranks(cfg)
+    what = wait.what.rsplit(", rank 0 of", 1)[0] if wait else ""
+    for i, r in enumerate(ranks):
+        if wait:  # (the trace's own phases follow it: forward, block k of n, ...)
+            wait.what = f"{what}, pp rank {i + 1} of {len(ranks)} (rank {r:,} of " \
+                        f"{cfg.hardware.devices:,})"
         got = {"null_reasons": {}}
         steps.append(trace_step(cfg, rank=r))
         _figures(cfg, got, steps[-1])
