@@ -417,7 +417,8 @@ def ep_size(p, world: int) -> int:
 
 def mesh_dims(p, devices: int, world: int) -> list[tuple[str, int]]:
     """The run's device mesh, (name, size) outer dim first, its dims named as torchtitan's:
-    dp_replicate, dp_shard and tp; expert parallel's dp and ep (dp x ep is its dp_shard)."""
+    pp, dp_replicate, dp_shard and tp; expert parallel's dp and ep (dp x ep is its
+    dp_shard)."""
     tp, data = tp_size(p), data_ranks(p, world)
     pp = [("pp", pp_size(p))] if pp_size(p) > 1 else []
     if p.name == "ddp":

@@ -85,9 +85,9 @@ def _deep(cfg, rec: dict, depths: tuple[int, int]) -> None:
 
 def _pipelined(cfg, rec: dict) -> None:
     """A pipeline's plan: each pp rank traced (its stages, the real schedule), the step's
-    time the schedule's simulated span over the traced actions' times (plan/pipeline.py)
-    plus the slowest rank's own work beside them (its optimizer step, its exposed
-    collectives). The record's memory and collectives are the rank with the largest peak's;
+    time the schedule's simulated span over the traced actions' times, their collectives
+    included (plan/pipeline.py), plus the slowest rank's own work beside them (its
+    optimizer step, its collectives outside the actions). The record's memory and collectives are the rank with the largest peak's;
     every stage's peak is in planned_pp_stage_peaks_gib."""
     from .pipeline import schedule_order, simulate, traced_ranks
     from .trace import trace_step
@@ -139,14 +139,16 @@ def _hop_s(cfg, step) -> float:
 
 def _action_seconds(cfg, step) -> dict:
     """The seconds of the ops each pipeline action ran, summed over micro-batches:
-    (stage, kind) -> seconds, at the plan's basis (the calibration's rates, else the
-    datasheet's roofline), without collectives."""
+    (stage, kind) -> seconds, at the plan's basis: the calibration's rates with the
+    action's own collectives overlapped as the step's are (expert parallel's all-to-alls,
+    FSDP2's gathers), else the datasheet's roofline plus those collectives."""
     import copy
 
-    from .roofline import compute_ms
+    from .roofline import call_seconds, compute_ms
 
-    ops, out = step.ops, {}
-    hw = cfg.hardware
+    ops, out, hw = step.ops, {}, cfg.hardware
+    each = [0.0 if c[0] in P2P else t
+            for c, t in zip(ops.calls, call_seconds(ops, hw)[0] or [0.0] * len(ops.calls))]
     if hw.calibration:
         from .calibrate import calibration_for
 
@@ -159,12 +161,14 @@ def _action_seconds(cfg, step) -> dict:
         sub.io = [x for x, k in zip(ops.io, keep) if k] if ops.io else []
         sub.split = None
         sub.dispatched = round(ops.dispatched * len(sub.ops) / max(1, len(ops.ops)))
+        mine = {o[3][1] for o in sub.ops if o[3] and o[3][0] == "comm"}
+        comm = [t if i in mine else 0.0 for i, t in enumerate(each)]
         if hw.calibration:
             launches = cal.launches(sub, cfg.precision.name,
                                     cfg.train.activation_checkpointing)
-            out[tag] = cal.timeline(launches)[0] - cal.data.get("step_us", 0.0) / 1e6
+            out[tag] = cal.timeline(launches, comm)[0] - cal.data.get("step_us", 0.0) / 1e6
         else:
-            out[tag] = (compute_ms(sub, hw, cfg.precision.name)[0] or 0.0) / 1e3
+            out[tag] = (compute_ms(sub, hw, cfg.precision.name)[0] or 0.0) / 1e3 + sum(comm)
     return out
 
 

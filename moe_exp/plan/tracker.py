@@ -67,13 +67,14 @@ def step_tracker(cfg, applied, optimizer, tokens=None):
     from torch.distributed._tools.mem_tracker import MemTracker
 
     inputs = () if tokens is None else (tokens,)
-    if cfg.parallel.name in FSDP2 and not hasattr(applied.model, "moe_rows"):  # (a
-        # pipeline's stages are each FSDP2's root: MemTracker, their gathers as temporaries)
+    piped = getattr(applied.model, "pipelined", False)  # (its stages are each FSDP2's root:
+    # MemTracker, their gathers counted as temporaries)
+    if cfg.parallel.name in FSDP2 and not piped:
         tracker = type("Tracker", (_PeakOnly, FSDPMemTracker), {})(applied.model, optimizer)
         tracker.track_inputs(inputs)
     else:
         tracker = type("Tracker", (_PeakOnly, MemTracker), {})()
         tracker.track_external(applied.model, optimizer, *inputs)
-        if hasattr(applied.model, "moe_rows"):
+        if piped:
             _lenient(tracker)
     return tracker

@@ -217,7 +217,7 @@ def _bubble(cfg, model) -> float | None:
 
     t, n = cfg.train, cfg.train.grad_accum_steps
     total = total_steps(t)
-    start = total - len(model.clock.steps) // n  # (a resumed run's first step)
+    start = total - len(model.clock.shares) // n  # (a resumed run's first step)
     first, last = max(t.warmup_steps, start), total - profiled_steps(cfg, True)
     shares = model.clock.idle_shares((first - start) * n, (last - start) * n)
     return statistics.median(shares) if shares else None
@@ -240,7 +240,7 @@ def record_moe(cfg, rec: dict, res, model, device: torch.device, world: int) -> 
             f"model.dispatch={cfg.model.dispatch}: only padded falls back"
             if cfg.model.num_experts else DENSE)
     rec["router_bias_spread"] = bias_spread(model)
-    if world > 1 and hasattr(model, "moe_rows"):  # (a pipeline's rank: its stages' routers)
+    if world > 1 and getattr(model, "pipelined", False):  # (a rank: its stages' routers)
         from ..distributed import all_max, collective_device
 
         rec["router_bias_spread"] = all_max([rec["router_bias_spread"]],

@@ -268,7 +268,7 @@ class Checkpointer:
         self.ep_key = None if ep is None else f".experts.local_ep{ep}."
         # a pipeline's ranks hold different parameters: the optimizer's groups flattened to
         # keys per parameter (one key per group would keep one rank's list), as torchtitan's
-        self.flat = hasattr(self.model, "moe_rows")
+        self.flat = getattr(self.model, "pipelined", False)
         self.blocking, self.total, self.sizes, self.load_s = [], [], [], None
         self.pending, self.last_path, self.sigterm = None, None, False
         self.resumed = None  # load's loop.pt: the loop starts at its step

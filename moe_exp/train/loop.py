@@ -70,7 +70,7 @@ def micro_step(model, tokens, targets, autocast, scaler, accum: int, timer=None)
     them: the time is forward's."""
     with autocast():
         out = model(tokens, targets)
-    if getattr(model, "steps_itself", False):
+    if getattr(model, "pipelined", False):
         if timer:
             timer.lap("forward")
         return out

@@ -106,13 +106,16 @@ ACTIONS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk
 
 
 class ActionClock:
-    """Each schedule step's span on this rank and the time its actions (a stage's forward or
-    backward of a micro-batch) run in it: the rest is the rank's bubble. CUDA events on a
-    GPU, read after the run (no sync in a step); the host's clock on a CPU."""
+    """Each schedule step's idle share on this rank: its span less the time its actions (a
+    stage's forward or backward of a micro-batch) run in it. CUDA events on a GPU, each
+    step's read once its events are done (never waited for in a step); the host's clock on
+    a CPU. A step's events are dropped once read: a step keeps one number."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
-        self.steps: list = []  # per step: [start, end, [(start, end) of each action]]
+        self.shares: list = []  # per step: its idle share, or None while its events run
+        self._open = None  # the running step: [start, end, [(start, end) of each action]]
+        self._pending: dict = {}  # step index -> its events, not yet done (CUDA)
 
     def _now(self):
         if not self.cuda:
@@ -121,8 +124,9 @@ class ActionClock:
         e.record()
         return e
 
-    def _s(self, a, b) -> float:
-        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+    def _share(self, t0, t1, acts) -> float:
+        span = (lambda a, b: a.elapsed_time(b) / 1e3) if self.cuda else (lambda a, b: b - a)
+        return 1 - sum(span(a, b) for a, b in acts) / span(t0, t1)
 
     def wrap(self, stage) -> None:
         for name in ACTIONS:
@@ -133,22 +137,34 @@ class ActionClock:
                 try:
                     return _run(*args, **kwargs)
                 finally:
-                    if self.steps and self.steps[-1][1] is None:
-                        self.steps[-1][2].append((t0, self._now()))
+                    if self._open is not None:
+                        self._open[2].append((t0, self._now()))
             setattr(stage, name, timed)
 
     def begin(self) -> None:
-        self.steps.append([self._now(), None, []])
+        self._read(wait=False)
+        self._open = [self._now(), None, []]
 
     def end(self) -> None:
-        self.steps[-1][1] = self._now()
+        step, self._open = self._open, None
+        step[1] = self._now()
+        self.shares.append(None)
+        self._pending[len(self.shares) - 1] = step
+        if not self.cuda:
+            self._read(wait=False)
+
+    def _read(self, wait: bool) -> None:
+        if wait and self.cuda:
+            torch.cuda.synchronize()
+        for i, (t0, t1, acts) in list(self._pending.items()):
+            if not self.cuda or wait or t1.query():
+                self.shares[i] = self._share(t0, t1, acts)
+                del self._pending[i]
 
     def idle_shares(self, first: int, last: int) -> list[float]:
-        """Each step's idle share of its span, steps first..last - 1 (GPU: synchronizes)."""
-        if self.cuda:
-            torch.cuda.synchronize()
-        return [1 - sum(self._s(a, b) for a, b in acts) / self._s(t0, t1)
-                for t0, t1, acts in self.steps[first:last] if t1 is not None]
+        """The idle shares of steps first..last - 1 (on a GPU, waits for their events)."""
+        self._read(wait=True)
+        return [x for x in self.shares[first:last] if x is not None]
 
 
 class PipelineModel(nn.Module):
@@ -158,7 +174,7 @@ class PipelineModel(nn.Module):
     parallel.pp_microbatches parts. It returns the model's Output, the same on every rank of
     the pp group: the loss, and every MoE layer's counts (the other stages' summed in)."""
 
-    steps_itself = True  # (train.loop: forward does the backward too)
+    pipelined = True  # (train.loop: its forward does the backward too)
 
     def __init__(self, stages: list[Stage], model: nn.Module, cfg, mesh, device):
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
