@@ -154,3 +154,29 @@ def test_cuda_profile_writes_a_memory_snapshot_and_nvml_figures(tmp_path):
         assert 0 <= rec["gpu_util_pct"] <= 100 and rec["gpu_power_w"] > 0
     else:
         assert rec["null_reasons"]["gpu_util_pct"].startswith("nvidia-ml-py is not installed")
+
+
+def test_a_pipelines_action_clock_reads_cuda_events_after_the_steps():
+    """On a GPU the pipeline's idle share comes from CUDA events, read once they are done:
+    a step whose one action is a chain of matmuls, then as long again of matmuls outside
+    it, idles about half of it."""
+    from moe_exp.optimizations.parallel.pipeline import ActionClock
+
+    class Stage:
+        def forward_one_chunk(self, x):
+            for _ in range(20):
+                x = x @ x / x.shape[0]
+            return x
+
+        backward_one_chunk = backward_weight_one_chunk = forward_one_chunk
+
+    clock, stage = ActionClock(torch.device("cuda")), Stage()
+    clock.wrap(stage)
+    x = torch.randn(2048, 2048, device="cuda")
+    for _ in range(3):
+        clock.begin()
+        stage.forward_one_chunk(x)
+        Stage.forward_one_chunk(stage, x)  # (the same work, not an action)
+        clock.end()
+    shares = clock.idle_shares(1, 3)
+    assert len(shares) == 2 and all(0.3 < s < 0.7 for s in shares), shares

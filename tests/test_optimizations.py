@@ -382,3 +382,37 @@ def test_router_dtype_fp32_runs_the_gate_in_fp32_under_autocast():
     assert y.dtype == torch.float32
     torch.testing.assert_close(y, x @ gate.weight.T, rtol=0, atol=0)
     assert [n for n, _ in applied.model.named_parameters()] == names
+
+
+class _Actions:
+    """A pipeline stage's three actions, each taking `spend` seconds of a fake clock."""
+
+    def __init__(self, clock, spend: float):
+        self.clock, self.spend = clock, spend
+
+    def forward_one_chunk(self, *_):
+        self.clock[0] += self.spend
+
+    backward_one_chunk = backward_weight_one_chunk = forward_one_chunk
+
+
+def test_a_pipelines_action_clock_counts_the_time_no_action_runs(monkeypatch):
+    """parallel.pp's pp_bubble_share: a step of 10 s in which a forward and a backward of
+    2 s each run idles 60% of it; a forward outside a step (eval) is not counted."""
+    from moe_exp.optimizations.parallel import pipeline
+
+    now = [0.0]
+    monkeypatch.setattr(pipeline.time, "perf_counter", lambda: now[0])
+    clock = pipeline.ActionClock(torch.device("cpu"))
+    stage = _Actions(now, 2.0)
+    clock.wrap(stage)
+    stage.forward_one_chunk()  # (no step open)
+    for _ in range(2):
+        clock.begin()
+        now[0] += 3.0  # (waiting for a receive)
+        stage.forward_one_chunk()
+        now[0] += 3.0
+        stage.backward_one_chunk()
+        clock.end()
+    assert clock.idle_shares(0, 2) == pytest.approx([0.6, 0.6])
+    assert clock.idle_shares(1, 5) == pytest.approx([0.6])
