@@ -236,6 +236,8 @@ class PipelineModel(nn.Module):
             targets = torch.cat([targets, torch.full_like(targets[:1], -100).expand(pad, -1)])
         args = (tokens.contiguous(),) if self.is_first else ()  # (the stage's metadata)
         kw = {"target": targets, "losses": []} if self.is_last else {}
+        kw["return_outputs"] = False  # (else the last stage keeps every micro-batch's
+        # logits to the step's end, to merge them: m x (rows, seq, vocab))
         if grad:
             self.clock.begin()
             self.schedule.step(*args, **kw)
