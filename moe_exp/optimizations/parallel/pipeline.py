@@ -249,14 +249,16 @@ class PipelineModel(nn.Module):
     def _gathered(self, device) -> Output:
         """The step's loss and MoE figures, every stage's summed over the pp group."""
         ce = torch.zeros((), dtype=torch.float64, device=device)
-        ces = self._ces[-self.n_micro:]  # (the first call's metadata pass: left out)
-        if ces:  # (the mean over the real tokens: padded parts have none)
-            ce = sum(c.double() * n for c, n in ces if n) / sum(n for _, n in ces)
+        ces = self._ces[-self.n_micro:]  # (a schedule inferring shapes runs one more)
+        if ces:  # (the mean over the real tokens: a padded part may have none, its mean
+            # NaN; torch.where, not `if`: no wait for the device in the step)
+            ce = sum(torch.where(n > 0, c.double() * n, 0.0) for c, n in ces) / \
+                sum(n for _, n in ces)
         n_exp = self.num_experts if self.n_moe else 0
         counts = torch.zeros(2, self.n_moe, n_exp, dtype=torch.float64, device=device)
         losses = torch.zeros(3, dtype=torch.float64, device=device)
         for s in self.stages:
-            for part in s.stats[-self.n_micro:]:  # (its first call's metadata pass: left out)
+            for part in s.stats[-self.n_micro:]:  # (the same)
                 for row, (balance, seq, z, c, r) in zip(self._rows(s), part):
                     losses += torch.stack([balance, seq, z]).double() / self.n_micro
                     counts[0, row] += c
