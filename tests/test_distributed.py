@@ -79,6 +79,8 @@ PP_GRADS = [
         "model.num_layers=4", "train.activation_checkpointing=full", KEEP]),
     ("dp2 tiny_moe", 4, ["parallel=fsdp"]),
     ("ep2 tiny_deepseek", 4, ["parallel=expert_fsdp", "model=tiny_deepseek"]),
+    ("hsdp2 interleaved", 4, ["parallel=hsdp", "parallel.replicate=2", "model.num_layers=4",
+                              "parallel.pp_schedule=interleaved_1f1b"]),
 ]
 # task=plan of a pipeline: each stage's rank traced, against the real ranks
 PP_PLANS = {"fsdp-1f1b": ["parallel=fsdp"],
@@ -320,7 +322,7 @@ def test_pipeline_loss_counts_and_every_gradient_match_one_process(case, launche
     worst = max(res["grad_diffs"].items(), key=lambda kv: kv[1])
     assert worst[1] < 1e-5, worst
     # each parameter on one stage: its dp ranks (4 ranks: 2) and no other
-    assert set(res["held"].values()) == {2 if case[:3] in ("dp2", "ep2") else 1}
+    assert set(res["held"].values()) == {2 if case[:3] in ("dp2", "ep2", "hsd") else 1}
 
 
 def test_a_pipeline_records_its_bubble_sends_and_stage_peaks(launched):
