@@ -53,7 +53,8 @@ PP = ["model=tiny_moe", "hardware=cpu", "parallel=fsdp", "hardware.devices=2", "
 ROWS["pipeline"] = [PP + [f"parallel.pp_schedule={s}"] + (
     ["parallel.reshard_after_forward=false"] if s == "zero_bubble" else [])
     for s in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")]
-KEYS = ("status", "pp_bubble_share", "planned_pp_bubble_share", "planned_step_ms", "planned_kernel_ms", "step_time_ms", "planned_step_error",
+KEYS = ("status", "pp_bubble_share", "planned_pp_bubble_share", "planned_pp_bubble_error",
+        "planned_step_ms", "planned_kernel_ms", "step_time_ms", "planned_step_error",
         "planned_peak_gib", "peak_mem_gib", "tracked_peak_gib", "planned_peak_error",
         "planned_time_basis", "plan_s", "compile_s", "device_name", "error")
 

@@ -154,6 +154,7 @@ class Training(ExpertLoad, Planned):
     tracked_peak_gib: F = None
     planned_peak_error: F = None
     planned_step_error: F = None
+    planned_pp_bubble_error: F = None  # planned - measured pp_bubble_share (a share)
 
 
 @dataclass

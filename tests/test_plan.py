@@ -351,3 +351,18 @@ def test_a_pipeline_is_planned_stage_by_stage(tmp_path):
     assert 0.1 < rec["planned_pp_bubble_share"] < 0.5  # 1f1b's textbook 1/5, and the sends
     assert rec["planned_step_ms"] > rec["planned_compute_ms"] / 2
     assert rec["planned_tokens_per_s"] > 0 and rec["planned_from_blocks"] is None
+
+
+def test_a_bench_records_its_pipeline_plans_bubble_error():
+    """A bench run with parallel.pp checks its planned bubble against the measured one:
+    planned - measured, in shares; null with the plan's reason where there is none."""
+    from moe_exp.plan.check import record_errors
+
+    rec = {"null_reasons": {}, "planned_pp_bubble_share": 0.215, "pp_bubble_share": 0.229}
+    record_errors(rec, cpu=True)
+    assert rec["planned_pp_bubble_error"] == pytest.approx(-0.014)
+    rec = {"null_reasons": {"planned_pp_bubble_share": "parallel.pp=1: no pipeline"},
+           "planned_pp_bubble_share": None, "pp_bubble_share": None}
+    record_errors(rec, cpu=True)
+    assert rec["planned_pp_bubble_error"] is None
+    assert rec["null_reasons"]["planned_pp_bubble_error"] == "parallel.pp=1: no pipeline"

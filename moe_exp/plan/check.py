@@ -5,7 +5,8 @@ from ..config import pp_size
 
 
 def record_errors(rec: dict, cpu: bool) -> None:
-    """The plan's errors into rec: planned / measured - 1, of the peak and the step time.
+    """The plan's errors into rec: planned / measured - 1, of the peak and the step time;
+    planned - measured of a pipeline's bubble share.
 
     On CPU the peak compared is tracked_peak_gib, the live tensors tracked in the last warmup
     step: the RSS holds memory that no plan sees."""
@@ -16,6 +17,12 @@ def record_errors(rec: dict, cpu: bool) -> None:
         rec[key] = p / g - 1 if p is not None and g else None
         if rec[key] is None:
             why[key] = why.get(plan) if p is None else why.get(got, f"{got} not measured")
+    # a pipeline's bubble, a share: planned - measured
+    p, g = rec.get("planned_pp_bubble_share"), rec.get("pp_bubble_share")
+    rec["planned_pp_bubble_error"] = p - g if p is not None and g is not None else None
+    if rec["planned_pp_bubble_error"] is None:
+        why["planned_pp_bubble_error"] = why.get("planned_pp_bubble_share") if p is None \
+            else why.get("pp_bubble_share", "pp_bubble_share not measured")
 
 
 class StepWatch:
