@@ -385,15 +385,16 @@ def pp_microbatches(p) -> int:
     return p.pp_microbatches or p.pp * stages_per_rank(p)
 
 
-PP_COLUMNS = ("pp_microbatches", "pp_stages_per_rank", "pp_split")
-
-
-def pp_columns(p, layers: int) -> dict:
-    """A record's pipeline columns as the run resolves their nulls; null at pp = 1."""
-    if pp_size(p) == 1:
-        return dict.fromkeys(PP_COLUMNS)
-    return dict(zip(PP_COLUMNS, (pp_microbatches(p), stages_per_rank(p),
-                                 pp_stages(p, layers)[1:])))
+def record_pp_columns(rec: dict, p, layers: int, figures: tuple) -> None:
+    """A record's pipeline columns, their nulls resolved as the run resolves them; at
+    pp = 1 these, pp_schedule and `figures` (the task's pipeline figures) null, with why."""
+    cols = ("pp_microbatches", "pp_stages_per_rank", "pp_split")
+    if pp_size(p) > 1:
+        rec.update(zip(cols, (pp_microbatches(p), stages_per_rank(p), pp_stages(p, layers)[1:])))
+        return
+    for k in (*figures, *cols, "pp_schedule"):
+        rec[k] = None
+        rec["null_reasons"][k] = "parallel.pp=1: no pipeline"
 
 
 def routing_copies(p) -> int:

@@ -255,19 +255,11 @@ def muon_round_robin(overrides, parallel="fsdp") -> dict:
         distributed.finish()
 
 
-def measured_step(overrides) -> dict:
+def measured_step(overrides) -> dict | None:
     """plan.trace.measure_step on these ranks: rank 0's peak of live tensor memory over two
     real steps, and its split (what task=plan predicts for rank 0)."""
-    from moe_exp import distributed
-    from moe_exp.plan.trace import measure_step
-
-    cfg = _cfg(overrides)
-    distributed.init(cfg)
-    try:
-        got = measure_step(cfg)
-        return {"peak": got.peak_bytes, "at_peak": got.at_peak, "comm": got.comm}
-    finally:
-        distributed.finish()
+    every = measured_stages(overrides)
+    return every and every[0]
 
 
 def run_rank(cfg_dict: dict, out_dir: str) -> dict | None:

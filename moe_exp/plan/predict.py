@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 from ..bench.memory import GIB
-from ..config import PP_COLUMNS, data_ranks, mesh_dims, pp_columns, pp_microbatches, pp_size
+from ..config import (data_ranks, mesh_dims, pp_microbatches, pp_size,
+                      record_pp_columns)
 from ..screen import Status, phase
 from ..results import fill_null_reasons
 
@@ -49,11 +50,7 @@ def plan_step(cfg, rec: dict) -> None:
         else:
             _deep(cfg, rec, depths)
             rec["plan_s"] = time.perf_counter() - t0
-    rec.update(pp_columns(cfg.parallel, cfg.model.num_layers))  # (their nulls resolved)
-    if pp_size(cfg.parallel) == 1:
-        for k in (*PIPELINE, *PP_COLUMNS, "pp_schedule"):
-            rec[k] = None
-            rec["null_reasons"][k] = "parallel.pp=1: no pipeline"
+    record_pp_columns(rec, cfg.parallel, cfg.model.num_layers, PIPELINE)
     fill_null_reasons(rec, WHY)
 
 
@@ -87,8 +84,9 @@ def _pipelined(cfg, rec: dict) -> None:
     """A pipeline's plan: each pp rank traced (its stages, the real schedule), the step's
     time the schedule's simulated span over the traced actions' times, their collectives
     included (plan/pipeline.py), plus the slowest rank's own work beside them (its
-    optimizer step, its collectives outside the actions). The record's memory and collectives are the rank with the largest peak's;
-    every stage's peak is in planned_pp_stage_peaks_gib."""
+    optimizer step, its collectives outside the actions). The record's memory and
+    collectives are the rank with the largest peak's; every stage's peak is in
+    planned_pp_stage_peaks_gib."""
     from .pipeline import schedule_order, simulate, traced_ranks
     from .trace import trace_step
 
@@ -128,6 +126,17 @@ def _pipelined(cfg, rec: dict) -> None:
 P2P = ("send", "recv")  # a pipeline's sends: its schedule's simulation places them
 
 
+def _call_seconds(cfg, ops) -> tuple[list | None, str | None]:
+    """roofline.call_seconds, a pipeline's sends at 0 (its schedule's simulation places
+    them)."""
+    from .roofline import call_seconds
+
+    each, why = call_seconds(ops, cfg.hardware)
+    if each is not None and pp_size(cfg.parallel) > 1:
+        each = [0.0 if c[0] in P2P else t for c, t in zip(ops.calls, each)]
+    return each, why
+
+
 def _hop_s(cfg, step) -> float:
     """One micro-batch's send between stages, in seconds: the traced sends' mean."""
     from .roofline import call_seconds
@@ -144,11 +153,10 @@ def _action_seconds(cfg, step) -> dict:
     FSDP2's gathers), else the datasheet's roofline plus those collectives."""
     import copy
 
-    from .roofline import call_seconds, compute_ms
+    from .roofline import compute_ms
 
     ops, out, hw = step.ops, {}, cfg.hardware
-    each = [0.0 if c[0] in P2P else t
-            for c, t in zip(ops.calls, call_seconds(ops, hw)[0] or [0.0] * len(ops.calls))]
+    each = _call_seconds(cfg, ops)[0] or [0.0] * len(ops.calls)
     if hw.calibration:
         from .calibrate import calibration_for
 
@@ -287,12 +295,10 @@ def _times(cfg, rec: dict, step, tokens: int) -> None:
     With hardware.calibration, the compute at its rates and the collectives beside it,
     as the strategy overlaps them (planned_comm_exposed_ms: what they add); else the
     datasheet's roofline, a floor, and the collectives after it."""
-    from .roofline import call_seconds, compute_ms
+    from .roofline import compute_ms
 
     why, hw = rec["null_reasons"], cfg.hardware
-    each, why_comm = call_seconds(step.ops, hw)
-    if each is not None and pp_size(cfg.parallel) > 1:  # (the schedule's simulation
-        each = [0.0 if c[0] in P2P else t for c, t in zip(step.ops.calls, each)]  # has them)
+    each, why_comm = _call_seconds(cfg, step.ops)
     rec["planned_comm_ms"] = None if each is None else sum(each) * 1e3
     if hw.calibration:
         step_ms, why_compute = _calibrated_ms(cfg, rec, step.ops, each)

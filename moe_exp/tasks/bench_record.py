@@ -112,7 +112,7 @@ def record_run(cfg, rec: dict, res, device: torch.device, world: int, watch=None
     """Record the loop's figures, each null with its reason; bench.metrics derives them.
 
     Tensor-parallel ranks share their tokens: the step's are the data ranks'."""
-    from ..config import PP_OPTIONS, data_ranks, routing_copies
+    from ..config import data_ranks, pp_size, routing_copies
 
     t, why = cfg.train, rec["null_reasons"]
     tm, (mem, mem_why) = res.timings, res.memory
@@ -127,7 +127,7 @@ def record_run(cfg, rec: dict, res, device: torch.device, world: int, watch=None
         startup_s=res.startup_s if own_process() else None),
         loss_first=res.losses[0], loss_last=res.losses[-1], losses=res.losses,
         lrs=res.lrs, gc_ms=res.gc_ms, gc_collections=res.gc_collections)
-    if cfg.parallel.name in PP_OPTIONS and cfg.parallel.pp > 1:
+    if pp_size(cfg.parallel) > 1:
         rec["backward_ms"] = None
         why["backward_ms"] = "parallel.pp: the schedule interleaves the micro-batches' " \
             "forwards and backwards; forward_ms holds both"
@@ -182,14 +182,12 @@ def record_pipeline(cfg, rec: dict, res, model, device: torch.device, world: int
     """parallel.pp's figures: the bubble share (the ranks' mean), the bytes a rank sends a
     step (the most of any rank) and each stage's peak (its ranks' most). Before record_run,
     which keeps the ranks' largest peak only."""
-    from ..config import PP_COLUMNS, pp_columns, pp_size
+    from ..config import pp_size, record_pp_columns
     from ..distributed import all_gather_stack, collective_device
 
     why, pp = rec["null_reasons"], pp_size(cfg.parallel)
-    rec.update(pp_columns(cfg.parallel, cfg.model.num_layers))  # (their nulls resolved)
+    record_pp_columns(rec, cfg.parallel, cfg.model.num_layers, PIPELINE)
     if pp == 1:
-        for k in (*PIPELINE, *PP_COLUMNS, "pp_schedule"):
-            rec[k], why[k] = None, "parallel.pp=1: no pipeline"
         return
     peak, bubble = res.memory[0].get("peak_mem_gib"), _bubble(cfg, model)
     mine = [math.nan if v is None else v for v in (peak, bubble, model.send_bytes() / GIB)]

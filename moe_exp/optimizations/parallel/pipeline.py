@@ -197,7 +197,10 @@ class PipelineModel(nn.Module):
         self.coefs = stages[0].coefs
         moe = [int(k) for k, b in model.layers.named_children() if b.is_moe]
         self.n_moe, self.num_experts = len(moe), cfg.model.num_experts
-        self.moe_rows = [moe.index(int(k)) for k, b in self.layers.items() if b.is_moe]
+        # each stage's MoE layers' rows among the model's MoE layers; all the rank's
+        self.stage_rows = [[moe.index(int(k)) for k, b in s.layers.items() if b.is_moe]
+                           for s in stages]
+        self.moe_rows = [r for rows in self.stage_rows for r in rows]
         self.n_micro = pp_microbatches(p)
         self.rows = cfg.train.micro_batch_size
         accum = cfg.train.grad_accum_steps
@@ -257,9 +260,9 @@ class PipelineModel(nn.Module):
         n_exp = self.num_experts if self.n_moe else 0
         counts = torch.zeros(2, self.n_moe, n_exp, dtype=torch.float64, device=device)
         losses = torch.zeros(3, dtype=torch.float64, device=device)
-        for s in self.stages:
+        for s, rows in zip(self.stages, self.stage_rows):
             for part in s.stats[-self.n_micro:]:  # (the same)
-                for row, (balance, seq, z, c, r) in zip(self._rows(s), part):
+                for row, (balance, seq, z, c, r) in zip(rows, part):
                     losses += torch.stack([balance, seq, z]).double() / self.n_micro
                     counts[0, row] += c
                     counts[1, row] += r
@@ -275,11 +278,6 @@ class PipelineModel(nn.Module):
         a, sc, zc = self.coefs
         return Output(ce + a * balance + sc * seq + zc * z, ce, balance, z, counts[0], seq,
                       counts[1])
-
-    def _rows(self, stage: Stage) -> list[int]:
-        """The rows of a stage's MoE layers among the model's MoE layers."""
-        keys = [k for k, b in self.layers.items() if b.is_moe]
-        return [self.moe_rows[keys.index(k)] for k, b in stage.layers.items() if b.is_moe]
 
     def send_bytes(self) -> int:
         """The bytes this rank's stages send a step: each micro-batch's activations forward
