@@ -781,6 +781,10 @@ class SweepConfig:
                            "data stays): the repeats' eval-loss spread is the noise loss_ok uses")
     init_offset: int = knob(0, "set by the sweep (vary_init): this run's init seed is "
                             "train.seed + this")
+    global_batch: Optional[int] = knob(None, "+sweep=layouts: sequences a step every layout "
+                                       "keeps; null = hardware.devices x train."
+                                       "micro_batch_size x train.grad_accum_steps",
+                                       check=at_least(1, "or null"))
 
 
 @dataclass

@@ -122,20 +122,27 @@ def test_an_fsdp_plans_optimizer_step_moves_its_shard_only():
     ["model=tiny_moe", "parallel=expert_fsdp", "hardware.devices=4", "parallel.tp=2",
      "train.activation_checkpointing=selective"],
     ["model=tiny_deepseek", "train.grad_accum_steps=2", "train.activation_checkpointing=full"],
+    # a pipeline: 2 and 3 MoE blocks a stage traced (blocks 0-6 and 7-12: 6 MoE ones each;
+    # uneven stages are off by the one all-reduce of the whole model's expert counts, 1e-5
+    # of a step's collectives: its size follows every stage's blocks, not the rank's)
+    ["model=tiny_deepseek", "parallel=fsdp", "hardware.devices=2", "parallel.pp=2",
+     "model.num_layers=13", "train.micro_batch_size=2"],
 ])
 def test_a_deep_model_is_planned_from_two_shallow_traces(tmp_path, overrides):
     """train.plan_depth=auto traces 2 and 3 of a deep model's alike blocks (past its dense
     first) and extrapolates: every figure equals the whole model's trace, the peak's
-    phase and split by kind too, and the record names the depths traced."""
+    phase and split by kind too, and the record names the depths traced. A pipeline's
+    stages are traced at 2 and 3 blocks each, and each rank's figures and actions' times
+    extrapolated to its stages' blocks."""
     def flat(d, pre=""):
         for k, v in d.items():
             yield from flat(v, f"{pre}{k}.") if isinstance(v, dict) else [(pre + k, v)]
 
-    runs = {d: run_inproc([*PLAN, *overrides, "hardware=h100", "precision=bf16",
-                           "model.num_layers=8", f"train.plan_depth={d}"], tmp_path / d)
+    runs = {d: run_inproc([*PLAN, "model.num_layers=8", *overrides, "hardware=h100",
+                           "precision=bf16", f"train.plan_depth={d}"], tmp_path / d)
             for d in ("auto", "full")}
     auto, full = ({k: v for k, v in flat(r) if k.startswith("planned")} for r in runs.values())
-    lead = 1 if "model=tiny_deepseek" in overrides else 0
+    lead = 1 if "model=tiny_deepseek" in overrides and "parallel.pp=2" not in overrides else 0
     assert runs["auto"]["planned_from_blocks"] == [lead + 2, lead + 3]
     assert runs["full"]["planned_from_blocks"] is None
     assert "plan_depth=full" in runs["full"]["null_reasons"]["planned_from_blocks"]
@@ -143,6 +150,25 @@ def test_a_deep_model_is_planned_from_two_shallow_traces(tmp_path, overrides):
     assert auto.keys() == full.keys() and full["planned_step_ms"] > 0 < full["planned_mfu"]
     for k, v in full.items():
         assert auto[k] == (pytest.approx(v, rel=1e-9) if isinstance(v, float) else v), k
+
+
+def test_a_long_pipelines_middle_ranks_are_planned_from_two_of_them(tmp_path):
+    """pp 5, 1F1B: ranks 1 to 3 hold alike stages, so only ranks 0, 1, 3 and 4 are traced
+    and rank 2 is on the line through 1 and 3 (its actions are theirs; it holds one
+    micro-batch fewer in flight than rank 1): every figure equals the every-rank trace's."""
+    def flat(d, pre=""):
+        for k, v in d.items():
+            yield from flat(v, f"{pre}{k}.") if isinstance(v, dict) else [(pre + k, v)]
+
+    o = [*PLAN, "model=tiny_moe", "model.num_layers=5", "hardware=h100", "precision=bf16",
+         "parallel=fsdp", "hardware.devices=5", "parallel.pp=5", "train.micro_batch_size=5"]
+    auto, full = ({k: v for k, v in flat(run_inproc([*o, f"train.plan_depth={d}"],
+                                                    tmp_path / d)) if k.startswith("planned")}
+                  for d in ("auto", "full"))
+    peaks = full["planned_pp_stage_peaks_gib"]
+    assert peaks[1] - peaks[2] == pytest.approx(peaks[2] - peaks[3], rel=1e-6) != 0
+    for k, v in full.items():
+        assert auto[k] == (pytest.approx(v, rel=1e-9) if isinstance(v, (float, list)) else v), k
 
 
 def test_a_plan_sweep_is_one_table_the_plans_that_fit_first(tmp_path):

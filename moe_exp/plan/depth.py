@@ -19,11 +19,46 @@ def traced_depths(cfg) -> tuple[int, int] | None:
 
     m = cfg.model
     if cfg.train.plan_depth == "full" or m.num_layers < MIN_BLOCKS or pp_size(cfg.parallel) > 1:
-        return None  # (a pipeline's ranks each trace their stages' blocks alone)
+        return None  # (a pipeline's stages: stage_depths)
     lead = m.first_k_dense if m.num_experts else 0
     # (FSDP2's explicit prefetch reaches parallel.prefetch blocks ahead: past its window)
     a = lead + max(2, cfg.parallel.prefetch + 1)
     return (a, a + 1) if a + 1 < m.num_layers else None
+
+
+def stage_depths(cfg) -> tuple[int, int] | None:
+    """A pipeline's two traced depths a stage (its MoE blocks; the first stage holds the
+    dense ones too), or None where tracing every block costs less."""
+    from ..config import pp_size, stages_per_rank
+
+    m, p = cfg.model, cfg.parallel
+    if cfg.train.plan_depth == "full" or pp_size(p) == 1:
+        return None
+    lead = m.first_k_dense if m.num_experts else 0
+    a, stages = max(2, p.prefetch + 1), p.pp * stages_per_rank(p)
+    return (a, a + 1) if 2 * lead + stages * (2 * a + 1) < m.num_layers else None
+
+
+def at_stage_depth(cfg, a: int):
+    """cfg's pipeline with `a` MoE blocks a stage (the first stage's dense blocks before
+    them)."""
+    from ..config import pp_size, stages_per_rank
+
+    m, p = cfg.model, cfg.parallel
+    lead, stages = (m.first_k_dense if m.num_experts else 0), pp_size(p) * stages_per_rank(p)
+    out = at_depth(cfg, lead + stages * a)
+    out.parallel.pp_split = [lead + a * s for s in range(1, stages)]
+    return out
+
+
+def stage_moe_blocks(cfg) -> list[int]:
+    """Each stage's MoE blocks (the first stage's less the dense ones), as the run splits."""
+    from ..config import pp_stages
+
+    m = cfg.model
+    first = pp_stages(cfg.parallel, m.num_layers) + [m.num_layers]
+    lead = m.first_k_dense if m.num_experts else 0
+    return [b - a - (lead if i == 0 else 0) for i, (a, b) in enumerate(zip(first, first[1:]))]
 
 
 def at_depth(cfg, layers: int):
@@ -38,11 +73,23 @@ def extrapolate(cfg, depths: tuple[int, int], recs: list[dict], steps: list):
     (their records' figures, the peak's bytes, its bytes by kind). Memory goes phase by
     phase (StepMemory.phases): the peak is the largest phase's at the model's depth."""
     (a, b), n = depths, cfg.model.num_layers
-    f = (n - a) / (b - a)
-    phases = [_line({"peak": pa[0], **pa[1]}, {"peak": pb[0], **pb[1]}, f)
-              for pa, pb in zip(steps[0].phases, steps[1].phases)]
-    peak = max(phases, key=lambda p: p["peak"])
-    return _line(recs[0], recs[1], f), peak.pop("peak"), peak
+    return on_line((n - a) / (b - a), recs, [st.phases for st in steps])
+
+
+def on_line(f: float, recs: list[dict], phases: list[list]):
+    """The figures f of the way from recs[0] to recs[1] (f = 1: recs[1]), the peak's
+    bytes and its bytes by kind, phase by phase."""
+    peak = max(reversed(phases_on_line(f, *phases)), key=lambda p: p[0])  # (a tie: the
+    return _line(recs[0], recs[1], f), peak[0], dict(peak[1])  # later phase's, as traced)
+
+
+def phases_on_line(f: float, pa: list, pb: list) -> list[tuple]:
+    """StepMemory.phases f of the way from pa to pb: (peak, bytes by kind) each."""
+    out = []
+    for x, y in zip(pa, pb):
+        d = _line({"peak": x[0], **x[1]}, {"peak": y[0], **y[1]}, f)
+        out.append((d.pop("peak"), d))
+    return out
 
 
 def _line(x, y, f: float):

@@ -37,8 +37,11 @@ def plan_step(cfg, rec: dict) -> None:
         if pp_size(cfg.parallel) > 1:
             _pipelined(cfg, rec)
             rec["plan_s"] = time.perf_counter() - t0
-            rec["planned_from_blocks"] = None
-            rec["null_reasons"]["planned_from_blocks"] = "parallel.pp: each stage's blocks traced"
+            if rec.get("planned_from_blocks") is None:
+                rec["planned_from_blocks"] = None
+                rec["null_reasons"]["planned_from_blocks"] = \
+                    "train.plan_depth=full" if cfg.train.plan_depth == "full" else \
+                    "every block traced (stages too short to gain from two depths)"
         elif depths is None:
             step = trace_step(cfg)
             rec["plan_s"] = time.perf_counter() - t0
@@ -86,41 +89,106 @@ def _pipelined(cfg, rec: dict) -> None:
     included (plan/pipeline.py), plus the slowest rank's own work beside them (its
     optimizer step, its collectives outside the actions). The record's memory and
     collectives are the rank with the largest peak's; every stage's peak is in
-    planned_pp_stage_peaks_gib."""
-    from .pipeline import schedule_order, simulate, traced_ranks
-    from .trace import trace_step
+    planned_pp_stage_peaks_gib.
 
-    recs, steps = [], []
-    wait, ranks = Status.current, traced_ranks(cfg)
-    what = wait.what.rsplit(", rank 0 of", 1)[0] if wait else ""
-    for i, r in enumerate(ranks):
-        if wait:  # (the trace's own phases follow it: forward, block k of n, ...)
-            wait.what = f"{what}, pp rank {i + 1} of {len(ranks)} (rank {r:,} of " \
-                        f"{cfg.hardware.devices:,})"
-        got = {"null_reasons": {}}
-        steps.append(trace_step(cfg, rank=r))
-        _figures(cfg, got, steps[-1])
-        recs.append(got)
+    Stages of many blocks are traced at two small depths a stage, each rank's figures
+    and each action's time taken on the line through them at its stages' depths
+    (plan/depth.py: stage_depths)."""
+    from .depth import at_stage_depth, on_line, stage_depths, stage_moe_blocks
+    from .pipeline import schedule_order, simulate
+
+    depths = stage_depths(cfg)
+    if depths is None:
+        ranks = _pp_ranks(cfg)
+    else:
+        (a, _), per = depths, stage_moe_blocks(cfg)
+        shallow = [_pp_ranks(at_stage_depth(cfg, d), f"{d} blocks a stage") for d in depths]
+        ranks = []
+        for x, y in zip(*shallow):
+            mine = [per[s] for s, _ in x["tags"]]
+            f = sum(mine) / len(mine) - a  # (the rank's stages' mean depth, less a)
+            got, peak, at_peak = on_line(f, [x["rec"], y["rec"]], [x["phases"], y["phases"]])
+            got["null_reasons"] = x["rec"]["null_reasons"]
+            _memory(cfg, got, peak, at_peak)
+            tags = {t: x["tags"][t] + (per[t[0]] - a) * (y["tags"][t] - x["tags"][t])
+                    for t in x["tags"]}
+            ranks.append({**x, "rec": got, "tags": tags,
+                          "flops": x["flops"] + f * (y["flops"] - x["flops"])})
+    recs = [r["rec"] for r in ranks]
     worst = max(range(len(recs)), key=lambda i: recs[i]["planned_peak_gib"])
     rec.update(recs[worst])
+    if depths is not None:
+        rec["planned_from_blocks"] = list(depths)  # (a stage's MoE blocks)
+    _params(cfg, rec)
     rec["planned_pp_stage_peaks_gib"] = [g["planned_peak_gib"] for g in recs]
-    rec["planned_pp_send_gib"] = max(st.comm.get("send", {}).get("bytes", 0)
-                                     for st in steps) / GIB
-    rec["planned_flops_per_step"] = sum(st.flops for st in steps) / len(steps)  # (a device's)
+    rec["planned_pp_send_gib"] = max(r["send"] for r in ranks) / GIB
+    rec["planned_flops_per_step"] = sum(r["flops"] for r in ranks) / len(ranks)  # (a device's)
     why, m = rec["null_reasons"], pp_microbatches(cfg.parallel)
     if rec.get("planned_step_ms") is None:
         rec["planned_pp_bubble_share"] = None
         why["planned_pp_bubble_share"] = why.get("planned_step_ms", WHY)
         return
     seconds, rest = {}, []
-    for st, got in zip(steps, recs):
-        tags = _action_seconds(cfg, st)
-        seconds.update({k: v / m for k, v in tags.items()})
-        rest.append(got["planned_step_ms"] - sum(tags.values()) * 1e3)
-    span, busy = simulate(schedule_order(cfg.parallel, m), seconds, _hop_s(cfg, steps[0]))
+    for r in ranks:
+        seconds.update({k: v / m for k, v in r["tags"].items()})
+        rest.append(r["rec"]["planned_step_ms"] - sum(r["tags"].values()) * 1e3)
+    span, busy = simulate(schedule_order(cfg.parallel, m), seconds, ranks[0]["hop_s"])
     rec["planned_pp_bubble_share"] = sum(1 - b / span for b in busy) / len(busy)
     rec["planned_step_ms"] = span * 1e3 + max(rest)
     _rates(cfg, rec, rec["planned_step_ms"], _tokens(cfg))
+
+
+def _pp_ranks(cfg, depth: str = "") -> list[dict]:
+    """Each pp rank of cfg traced: its figures (rec), memory phases, sends' bytes, FLOPs,
+    actions' seconds ((stage, kind) -> seconds, every micro-batch's) and one send's.
+
+    Where the ranks between the second and the last but one hold alike stages, only those
+    two of them are traced: their actions are alike, and their memory differs by the
+    micro-batches each holds in flight, which falls by the same count a rank in 1F1B and
+    interleaved 1F1B; each between is on the line through them."""
+    from .depth import on_line, phases_on_line
+    from .pipeline import traced_ranks
+    from .trace import trace_step
+
+    wait, ranks = Status.current, traced_ranks(cfg)
+    pp, keep = len(ranks), _traced_pp_ranks(cfg)
+    what = wait.what.rsplit(", rank 0 of", 1)[0].split(", pp rank")[0] if wait else ""
+    out = {}
+    for n, i in enumerate(keep):
+        if wait:  # (the trace's own phases follow it: forward, block k of n, ...)
+            wait.what = f"{what}, pp rank {i + 1} ({n + 1} of {len(keep)} traced; rank " \
+                        f"{ranks[i]:,} of {cfg.hardware.devices:,}" \
+                        f"{', ' + depth if depth else ''})"
+        got, step = {"null_reasons": {}}, trace_step(cfg, rank=ranks[i])
+        _figures(cfg, got, step)
+        out[i] = {"rec": got, "phases": step.phases, "flops": step.flops,
+                  "send": step.comm.get("send", {}).get("bytes", 0),
+                  "tags": _action_seconds(cfg, step), "hop_s": _hop_s(cfg, step)}
+    x, y = out[1] if pp > 2 else None, out[pp - 2] if pp > 2 else None
+    for i in range(pp):
+        if i in out:
+            continue
+        f = (i - 1) / (pp - 3)
+        got, peak, at_peak = on_line(f, [x["rec"], y["rec"]], [x["phases"], y["phases"]])
+        got["null_reasons"] = x["rec"]["null_reasons"]
+        _memory(cfg, got, peak, at_peak)
+        out[i] = {**x, "rec": got, "phases": phases_on_line(f, x["phases"], y["phases"]),
+                  "tags": {(s + i - 1, k): v for (s, k), v in x["tags"].items()}}
+    return [out[i] for i in range(pp)]
+
+
+def _traced_pp_ranks(cfg) -> list[int]:
+    """The pp ranks a plan traces: the first two and the last two where the ranks between
+    hold stages of the same blocks as the second (train.plan_depth=auto), else every one."""
+    from ..config import pp_stages
+
+    p, layers = cfg.parallel, cfg.model.num_layers
+    pp, first = p.pp, pp_stages(p, layers) + [layers]
+    size = [b - a for a, b in zip(first, first[1:])]
+    held = [[size[s] for s in range(r, len(size), pp)] for r in range(pp)]
+    if cfg.train.plan_depth == "full" or pp < 5 or any(h != held[1] for h in held[1:-1]):
+        return list(range(pp))
+    return [0, 1, pp - 2, pp - 1]
 
 
 P2P = ("send", "recv")  # a pipeline's sends: its schedule's simulation places them

@@ -115,15 +115,79 @@ def plan_answer(df) -> list[str]:
     fast = pd.to_numeric(fit["planned_tokens_per_s"], errors="coerce")
     if fast.notna().any():
         best = fit.loc[fast.idxmax()]
-        what = (f"the fastest planned layout that fits is job {best['job']} ({best['label']}): "
+        what = (f"the fastest planned layout that fits is job {best['job']} ({_name(best)}): "
                 f"{cell_text(best['planned_tokens_per_s'], ',.0f')} tokens/s planned")
     else:
         best = fit.loc[peak(fit).idxmin()]
         what = (f"no plan has a time (null_reasons.planned_step_ms says why); the one that "
                 f"fits with the lowest peak is job {best['job']} ({best['label']})")
-    return [f"{what}, peak {cell_text(best['planned_peak_gib'], ',.1f')} of "
-            f"{cell_text(best['planned_memory_gib'], ',.1f')} GiB a device (predicted, not "
-            "measured).", "", f"    {command(best)}", ""]
+    lines = [f"{what}, peak {cell_text(best['planned_peak_gib'], ',.1f')} of "
+             f"{cell_text(best['planned_memory_gib'], ',.1f')} GiB a device (predicted, not "
+             "measured).", "", f"    {command(best)}", ""]
+    if fast.notna().any():
+        lines += _runners_up(ok, fit, best)
+    return lines
+
+
+RUNNERS_UP = 4  # the next fastest plans that fit, each with why it loses
+
+
+def _name(row) -> str:
+    """A plan's layout in short (a layout search's rows), else its label."""
+    from .layouts import layout_name
+
+    return layout_name(row["label"]) or row["label"]
+
+
+def _runners_up(ok, fit, best) -> list[str]:
+    """The next fastest plans that fit and why each loses to the best (the part of the step
+    that grew most: exposed communication, computing, the pipeline's bubble); the plans
+    faster than the best that do not fit, with their peaks."""
+    import pandas as pd
+
+    speed = lambda g: pd.to_numeric(g["planned_tokens_per_s"], errors="coerce")  # noqa: E731
+    rest = fit[fit.index != best.name].assign(_v=speed).dropna(subset=["_v"])
+    out = []
+    if len(rest):
+        out += ["Runners-up (planned), and why each loses:", ""]
+        for _, r in rest.sort_values("_v", ascending=False).head(RUNNERS_UP).iterrows():
+            out.append(f"- job {r['job']} ({_name(r)}): "
+                       f"{cell_text(r['planned_tokens_per_s'], ',.0f')} tokens/s "
+                       f"({r['_v'] / float(best['planned_tokens_per_s']) - 1:+.0%}): "
+                       f"{_loses(r, best)}")
+        out.append("")
+    big = ok[ok["planned_fits"].map(lambda v: verdict(v) is False)].assign(_v=speed)
+    big = big[big["_v"] > float(best["planned_tokens_per_s"])]
+    if len(big):
+        out += ["Faster, but planned not to fit: " + "; ".join(
+            f"job {r['job']} ({_name(r)}, peak {cell_text(r['planned_peak_gib'], ',.1f')} "
+            f"GiB)" for _, r in big.sort_values("_v", ascending=False).head(
+                RUNNERS_UP).iterrows()) + ".", ""]
+    return out
+
+
+def _loses(row, best) -> str:
+    """The part of row's planned step that grew most against best's, in words."""
+    def ms(r, key):
+        v = pd.to_numeric(r.get(key), errors="coerce")
+        return 0.0 if pd.isna(v) else float(v)
+
+    import pandas as pd
+
+    def bubble(r):
+        return ms(r, "planned_pp_bubble_share") * ms(r, "planned_step_ms")
+
+    parts = {"exposed communication": ms(row, "planned_comm_exposed_ms") -
+             ms(best, "planned_comm_exposed_ms"),
+             "computing": ms(row, "planned_compute_ms") - ms(best, "planned_compute_ms"),
+             "the pipeline's bubble": bubble(row) - bubble(best)}
+    what, grew = max(parts.items(), key=lambda kv: kv[1])
+    step = f"step {_ms(ms(row, 'planned_step_ms'))} against {_ms(ms(best, 'planned_step_ms'))}"
+    return f"{step}; {what} +{_ms(grew)}" if grew > 0 else step
+
+
+def _ms(v: float) -> str:
+    return f"{v:,.0f} ms" if abs(v) >= 100 else f"{v:.3g} ms"
 
 
 def answer_text(df) -> str:

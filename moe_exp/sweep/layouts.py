@@ -1,0 +1,230 @@
+"""+sweep=layouts: every layout of hardware.devices GPUs for a model, as sweep jobs.
+
+A layout is tp x pp x (dp_replicate x dp_shard) with expert parallel over the data ranks,
+a micro-batch and a checkpointing choice, all at one global batch (sequences a step).
+Each size divides what it splits (the checks validate runs too).
+
+The micro-batch and the checkpointing trade memory for time, each one way: a larger
+micro-batch (fewer accumulation steps, so fewer FSDP gathers) and lighter checkpointing
+(less recompute) are faster and need more memory. So each data mesh is planned from its
+fastest corner, the largest micro-batch without checkpointing, and a layout is planned
+only where the ones a step faster (twice its micro-batch, or lighter checkpointing) were
+planned and did not fit, and was faster than the fastest that fits: rung by rung
+(next_rung), as hydra_plugins/moe_exp_search/layout_sweeper.py runs them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+# the keys a layout sets: the command line's values of them are the search's to choose
+KEYS = ("parallel", "parallel.tp", "parallel.etp", "parallel.expert_parallel_size",
+        "parallel.replicate", "parallel.pp", "parallel.pp_schedule",
+        "parallel.pp_microbatches", "parallel.reshard_after_forward", "parallel.accum_no_sync",
+        "train.micro_batch_size", "train.grad_accum_steps", "train.activation_checkpointing")
+AC_LADDER = ("none", "selective", "full")  # lightest (fastest) first
+MAX_PP = 8  # a pipeline's plan traces every block of every micro-batch (pp x blocks at one
+# sequence each): pp 16 of mixtral_8x7b would take ~8 minutes here
+SCHEDULES = ("1f1b", "interleaved_1f1b")  # gpipe: 1f1b's bubble with more memory held;
+# zero_bubble: not planned (torch's memory tracker fails in its split backward)
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1  # experts' ranks (1: experts FSDP-sharded like the rest)
+    replicate: int = 1  # HSDP's replicas (1: FSDP over every data rank)
+    micro: int = 1  # sequences a micro-batch
+    accum: int = 1  # micro-batches accumulated a step (pp = 1)
+    pp_micro: int = 1  # pipeline micro-batches a step (pp > 1)
+    schedule: str = "1f1b"
+    ac: str = "none"
+
+    @property
+    def option(self) -> str:
+        return "expert_fsdp" if self.ep > 1 else "hsdp" if self.replicate > 1 else "fsdp"
+
+    def mesh(self) -> "Layout":
+        """The layout less its micro-batch and checkpointing."""
+        return replace(self, ac="", micro=0, accum=0)
+
+    def slower(self) -> list["Layout"]:
+        """The layouts one step slower and leaner: half the micro-batch (twice the
+        accumulation; not under pp, whose micro-batches are of one sequence), or the next
+        heavier checkpointing."""
+        out = []
+        if self.pp == 1 and self.micro % 2 == 0:
+            out.append(replace(self, micro=self.micro // 2, accum=self.accum * 2))
+        if self.ac != AC_LADDER[-1]:
+            out.append(replace(self, ac=AC_LADDER[AC_LADDER.index(self.ac) + 1]))
+        return out
+
+    def covers(self, other: "Layout") -> bool:
+        """Whether self is at least as fast as `other` by construction: the same mesh, a
+        micro-batch as large and checkpointing as light."""
+        return self.mesh() == other.mesh() and self.micro >= other.micro and \
+            AC_LADDER.index(self.ac) <= AC_LADDER.index(other.ac)
+
+    def overrides(self) -> list[str]:
+        o = [f"parallel={self.option}", f"parallel.tp={self.tp}",
+             f"train.activation_checkpointing={self.ac}"]
+        if self.ep > 1:
+            o += [f"parallel.expert_parallel_size={self.ep}"]
+            if self.tp > 1:
+                o += ["parallel.etp=1"]
+        if self.replicate > 1:
+            o += [f"parallel.replicate={self.replicate}"]
+        if self.pp > 1:
+            # (the stages' parameters kept gathered from forward to backward: torchtitan's
+            # default under pp, a gather less a micro-batch, and expert_fsdp's selective
+            # recompute needs it)
+            o += [f"parallel.pp={self.pp}", f"parallel.pp_schedule={self.schedule}",
+                  f"parallel.pp_microbatches={self.pp_micro}",
+                  "parallel.reshard_after_forward=false",
+                  f"train.micro_batch_size={self.micro * self.pp_micro}",
+                  "train.grad_accum_steps=1"]
+        else:  # (accumulating, each micro-batch's gradients reduce-scattered: held
+            # unsharded to the step's end, as no_sync does, they would be the model's size)
+            o += [f"train.micro_batch_size={self.micro}",
+                  f"train.grad_accum_steps={self.accum}"] + (
+                ["parallel.accum_no_sync=false"] if self.accum > 1 else [])
+        return o
+
+
+def layout_name(label: str) -> str | None:
+    """A plan's layout in short ("EP 8 x PP 4 (1f1b, 8 micro-batches), selective, micro-batch
+    2 x 4") from its sweep label (the overrides that vary); None where it sets no parallel
+    option."""
+    o = dict(t.split("=", 1) for t in str(label).split() if "=" in t)
+    if "parallel" not in o:
+        return None
+    ep, rep = o.get("parallel.expert_parallel_size"), o.get("parallel.replicate")
+    tp, pp = int(o.get("parallel.tp", 1)), int(o.get("parallel.pp", 1))
+    parts = [f"EP {ep}" if ep else f"HSDP ({rep} replicas)" if rep else
+             "FSDP"] + ([f"TP {tp}"] if tp > 1 else [])
+    if pp > 1:
+        parts.append(f"PP {pp} ({o.get('parallel.pp_schedule', '1f1b')}, "
+                     f"{o.get('parallel.pp_microbatches')} micro-batches)")
+    out = " x ".join(parts)
+    if "train.activation_checkpointing" in o:
+        ac = o["train.activation_checkpointing"]
+        out += ", no checkpointing" if ac == "none" else f", {ac} checkpointing"
+    if pp == 1 and "train.micro_batch_size" in o:
+        accum = int(o.get("train.grad_accum_steps", 1))
+        out += f", micro-batch {o['train.micro_batch_size']}" + (f" x {accum}" if accum > 1
+                                                                else "")
+    return out
+
+
+def next_rung(tried: list[tuple[Layout, bool | None, float | None]]) -> list[Layout]:
+    """The layouts to plan next: each one step slower than a planned layout that did not
+    fit (fits False), unless a planned layout that fits covers it, or it was planned, or
+    the one that did not fit was already no faster (tokens/s) than the fastest that fits:
+    its slower ones cannot win."""
+    seen = {t for t, _, _ in tried}
+    fits = [t for t, ok, _ in tried if ok]
+    best = max((v or 0 for _, ok, v in tried if ok), default=0)
+    out = []
+    for t, ok, speed in tried:
+        if ok is False and (speed is None or speed > best):
+            out += [s for s in t.slower() if s not in seen and s not in out and
+                    not any(f.covers(s) for f in fits)]
+    return out
+
+
+def _pow2(upto: int) -> list[int]:
+    out, v = [], 1
+    while v <= upto:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def global_batch(cfg) -> int:
+    """Sequences a step every layout keeps: sweep.global_batch, else hardware.devices x
+    train.micro_batch_size x train.grad_accum_steps (the base config's, as plain data
+    parallel)."""
+    t = cfg.train
+    return cfg.sweep.global_batch or \
+        cfg.hardware.devices * t.micro_batch_size * t.grad_accum_steps
+
+
+def _tps(cfg) -> list[int]:
+    """The tensor-parallel sizes of cfg's model on its devices (a node's at most)."""
+    from ..config import tp_splits
+
+    m, hw = cfg.model, cfg.hardware
+    n = hw.devices
+    return [tp for tp in _pow2(min(hw.devices_per_node or n, n)) if n % tp == 0 and not any(
+        size % tp for _, size in tp_splits(m, tp)) and cfg.train.seq_len % tp == 0]
+
+
+def no_layout(cfg) -> str | None:
+    """One line where no layout splits the global batch, else None."""
+    if layouts(cfg):
+        return None
+    n, ranks = cfg.hardware.devices, [cfg.hardware.devices // tp for tp in _tps(cfg)]
+    return (f"sweep.global_batch: no layout of hardware.devices={n} splits "
+            f"{global_batch(cfg)} sequences a step (a multiple of the data ranks: "
+            f"{' or '.join(map(str, ranks))})")
+
+
+def layouts(cfg) -> list[Layout]:
+    """Every data mesh without a pipeline of cfg's hardware.devices for cfg's model, at its
+    fastest corner (next_rung gives the slower ones where it does not fit)."""
+    m, hw = cfg.model, cfg.hardware
+    n, node, batch = hw.devices, hw.devices_per_node or hw.devices, global_batch(cfg)
+    out = []
+    for tp in _tps(cfg):
+        if batch % (n // tp) == 0:
+            for mesh in _meshes(m, n // tp, tp, node):
+                out += _batches(mesh, 1, batch // (n // tp), m.num_layers)
+    return out
+
+
+def pipelines(cfg, best: Layout) -> list[Layout]:
+    """The pipelines of `best`'s data mesh (the fastest layout without one, at tp = 1: tp x
+    pp is not built yet): pp of each power of two up to half the blocks and MAX_PP, each
+    schedule; its expert-parallel size or the data ranks, the fewer, and its HSDP
+    replicas where they divide the data ranks."""
+    from math import gcd
+
+    m, n, batch = cfg.model, cfg.hardware.devices, global_batch(cfg)
+    out = []
+    for pp in _pow2(min(MAX_PP, m.num_layers // 2))[1:]:
+        dp = n // pp
+        if n % pp or batch % dp:
+            continue
+        rep = best.replicate if best.replicate > 1 and dp % best.replicate == 0 and \
+            dp > best.replicate else 1
+        mesh = Layout(ep=gcd(best.ep, dp), replicate=rep)
+        out += _batches(mesh, pp, batch // dp, m.num_layers)
+    return out
+
+
+def _meshes(m, dp: int, tp: int, node: int) -> list[Layout]:
+    """The data dims: FSDP over all dp ranks, HSDP with a node's ranks a shard group,
+    expert parallel of each size dividing the experts and the ranks it spans (dp x tp:
+    experts whole under TP, etp = 1)."""
+    out = [Layout(tp=tp)]
+    shard = node // tp
+    if shard > 1 and dp > shard and dp % shard == 0:
+        out.append(Layout(tp=tp, replicate=dp // shard))
+    if m.num_experts:
+        span = dp * tp
+        out += [Layout(tp=tp, ep=e) for e in _pow2(min(span, m.num_experts))[1:]
+                if m.num_experts % e == 0 and span % e == 0 and e % tp == 0]
+    return out
+
+
+def _batches(mesh: Layout, pp: int, per: int, layers: int) -> list[Layout]:
+    """The fastest corner of a data rank's `per` sequences a step: the largest power of
+    two dividing them (next_rung halves it); under pp, micro-batches of one sequence (the
+    most: the smallest bubble, and 1F1B holds at most pp of them whatever their number)
+    under each schedule that splits the blocks."""
+    if pp == 1:
+        micro = max(m for m in _pow2(per) if per % m == 0)
+        return [replace(mesh, micro=micro, accum=per // micro, ac=AC_LADDER[0])]
+    return [replace(mesh, pp=pp, pp_micro=per, schedule=s, ac=AC_LADDER[0])
+            for s in SCHEDULES if per >= pp and (
+                s == "1f1b" or (2 * pp <= layers and per % pp == 0))]

@@ -1,0 +1,89 @@
+"""+sweep=layouts (issue 51): the layouts of a model on N GPUs, and the search end to end."""
+import json
+
+import pytest
+
+from conftest import compose, run_cli
+
+MIXTRAL = ["model=mixtral_8x7b", "hardware=h100", "hardware.devices=64", "precision=bf16",
+           "train.seq_len=4096", "sweep.global_batch=128"]
+
+
+def test_every_layout_is_valid_and_keeps_the_global_batch():
+    """Each layout of mixtral_8x7b on 64 H100s (and each one step slower) passes the run's
+    own checks, and its data ranks x micro-batch x accumulation (a pipeline's: its
+    micro-batches) is the 128 sequences asked for; every size of each dim that divides
+    what it splits is there, each mesh at its fastest corner."""
+    from moe_exp.config import data_ranks
+    from moe_exp.pipeline import prepare
+    from moe_exp.sweep.layouts import Layout, layouts, pipelines
+
+    base = compose(MIXTRAL)
+    flat, piped = layouts(base), pipelines(base, Layout(ep=8))
+    for lay in {x: 0 for y in flat + piped for x in (y, *y.slower())}:
+        cfg, rec = prepare(compose(["task=plan", *MIXTRAL, *lay.overrides()]), [])
+        assert rec is None, (lay, rec["error"])
+        t = cfg.train
+        assert data_ranks(cfg.parallel, 64) * t.micro_batch_size * t.grad_accum_steps == 128
+    assert {x.tp for x in flat} == {1, 2, 4, 8} and {x.ep for x in flat} == {1, 2, 4, 8}
+    assert {x.replicate for x in flat} == {1, 8}  # (HSDP: a node's ranks a shard group)
+    assert {(x.tp, x.micro, x.ac) for x in flat} == {(1, 2, "none"), (2, 4, "none"),
+                                                     (4, 8, "none"), (8, 16, "none")}
+    assert {(x.pp, x.schedule, x.pp_micro) for x in piped} == {
+        (p, s, 2 * p) for p in (2, 4, 8) for s in ("1f1b", "interleaved_1f1b")}
+    assert all(x.ep == 8 for x in piped) and not any(x.tp > 1 for x in piped)
+
+
+def test_the_rungs_plan_a_layout_only_where_each_faster_one_did_not_fit():
+    """From the fastest corner (micro-batch 4, no checkpointing): a layout one step slower
+    (half the micro-batch, or heavier checkpointing) is planned where a planned one a step
+    faster did not fit and was faster than the fastest that fits, unless a planned layout
+    that fits is as fast by construction (as large a micro-batch, as light a
+    checkpointing); one whose state alone did not fit (None) has no slower ones."""
+    from moe_exp.sweep.layouts import Layout, next_rung
+
+    top = Layout(micro=4, accum=1)
+    rung2 = next_rung([(top, False, 100.0)])
+    assert rung2 == [Layout(micro=2, accum=2), Layout(micro=4, accum=1, ac="selective")]
+    # micro 2 fits: neither micro 1 nor micro 2 with selective is planned
+    tried = [(top, False, 100.0), (rung2[0], True, 80.0), (rung2[1], False, 90.0)]
+    assert next_rung(tried) == [Layout(micro=4, accum=1, ac="full")]
+    # another mesh that fits at 95 tokens/s: selective (90) can only be slower
+    assert next_rung([*tried, (Layout(ep=2), True, 95.0)]) == []
+    assert next_rung([(top, None, None)]) == []
+    # a pipeline's micro-batches stay of one sequence: checkpointing only
+    pp = Layout(pp=2, pp_micro=4)
+    assert next_rung([(pp, False, 1.0)]) == [Layout(pp=2, pp_micro=4, ac="selective")]
+
+
+def test_a_layout_search_plans_each_mesh_then_the_pipelines_and_names_the_fastest(tmp_path):
+    """4 blocks on 2 GPUs at 4 sequences a step (tp 1: one kv head): FSDP and EP 2, each
+    at its fastest corner, fit; then pp 2, each schedule, of the fastest one's data mesh.
+    The report names the fastest layout that fits, the runners-up and why each loses."""
+    d = tmp_path / "s"
+    r = run_cli(["-m", "+sweep=layouts", "model=tiny_moe", "model.num_layers=4",
+                 "model.num_kv_heads=1", "hardware=h100", "hardware.devices=2",
+                 "sweep.global_batch=4", f"hydra.sweep.dir={d}"], tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = sorted((json.loads(p.read_text()) for p in d.glob("*/metrics.json")),
+                  key=lambda x: x["job"])
+    assert [x["status"] for x in recs] == ["ok"] * 4 and all(x["planned_fits"] for x in recs)
+    assert [(x["parallel"], x["micro_batch_size"], x["pp"], x["pp_schedule"]) for x in recs] \
+        == [("fsdp", 2, 1, None), ("expert_fsdp", 2, 1, None),
+            ("fsdp", 4, 2, "1f1b"), ("fsdp", 4, 2, "interleaved_1f1b")]  # (ep 2 > dp 1)
+    assert {x["activation_checkpointing"] for x in recs} == {"none"}
+    report = (d / "report.md").read_text()
+    best = max(recs, key=lambda x: x["planned_tokens_per_s"])
+    assert f"the fastest planned layout that fits is job {best['job']} (" in report
+    runners = report.split("Runners-up (planned), and why each loses:")[1].split("\n\n")[1]
+    assert len(runners.splitlines()) == 3 and "; " in runners and " against " in runners
+
+
+def test_a_layout_search_with_no_layout_says_why_in_one_line(tmp_path):
+    r = run_cli(["-m", "+sweep=layouts", "model=tiny_moe", "hardware=h100",
+                 "hardware.devices=4", "sweep.global_batch=3", f"hydra.sweep.dir={tmp_path}"],
+                tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        "error: sweep.global_batch: no layout of hardware.devices=4 splits 3 sequences a "
+        "step (a multiple of the data ranks: 4 or 2)")
