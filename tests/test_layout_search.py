@@ -34,26 +34,33 @@ def test_every_layout_is_valid_and_keeps_the_global_batch():
     assert all(x.ep == 8 for x in piped) and not any(x.tp > 1 for x in piped)
 
 
-def test_the_rungs_plan_a_layout_only_where_each_faster_one_did_not_fit():
-    """From the fastest corner (micro-batch 4, no checkpointing): a layout one step slower
-    (half the micro-batch, or heavier checkpointing) is planned where a planned one a step
-    faster did not fit and was faster than the fastest that fits, unless a planned layout
-    that fits is as fast by construction (as large a micro-batch, as light a
-    checkpointing); one whose state alone did not fit (None) has no slower ones."""
-    from moe_exp.sweep.layouts import Layout, next_rung
+def test_the_search_plans_best_first_what_could_still_win():
+    """After each mesh's fastest corner (micro-batch 4, no checkpointing): the layouts one
+    step slower (half the micro-batch, or heavier checkpointing) than one that did not
+    fit, the highest bound first (the least of its planned faster neighbours' tokens/s),
+    while a bound beats the fastest that fits; none slower than a layout that fits (it
+    covers them), none below one whose state alone does not fit (None)."""
+    from moe_exp.sweep.layouts import Frontier, Layout
 
-    top = Layout(micro=4, accum=1)
-    rung2 = next_rung([(top, False, 100.0)])
-    assert rung2 == [Layout(micro=2, accum=2), Layout(micro=4, accum=1, ac="selective")]
-    # micro 2 fits: neither micro 1 nor micro 2 with selective is planned
-    tried = [(top, False, 100.0), (rung2[0], True, 80.0), (rung2[1], False, 90.0)]
-    assert next_rung(tried) == [Layout(micro=4, accum=1, ac="full")]
-    # another mesh that fits at 95 tokens/s: selective (90) can only be slower
-    assert next_rung([*tried, (Layout(ep=2), True, 95.0)]) == []
-    assert next_rung([(top, None, None)]) == []
+    f, a, b = Frontier(), Layout(micro=4, accum=1), Layout(ep=2, micro=4, accum=1)
+    f.add(a, False, 100.0)
+    f.add(b, False, 90.0)
+    assert f.next() == (Layout(micro=2, accum=2), 100.0)  # (a's two, then b's)
+    f.add(Layout(micro=2, accum=2), True, 80.0)  # fits: covers micro 1 and micro 2 + AC
+    assert f.next() == (Layout(micro=4, accum=1, ac="selective"), 100.0)
+    f.add(Layout(micro=4, accum=1, ac="selective"), False, 85.0)
+    assert f.next() == (Layout(ep=2, micro=2, accum=2), 90.0)
+    f.add(Layout(ep=2, micro=2, accum=2), True, 88.0)  # the fastest that fits: 88
+    # left: a's full (85 < 88), b's selective (90): only b's can still win
+    assert f.next() == (Layout(ep=2, micro=4, accum=1, ac="selective"), 90.0)
+    f.add(Layout(ep=2, micro=4, accum=1, ac="selective"), True, 89.0)
+    assert f.next() is None and f.best() == 89.0
+    g = Frontier()
+    g.add(a, None, 100.0)
+    assert g.next() is None
     # a pipeline's micro-batches stay of one sequence: checkpointing only
-    pp = Layout(pp=2, pp_micro=4)
-    assert next_rung([(pp, False, 1.0)]) == [Layout(pp=2, pp_micro=4, ac="selective")]
+    g.add(Layout(pp=2, pp_micro=4), False, 1.0)
+    assert g.next() == (Layout(pp=2, pp_micro=4, ac="selective"), 1.0)
 
 
 def test_a_layout_search_plans_each_mesh_then_the_pipelines_and_names_the_fastest(tmp_path):

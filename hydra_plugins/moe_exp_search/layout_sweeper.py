@@ -1,9 +1,10 @@
-"""moe_exp's `+sweep=layouts` sweeper: plans every layout of hardware.devices GPUs.
+"""moe_exp's `+sweep=layouts` sweeper: plans the layouts of hardware.devices GPUs.
 
 The layouts come from the composed config (moe_exp.sweep.layouts), so they are no grid
-Hydra could expand. It plans them in rungs: every layout without a pipeline at no
-checkpointing; those that do not fit again at the next checkpointing; then the pipelines
-of the fastest one's data mesh, the same way. Each plan is a job of the sweep's table."""
+Hydra could expand. It plans every data mesh without a pipeline at its fastest corner
+(the largest micro-batch, no checkpointing), then best first the slower layouts that
+could still win (moe_exp.sweep.layouts.Frontier); then the pipelines of the fastest
+one's data mesh, the same way. Each plan is a job of the sweep's table."""
 from __future__ import annotations
 
 import sys
@@ -15,7 +16,7 @@ from omegaconf import OmegaConf
 
 class LayoutSweeper(BasicSweeper):
     def sweep(self, arguments):
-        from moe_exp.sweep.layouts import KEYS, layouts, no_layout, pipelines
+        from moe_exp.sweep.layouts import KEYS, Frontier, layouts, no_layout, pipelines
 
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -24,32 +25,37 @@ class LayoutSweeper(BasicSweeper):
         if why := no_layout(base):
             print(f"error: {why}", file=sys.stderr)
             sys.exit(2)
-        fixed = [a for a in arguments if a.lstrip("+~").split("=")[0] not in KEYS]
-        self.job = 0
-        done = self._rungs(layouts(base), fixed, "without a pipeline")
-        fits = [(lay, r) for lay, r in done if _fits(r) and lay.tp == 1]
+        self.fixed = [a for a in arguments if a.lstrip("+~").split("=")[0] not in KEYS]
+        self.job, self.front, self.recs = 0, Frontier(), {}
+        self._search(layouts(base), "data meshes without a pipeline")
+        fits = [(t, v) for t, (ok, v) in self.front.planned.items()
+                if ok and t.tp == 1 and t.pp == 1 and v]
         if fits:
-            best = max(fits, key=lambda x: x[1]["planned_tokens_per_s"] or 0)[0]
-            done += self._rungs(pipelines(base, best), fixed,
-                                "pipelines of the fastest one's data mesh")
-        return done
+            best = max(fits, key=lambda x: x[1])[0]
+            self._search(pipelines(base, best), "pipelines of the fastest one's data mesh")
+        return list(self.recs.items())
 
-    def _rungs(self, todo, fixed, what: str) -> list:
-        """Plan `todo`, then rung by rung the layouts one step slower than those that did
-        not fit (moe_exp.sweep.layouts.next_rung)."""
-        from moe_exp.sweep.layouts import next_rung
+    def _search(self, corners, what: str) -> None:
+        """Plan the corners, then best first what Frontier gives."""
+        from moe_exp.sweep.layouts import layout_name
 
-        done, rung = [], 1
-        while todo:
-            print(f"[layouts] {what}: rung {rung}, {len(todo)} layouts", file=sys.stderr,
-                  flush=True)
-            returns = self.launcher.launch([fixed + t.overrides() for t in todo],
-                                           initial_job_idx=self.job)
-            self.job += len(todo)
-            done += [(t, r.return_value) for t, r in zip(todo, returns)]
-            todo, rung = next_rung([(t, _verdict(r), (r or {}).get("planned_tokens_per_s"))
-                                    for t, r in done]), rung + 1
-        return done
+        say = lambda m: print(f"[layouts] {m}", file=sys.stderr, flush=True)  # noqa: E731
+        say(f"{len(corners)} {what}, each at its fastest corner")
+        self._plan(corners)
+        while (nxt := self.front.next()) is not None:
+            lay, bound = nxt
+            say(f"next: {layout_name(' '.join(lay.overrides()))} (at most {bound:,.0f} "
+                f"tokens/s; the fastest that fits: {self.front.best():,.0f})")
+            self._plan([lay])
+
+    def _plan(self, todo) -> None:
+        returns = self.launcher.launch([self.fixed + t.overrides() for t in todo],
+                                       initial_job_idx=self.job)
+        self.job += len(todo)
+        for t, r in zip(todo, returns):
+            rec = r.return_value
+            self.recs[t] = rec
+            self.front.add(t, _verdict(rec), (rec or {}).get("planned_tokens_per_s"))
 
 
 def _verdict(rec) -> bool | None:
@@ -65,8 +71,3 @@ def _verdict(rec) -> bool | None:
         if held > rec["planned_memory_gib"] * (1 - HEADROOM):
             return None
     return rec.get("planned_fits")
-
-
-def _fits(rec) -> bool:
-    return bool(rec) and rec.get("status") == "ok" and rec.get("planned_fits") is True \
-        and rec.get("planned_tokens_per_s") is not None

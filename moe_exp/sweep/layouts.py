@@ -6,11 +6,10 @@ Each size divides what it splits (the checks validate runs too).
 
 The micro-batch and the checkpointing trade memory for time, each one way: a larger
 micro-batch (fewer accumulation steps, so fewer FSDP gathers) and lighter checkpointing
-(less recompute) are faster and need more memory. So each data mesh is planned from its
-fastest corner, the largest micro-batch without checkpointing, and a layout is planned
-only where the ones a step faster (twice its micro-batch, or lighter checkpointing) were
-planned and did not fit, and was faster than the fastest that fits: rung by rung
-(next_rung), as hydra_plugins/moe_exp_search/layout_sweeper.py runs them.
+(less recompute) are faster and need more memory. So each data mesh is planned at its
+fastest corner, the largest micro-batch without checkpointing; then, best first, the
+layouts one step slower than one that did not fit, while one of them could still beat the
+fastest that fits (Frontier), as hydra_plugins/moe_exp_search/layout_sweeper.py runs them.
 """
 from __future__ import annotations
 
@@ -116,20 +115,41 @@ def layout_name(label: str) -> str | None:
     return out
 
 
-def next_rung(tried: list[tuple[Layout, bool | None, float | None]]) -> list[Layout]:
-    """The layouts to plan next: each one step slower than a planned layout that did not
-    fit (fits False), unless a planned layout that fits covers it, or it was planned, or
-    the one that did not fit was already no faster (tokens/s) than the fastest that fits:
-    its slower ones cannot win."""
-    seen = {t for t, _, _ in tried}
-    fits = [t for t, ok, _ in tried if ok]
-    best = max((v or 0 for _, ok, v in tried if ok), default=0)
-    out = []
-    for t, ok, speed in tried:
-        if ok is False and (speed is None or speed > best):
-            out += [s for s in t.slower() if s not in seen and s not in out and
-                    not any(f.covers(s) for f in fits)]
-    return out
+class Frontier:
+    """The search's state: every planned layout's verdict (planned_fits: True, False, or
+    None where it was not planned or its state alone does not fit) and planned tokens/s,
+    and the layouts left to plan, each with a bound on its tokens/s: the least of its
+    planned faster neighbours' (it is slower than each).
+
+    next() is the unplanned layout of the highest bound that could still win: one step
+    slower than a planned layout that did not fit, not covered by a planned layout that
+    fits, its bound above the fastest that fits. Best first, the search stops as soon as
+    no layout left can beat the fastest found."""
+
+    def __init__(self) -> None:
+        self.planned: dict[Layout, tuple[bool | None, float | None]] = {}
+        self.bound: dict[Layout, float] = {}
+
+    def add(self, lay: Layout, fits: bool | None, speed: float | None) -> None:
+        self.planned[lay] = (fits, speed)
+        self.bound.pop(lay, None)
+        if fits is False and speed is not None:
+            for s in lay.slower():
+                if s not in self.planned:
+                    self.bound[s] = min(self.bound.get(s, speed), speed)
+
+    def best(self) -> float:
+        return max((v or 0.0 for ok, v in self.planned.values() if ok), default=0.0)
+
+    def next(self) -> tuple[Layout, float] | None:
+        best = self.best()
+        fits = [t for t, (ok, _) in self.planned.items() if ok]
+        live = [(b, t) for t, b in self.bound.items()
+                if b > best and not any(f.covers(t) for f in fits)]
+        if not live:
+            return None
+        b, t = max(live, key=lambda x: x[0])
+        return t, b
 
 
 def _pow2(upto: int) -> list[int]:
@@ -171,7 +191,7 @@ def no_layout(cfg) -> str | None:
 
 def layouts(cfg) -> list[Layout]:
     """Every data mesh without a pipeline of cfg's hardware.devices for cfg's model, at its
-    fastest corner (next_rung gives the slower ones where it does not fit)."""
+    fastest corner (Frontier gives the slower ones where it does not fit)."""
     m, hw = cfg.model, cfg.hardware
     n, node, batch = hw.devices, hw.devices_per_node or hw.devices, global_batch(cfg)
     out = []
@@ -219,7 +239,7 @@ def _meshes(m, dp: int, tp: int, node: int) -> list[Layout]:
 
 def _batches(mesh: Layout, pp: int, per: int, layers: int) -> list[Layout]:
     """The fastest corner of a data rank's `per` sequences a step: the largest power of
-    two dividing them (next_rung halves it); under pp, micro-batches of one sequence (the
+    two dividing them (Layout.slower halves it); under pp, micro-batches of one sequence (the
     most: the smallest bubble, and 1F1B holds at most pp of them whatever their number)
     under each schedule that splits the blocks."""
     if pp == 1:
