@@ -35,32 +35,39 @@ def test_every_layout_is_valid_and_keeps_the_global_batch():
 
 
 def test_the_search_plans_best_first_what_could_still_win():
-    """After each mesh's fastest corner (micro-batch 4, no checkpointing): the layouts one
-    step slower (half the micro-batch, or heavier checkpointing) than one that did not
-    fit, the highest bound first (the least of its planned faster neighbours' tokens/s),
-    while a bound beats the fastest that fits; none slower than a layout that fits (it
-    covers them), none below one whose state alone does not fit (None)."""
+    """After each mesh's fastest corner (micro-batch 4, no checkpointing): the layouts a
+    step slower (half the micro-batch, the next heavier checkpointing, full checkpointing)
+    than one that did not fit, the highest bound first (the least of its planned faster
+    neighbours' tokens/s), of equal bounds the leanest, while a bound beats the fastest
+    that fits; none slower than a layout of its mesh that fits (it covers them), none
+    below one whose state alone does not fit (None)."""
     from moe_exp.sweep.layouts import Frontier, Layout
 
-    f, a, b = Frontier(), Layout(micro=4, accum=1), Layout(ep=2, micro=4, accum=1)
+    a, b = Layout(micro=4, accum=1), Layout(ep=2, micro=4, accum=1)
+    assert a.slower() == [Layout(micro=2, accum=2), Layout(micro=4, accum=1, ac="selective"),
+                          Layout(micro=4, accum=1, ac="full")]
+    f = Frontier()
     f.add(a, False, 100.0)
     f.add(b, False, 90.0)
-    assert f.next() == (Layout(micro=2, accum=2), 100.0)  # (a's two, then b's)
-    f.add(Layout(micro=2, accum=2), True, 80.0)  # fits: covers micro 1 and micro 2 + AC
+    assert f.next() == (Layout(micro=4, accum=1, ac="full"), 100.0)  # (a's leanest)
+    f.add(Layout(micro=4, accum=1, ac="full"), True, 70.0)
     assert f.next() == (Layout(micro=4, accum=1, ac="selective"), 100.0)
-    f.add(Layout(micro=4, accum=1, ac="selective"), False, 85.0)
-    assert f.next() == (Layout(ep=2, micro=2, accum=2), 90.0)
-    f.add(Layout(ep=2, micro=2, accum=2), True, 88.0)  # the fastest that fits: 88
-    # left: a's full (85 < 88), b's selective (90): only b's can still win
+    f.add(Layout(micro=4, accum=1, ac="selective"), True, 85.0)  # covers micro 2 + full
+    assert f.next() == (Layout(micro=2, accum=2), 100.0)
+    f.add(Layout(micro=2, accum=2), False, 80.0)  # (its slower ones: below 85)
+    assert f.next() == (Layout(ep=2, micro=4, accum=1, ac="full"), 90.0)
+    f.add(Layout(ep=2, micro=4, accum=1, ac="full"), True, 80.0)
     assert f.next() == (Layout(ep=2, micro=4, accum=1, ac="selective"), 90.0)
-    f.add(Layout(ep=2, micro=4, accum=1, ac="selective"), True, 89.0)
-    assert f.next() is None and f.best() == 89.0
+    f.add(Layout(ep=2, micro=4, accum=1, ac="selective"), True, 88.0)
+    assert f.next() == (Layout(ep=2, micro=2, accum=2), 90.0)
+    f.add(Layout(ep=2, micro=2, accum=2), True, 86.0)
+    assert f.next() is None and f.best() == 88.0
     g = Frontier()
     g.add(a, None, 100.0)
     assert g.next() is None
     # a pipeline's micro-batches stay of one sequence: checkpointing only
     g.add(Layout(pp=2, pp_micro=4), False, 1.0)
-    assert g.next() == (Layout(pp=2, pp_micro=4, ac="selective"), 1.0)
+    assert g.next() == (Layout(pp=2, pp_micro=4, ac="full"), 1.0)
 
 
 def test_a_layout_search_plans_each_mesh_then_the_pipelines_and_names_the_fastest(tmp_path):

@@ -48,15 +48,22 @@ class Layout:
         return replace(self, ac="", micro=0, accum=0)
 
     def slower(self) -> list["Layout"]:
-        """The layouts one step slower and leaner: half the micro-batch (twice the
-        accumulation; not under pp, whose micro-batches are of one sequence), or the next
-        heavier checkpointing."""
+        """The layouts a step slower and leaner: half the micro-batch (twice the
+        accumulation; not under pp, whose micro-batches are of one sequence), the next
+        heavier checkpointing, and full checkpointing (the leanest: where it fits, its
+        time bounds the search early)."""
         out = []
         if self.pp == 1 and self.micro % 2 == 0:
             out.append(replace(self, micro=self.micro // 2, accum=self.accum * 2))
-        if self.ac != AC_LADDER[-1]:
-            out.append(replace(self, ac=AC_LADDER[AC_LADDER.index(self.ac) + 1]))
+        for ac in dict.fromkeys(AC_LADDER[AC_LADDER.index(self.ac) + 1:][:1] +
+                                AC_LADDER[-1:]):
+            if ac != self.ac:
+                out.append(replace(self, ac=ac))
         return out
+
+    def leanness(self) -> tuple:
+        """Heavier checkpointing, then smaller micro-batches: likelier to fit."""
+        return AC_LADDER.index(self.ac), -self.micro
 
     def covers(self, other: "Layout") -> bool:
         """Whether self is at least as fast as `other` by construction: the same mesh, a
@@ -121,10 +128,11 @@ class Frontier:
     and the layouts left to plan, each with a bound on its tokens/s: the least of its
     planned faster neighbours' (it is slower than each).
 
-    next() is the unplanned layout of the highest bound that could still win: one step
+    next() is the unplanned layout of the highest bound that could still win: a step
     slower than a planned layout that did not fit, not covered by a planned layout that
-    fits, its bound above the fastest that fits. Best first, the search stops as soon as
-    no layout left can beat the fastest found."""
+    fits, its bound above the fastest that fits; of equal bounds the leanest, so that a
+    fit is found early. Best first, the search stops as soon as no layout left can beat
+    the fastest found."""
 
     def __init__(self) -> None:
         self.planned: dict[Layout, tuple[bool | None, float | None]] = {}
@@ -148,7 +156,7 @@ class Frontier:
                 if b > best and not any(f.covers(t) for f in fits)]
         if not live:
             return None
-        b, t = max(live, key=lambda x: x[0])
+        b, t = max(live, key=lambda x: (x[0], x[1].leanness()))  # (a tie: the leanest)
         return t, b
 
 
