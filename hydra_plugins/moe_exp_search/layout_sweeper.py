@@ -16,7 +16,8 @@ from omegaconf import OmegaConf
 
 class LayoutSweeper(BasicSweeper):
     def sweep(self, arguments):
-        from moe_exp.sweep.layouts import KEYS, Frontier, layouts, no_layout, pipelines
+        from moe_exp.sweep.layouts import (KEYS, Frontier, layouts, no_layout, pipelines,
+                                           too_long)
 
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -32,7 +33,10 @@ class LayoutSweeper(BasicSweeper):
                 if ok and t.tp == 1 and t.pp == 1 and v]
         if fits:
             best = max(fits, key=lambda x: x[1])[0]
-            self._search(pipelines(base, best), "pipelines of the fastest one's data mesh")
+            keep, left = too_long(base, pipelines(base, best))
+            for line in left:
+                print(f"[layouts] not planned: {line}", file=sys.stderr, flush=True)
+            self._search(keep, "pipelines of the fastest one's data mesh")
         return list(self.recs.items())
 
     def _search(self, corners, what: str) -> None:

@@ -23,6 +23,8 @@ KEYS = ("parallel", "parallel.tp", "parallel.etp", "parallel.expert_parallel_siz
 AC_LADDER = ("none", "selective", "full")  # lightest (fastest) first
 MAX_PP = 8  # a pipeline's plan traces every block of every micro-batch (pp x blocks at one
 # sequence each): pp 16 of mixtral_8x7b would take ~8 minutes here
+MAX_TRACED = 300  # blocks x micro-batches a pipeline's plan may trace in the search
+# (mixtral_8x7b's EP 8 x PP 8 interleaved: 256, 60 s here; DeepSeek-V3's: 512, ~8 minutes)
 SCHEDULES = ("1f1b", "interleaved_1f1b")  # gpipe: 1f1b's bubble with more memory held;
 # zero_bubble: not planned (torch's memory tracker fails in its split backward)
 
@@ -228,6 +230,36 @@ def pipelines(cfg, best: Layout) -> list[Layout]:
         mesh = Layout(ep=gcd(best.ep, dp), replicate=rep)
         out += _batches(mesh, pp, batch // dp, m.num_layers)
     return out
+
+
+def too_long(cfg, lays: list[Layout]) -> tuple[list[Layout], list[str]]:
+    """The pipelines whose plans trace at most MAX_TRACED blocks x micro-batches, and a
+    line for each left out."""
+    keep, why = [], []
+    for lay in lays:
+        n = traced_blocks(cfg.model, lay)
+        if n <= MAX_TRACED:
+            keep.append(lay)
+        else:
+            why.append(f"{layout_name(' '.join(lay.overrides()))}: its plan would trace "
+                       f"{n:,} blocks x micro-batches (over {MAX_TRACED}); plan it alone "
+                       "with task=plan")
+    return keep, why
+
+
+def traced_blocks(m, lay: Layout) -> int:
+    """Blocks x micro-batches a pipeline's plan traces (plan/predict.py: each stage at two
+    depths where it gains, else every block; the first two and the last two pp ranks
+    where the ranks between hold alike stages, else every rank)."""
+    layers, lead = m.num_layers, (m.first_k_dense if m.num_experts else 0)
+    v = 1 if lay.schedule == "1f1b" else 2
+    stages = lay.pp * v
+    if 2 * lead + stages * 5 < layers:  # (plan/depth.py: stage_depths, 2 and 3 a stage)
+        return min(lay.pp, 4) * lay.pp_micro * v * 5 + 2 * lead * lay.pp_micro
+    size, extra = divmod(layers, stages)
+    held = [[size + (s < extra) for s in range(r, stages, lay.pp)] for r in range(lay.pp)]
+    alike = lay.pp >= 5 and all(h == held[1] for h in held[1:-1])
+    return (4 if alike else lay.pp) * lay.pp_micro * -(-layers // lay.pp)
 
 
 def _meshes(m, dp: int, tp: int, node: int) -> list[Layout]:
