@@ -3,8 +3,8 @@
 The layouts come from the composed config (moe_exp.sweep.layouts), so they are no grid
 Hydra could expand. It plans every data mesh without a pipeline at its fastest corner
 (the largest micro-batch, no checkpointing), then best first the slower layouts that
-could still win (moe_exp.sweep.layouts.Frontier); then the pipelines of the fastest
-one's data mesh, the same way. Each plan is a job of the sweep's table."""
+could still win (moe_exp.sweep.layouts.Frontier); then the pipelines of the fastest data
+mesh without tp, the same way. Each plan is a job of the sweep's table."""
 from __future__ import annotations
 
 import sys
@@ -29,14 +29,16 @@ class LayoutSweeper(BasicSweeper):
         self.fixed = [a for a in arguments if a.lstrip("+~").split("=")[0] not in KEYS]
         self.job, self.front, self.recs = 0, Frontier(), {}
         self._search(layouts(base), "data meshes without a pipeline")
-        fits = [(t, v) for t, (ok, v) in self.front.planned.items()
-                if ok and t.tp == 1 and t.pp == 1 and v]
-        if fits:
-            best = max(fits, key=lambda x: x[1])[0]
+        # the pipelines' data mesh: the fastest planned without tp (fitting or not: a
+        # pipeline holds a stage's parameters, not the model's)
+        flat = [(t, v) for t, (ok, v) in self.front.planned.items()
+                if ok is not None and t.tp == 1 and t.pp == 1 and v]
+        if flat:
+            best = max(flat, key=lambda x: x[1])[0]
             keep, left = too_long(base, pipelines(base, best))
             for line in left:
                 print(f"[layouts] not planned: {line}", file=sys.stderr, flush=True)
-            self._search(keep, "pipelines of the fastest one's data mesh")
+            self._search(keep, "pipelines of the fastest data mesh without tp")
         return list(self.recs.items())
 
     def _search(self, corners, what: str) -> None:

@@ -213,8 +213,8 @@ def layouts(cfg) -> list[Layout]:
 
 
 def pipelines(cfg, best: Layout) -> list[Layout]:
-    """The pipelines of `best`'s data mesh (the fastest layout without one, at tp = 1: tp x
-    pp is not built yet): pp of each power of two up to half the blocks and MAX_PP, each
+    """The pipelines of `best`'s data mesh (the fastest planned without a pipeline at tp =
+    1, fitting or not: tp x pp is not built yet): pp of each power of two up to half the blocks and MAX_PP, each
     schedule; its expert-parallel size or the data ranks, the fewer, and its HSDP
     replicas where they divide the data ranks."""
     from math import gcd
