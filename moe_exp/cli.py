@@ -300,14 +300,17 @@ def help_topic(args) -> int | None:
     return 0
 
 def register_search_sweeper() -> None:
-    """Registers +sweep=search's sweeper, hydra_plugins/moe_exp_search, with Hydra.
+    """Registers +sweep=search's and +sweep=layouts' sweepers, hydra_plugins/moe_exp_search,
+    with Hydra.
 
     Hydra's plugin scan misses a namespace package that an editable install maps through an
     import hook. Optuna is imported only when the sweeper is made."""
     from hydra.core.plugins import Plugins
+    from hydra_plugins.moe_exp_search.layout_sweeper import LayoutSweeper
     from hydra_plugins.moe_exp_search.search_sweeper import SearchSweeper
 
     Plugins.instance().register(SearchSweeper)
+    Plugins.instance().register(LayoutSweeper)
 
 
 def cli() -> None:

@@ -93,11 +93,14 @@ def test_a_layout_search_plans_each_mesh_then_the_pipelines_and_names_the_fastes
     assert len(runners.splitlines()) == 3 and "; " in runners and " against " in runners
 
 
-def test_a_layout_search_with_no_layout_says_why_in_one_line(tmp_path):
+@pytest.mark.parametrize("extra, says", [
+    (["sweep.global_batch=3"], "sweep.global_batch: no layout of hardware.devices=4 splits 3 "
+                               "sequences a step (a multiple of the data ranks: 4 or 2)"),
+    (["precision=fp32,bf16"], "precision: +sweep=layouts takes one value a key, got "
+                              "fp32,bf16 (run the search once per value)"),
+])
+def test_a_layout_search_it_cannot_run_says_why_in_one_line(tmp_path, extra, says):
     r = run_cli(["-m", "+sweep=layouts", "model=tiny_moe", "hardware=h100",
-                 "hardware.devices=4", "sweep.global_batch=3", f"hydra.sweep.dir={tmp_path}"],
-                tmp_path)
-    assert r.returncode == 2
-    assert r.stderr.strip().splitlines()[-1] == (
-        "error: sweep.global_batch: no layout of hardware.devices=4 splits 3 sequences a "
-        "step (a multiple of the data ranks: 4 or 2)")
+                 "hardware.devices=4", *extra, f"hydra.sweep.dir={tmp_path}"], tmp_path)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == f"error: {says}"
+    assert not list(tmp_path.glob("*/metrics.json"))  # (nothing planned)

@@ -10,22 +10,40 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.plugins.sweeper import Sweeper
 from omegaconf import OmegaConf
 
 
-class LayoutSweeper(BasicSweeper):
+class LayoutSweeper(Sweeper):
+    """(Not a BasicSweeper subclass: Hydra's plugin scan executes basic_sweeper.py again,
+    and the class imported before it is no longer the one its super() names.)"""
+
+    def __init__(self, **_basic) -> None:  # (the basic sweeper's keys, unread)
+        self.config = self.hydra_context = self.launcher = None
+
+    def setup(self, *, hydra_context, task_function, config) -> None:
+        from hydra.core.plugins import Plugins
+
+        self.hydra_context, self.config = hydra_context, config
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config)
+
     def sweep(self, arguments):
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
         from moe_exp.sweep.layouts import (KEYS, Frontier, layouts, no_layout, pipelines,
                                            too_long)
 
+        for o in OverridesParser.create().parse_overrides(list(arguments)):
+            if o.is_sweep_override():
+                _refuse(f"{o.get_key_element()}: +sweep=layouts takes one value a key, got "
+                        f"{o.input_line.split('=', 1)[1]} (run the search once per value)")
+        base = self.hydra_context.config_loader.load_sweep_config(self.config, list(arguments))
+        if why := no_layout(base):
+            _refuse(why)
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
-        base = self.hydra_context.config_loader.load_sweep_config(self.config, list(arguments))
-        if why := no_layout(base):
-            print(f"error: {why}", file=sys.stderr)
-            sys.exit(2)
         self.fixed = [a for a in arguments if a.lstrip("+~").split("=")[0] not in KEYS]
         self.job, self.front, self.recs = 0, Frontier(), {}
         self._search(layouts(base), "data meshes without a pipeline")
@@ -62,6 +80,12 @@ class LayoutSweeper(BasicSweeper):
             rec = r.return_value
             self.recs[t] = rec
             self.front.add(t, _verdict(rec), (rec or {}).get("planned_tokens_per_s"))
+
+
+def _refuse(line: str) -> None:
+    """One line and exit code 2, before any plan (cli.EXIT_INVALID)."""
+    print(f"error: {line}", file=sys.stderr)
+    sys.exit(2)
 
 
 def _verdict(rec) -> bool | None:
