@@ -111,7 +111,7 @@ def test_expert_parallel_resumes_bit_for_bit(tmp_path):
         .state_dict_metadata
     assert any(".experts.local_ep0." in k for k in keys) and \
         any(".experts.local_ep1." in k for k in keys)
-    p = run_cli([*o, f"train.resume_from={tmp_path / 'a' / 'checkpoints'}/step_000002",
+    p = run_cli([*o, f"train.resume_from={tmp_path / 'a' / 'checkpoints'}/step_000003",
                  f"hydra.run.dir={tmp_path / 'b'}"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     a, b = (json.loads((tmp_path / x / "metrics.json").read_text()) for x in "ab")

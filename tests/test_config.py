@@ -540,7 +540,7 @@ def test_cli_cfg_info_help(tmp_path):
     assert "hardware/auto" in info.stdout
     assert p.returncode == 0
     assert "precision=fp32 (default)|bf16|fp16|fp8|tf32" in p.stdout
-    assert "+sweep=optimizations|" in p.stdout  # (a preset is added with +)
+    assert "+sweep=layouts|optimizations|" in p.stdout  # (a preset is added with +)
     assert "parallel.bucket_cap_mb=25.0  DDP's gradient bucket size (parallel=ddp only)" \
         in p.stdout  # (each key with its declaration: config.py)
 

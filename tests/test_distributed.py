@@ -70,7 +70,7 @@ PLANS = {k: [*o, "hardware.devices=2", "train.micro_batch_size=4"] for k, o in P
 KEEP = "parallel.reshard_after_forward=false"
 PP_GRADS = [
     ("gpipe tiny_moe", 2, ["parallel=fsdp", "parallel.pp_schedule=gpipe"]),
-    ("1f1b tiny_deepseek", 2, ["parallel=fsdp", "model=tiny_deepseek"]),
+    # (1F1B, the default: dp2 and ep2 below)
     ("interleaved expert_fsdp selective", 2, [
         "parallel=expert_fsdp", "parallel.pp_schedule=interleaved_1f1b", "model.num_layers=4",
         "train.activation_checkpointing=selective", KEEP]),
