@@ -168,11 +168,11 @@ def _runners_up(ok, fit, best) -> list[str]:
 
 def _loses(row, best) -> str:
     """The part of row's planned step that grew most against best's, in words."""
+    import pandas as pd
+
     def ms(r, key):
         v = pd.to_numeric(r.get(key), errors="coerce")
         return 0.0 if pd.isna(v) else float(v)
-
-    import pandas as pd
 
     def bubble(r):
         return ms(r, "planned_pp_bubble_share") * ms(r, "planned_step_ms")
