@@ -254,6 +254,7 @@ class PrecisionConfig:
 TP_OPTIONS = ("fsdp", "expert_fsdp", "hsdp")  # the parallel options parallel.tp composes with
 PP_OPTIONS = ("fsdp", "expert_fsdp", "hsdp")  # and parallel.pp (each stage FSDP2's root)
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+CP_OPTIONS = ("fsdp", "expert_fsdp", "hsdp")  # and parallel.cp (FSDP2 over dp x cp)
 PP = Reads("parallel.pp", positive=True, above=1, what="pipeline parallel")
 
 
@@ -288,6 +289,10 @@ class ParallelConfig:
                           "TP all-gather and reduce-scatter split and overlapped with its "
                           "matmul on symmetric memory (CUDA only)", since=False,
                           read_by=Reads("parallel.name", TP_OPTIONS), column="async_tp")
+    cp: int = knob(1, "context-parallel ranks: each sequence split over them (2 x cp "
+                   "load-balanced chunks), attention over the keys all-gathered (1 = off)",
+                   since=1, read_by=Reads("parallel.name", CP_OPTIONS), column="cp",
+                   check=at_least(1, "(1 = off)"))
     pp: int = knob(1, "pipeline stages: the blocks split into pp stages on as many ranks, "
                    "each stage's ranks data parallel over world / pp (1 = off)", since=1,
                    read_by=Reads("parallel.name", PP_OPTIONS), column="pp",
@@ -355,15 +360,33 @@ def pp_size(p) -> int:
     return p.pp if p.name in PP_OPTIONS else 1
 
 
+def cp_size(p) -> int:
+    """The context-parallel size: parallel.cp where the option reads it, else 1."""
+    return p.cp if p.name in CP_OPTIONS else 1
+
+
 def data_ranks(p, world: int) -> int:
-    """The ranks that take their own data: tensor-parallel ranks share theirs, and a
-    pipeline's stages theirs."""
-    return world // tp_size(p) // pp_size(p)
+    """The ranks that take their own data: tensor-parallel ranks share theirs, a
+    pipeline's stages theirs, and context-parallel ranks theirs (each a part of it)."""
+    return world // tp_size(p) // pp_size(p) // cp_size(p)
+
+
+def mesh_coords(p, world: int, rank: int) -> dict:
+    """A rank's index along each dim of the run's mesh (config.mesh_dims), outer first."""
+    out = {}
+    for dim, n in reversed(mesh_dims(p, world, world)):
+        rank, out[dim] = divmod(rank, n)
+    return dict(reversed(out.items()))
 
 
 def data_rank(p, world: int, rank: int) -> int:
-    """Which of the data ranks' batches a rank takes, on the mesh (pp, data dims, tp)."""
-    return rank % (world // pp_size(p)) // tp_size(p)
+    """Which of the data ranks' batches a rank takes: its index over the mesh's data dims
+    (not pp, cp or tp)."""
+    dims, at, index = mesh_dims(p, world, world), mesh_coords(p, world, rank), 0
+    for dim, n in dims:
+        if dim not in ("pp", "cp", "tp"):
+            index = index * n + at[dim]
+    return index
 
 
 def pp_stages(p, num_layers: int) -> list[int]:
@@ -422,16 +445,18 @@ def mesh_dims(p, devices: int, world: int) -> list[tuple[str, int]]:
     dp_shard)."""
     tp, data = tp_size(p), data_ranks(p, world)
     pp = [("pp", pp_size(p))] if pp_size(p) > 1 else []
+    cp = [("cp", cp_size(p))] if cp_size(p) > 1 else []
+    tp = [("tp", tp)] if tp > 1 else []
     if p.name == "ddp":
         return [("dp_replicate", world)]
     if p.name == "hsdp":
         return pp + list(zip(("dp_replicate", "dp_shard"), hsdp_mesh(p, devices, world))) + \
-            ([("tp", tp)] if tp > 1 else [])
-    if p.name in ("expert", "expert_fsdp"):
-        ep = ep_size(p, world) // (tp if experts_whole(p) else 1)
-        return pp + [("dp", data // ep), ("ep", ep)] + ([("tp", tp)] if tp > 1 else [])
+            cp + tp
+    if p.name in ("expert", "expert_fsdp"):  # (cp outside ep: ep x tp stays one group)
+        ep = ep_size(p, world) // (tp_size(p) if experts_whole(p) else 1)
+        return pp + [("dp", data // ep)] + cp + [("ep", ep)] + tp
     if p.name == "fsdp":
-        return pp + [("dp_shard", data)] + ([("tp", tp)] if tp > 1 else [])
+        return pp + [("dp_shard", data)] + cp + tp
     return []
 
 
@@ -448,8 +473,8 @@ def group_dim(ranks: tuple, dims: list[tuple[str, int]]) -> str:
             stride = math.prod(sizes[j + 1:])
             if size == len(ranks) > 1 and all(b - a == stride for a, b in zip(ranks, ranks[1:])):
                 names = [d for d, n in dims[i:j + 1] if n > 1]
-                if names == ["dp", "ep"]:
-                    return "dp_shard"
+                if names in (["dp", "ep"], ["dp", "cp", "ep"]):
+                    return "dp_shard" if len(names) == 2 else "dp_shard_cp"
                 return "world" if len(names) > 1 and size == math.prod(sizes) else \
                     "_".join(names)
     return "world" if len(ranks) == math.prod(sizes) else f"{len(ranks)} ranks"
@@ -785,6 +810,8 @@ class SweepConfig:
                                        "keeps; null = hardware.devices x train."
                                        "micro_batch_size x train.grad_accum_steps",
                                        check=at_least(1, "or null"))
+    plan_workers: int = knob(2, "+sweep=layouts: plans run at once, each in a process of "
+                             "its own (a plan keeps one core busy)", check=Range(1, 256))
 
 
 @dataclass

@@ -384,6 +384,7 @@ def check_parallel(cfg) -> None:
     _check_hook(cfg)
     _check_tp(cfg, launched)
     _check_pp(cfg, launched)
+    _check_cp(cfg, launched)
     _check_hsdp(cfg, launched)
     if p.name in FSDP2:
         if p.cpu_offload and cfg.optim.name == "muon":
@@ -502,6 +503,36 @@ def _check_pp(cfg, world: int) -> None:
     if cfg.optim.name == "muon":
         raise ConfigError("optim", "muon not with parallel.pp > 1 yet: its Newton-Schulz "
                           "round-robin assumes every rank holds every matrix (allowed: adamw)")
+
+
+def _check_cp(cfg, world: int) -> None:
+    """parallel.cp: it divides the ranks left by tp and pp, and splits each sequence into
+    2 x cp chunks (x tp under sequence parallel)."""
+    from .config import cp_size, pp_size
+
+    p, n, seq = cfg.parallel, cfg.hardware.devices, cfg.train.seq_len
+    if cp_size(p) == 1:
+        return
+    if world % (p.cp * tp_size(p) * pp_size(p)):
+        ranks = f"hardware.devices={n}" if world == n else f"world size {world} (WORLD_SIZE)"
+        by = "".join(f" x parallel.{k}={v}" for k, v in (("tp", tp_size(p)), ("pp", pp_size(p)))
+                     if v > 1)
+        raise ConfigError("parallel.cp", f"parallel.cp={p.cp}{by} must divide the {ranks}")
+    split = 2 * p.cp * (tp_size(p) if p.sequence_parallel else 1)
+    if seq % split:
+        raise ConfigError("parallel.cp", f"train.seq_len={seq} does not split into {split} "
+                          f"equal chunks (2 x parallel.cp={p.cp}"
+                          f"{' x parallel.tp' if split > 2 * p.cp else ''}): set a multiple "
+                          f"of {split}")
+    if cfg.train.attention != "auto":
+        raise ConfigError("train.attention", f"parallel.cp={p.cp} runs its own attention "
+                          "(SDPA over the gathered keys, a lower-right causal mask): allowed "
+                          f"auto, got {cfg.train.attention}")
+    if experts_whole(p):
+        raise ConfigError("parallel.etp", "1 not with parallel.cp > 1 yet (allowed: 0)")
+    if cfg.optim.name == "muon":
+        raise ConfigError("parallel.cp", "not with optim=muon yet: its Newton-Schulz "
+                          "round-robin assumes the data ranks' mesh (allowed: 1)")
 
 
 def _check_hsdp(cfg, world: int) -> None:

@@ -80,23 +80,26 @@ def ep_grads_match(overrides, batch: int, per_rank: bool = False) -> dict:
 
 
 def tp_grads_match(overrides, batch: int) -> dict | None:
-    """One forward/backward under parallel.tp (dp = world / tp) vs one process running each
-    dp rank's micro-batch apart (the mean of their losses). Rank 0's comparison: each
-    gradient's largest difference relative to its largest entry, and the losses."""
+    """One forward/backward under parallel.tp or cp (dp = world / tp / cp) vs one process
+    running each dp rank's micro-batch apart (the mean of their losses). Rank 0's
+    comparison: each gradient's largest difference relative to its largest entry, and the
+    losses."""
     from torch.distributed.tensor import DTensor
 
     from moe_exp import distributed
-    from moe_exp.config import ep_size, experts_whole
+    from moe_exp.config import data_rank, data_ranks, ep_size, experts_whole
 
     cfg = _cfg(overrides)
     d = distributed.init(cfg)
     try:
-        dp = d.world // cfg.parallel.tp
+        dp = data_ranks(cfg.parallel, d.world)
         ref, applied, x, y = _twins(cfg, d.world, batch * dp)
-        mine = slice(d.rank // cfg.parallel.tp * batch, (d.rank // cfg.parallel.tp + 1) * batch)
+        r = data_rank(cfg.parallel, d.world, d.rank)
+        mine = slice(r * batch, (r + 1) * batch)
         out = applied.model(x[mine], y[mine])
         out.loss.backward()
-        applied.before_step()
+        if applied.before_step:  # (tp's DTensor grad sync; FSDP2 reduces its own)
+            applied.before_step()
         loss = distributed.all_mean(out.loss.detach())
         grads = [q.grad.full_tensor() if isinstance(q.grad, DTensor) else q.grad
                  for q in applied.model.parameters()]  # (collectives: on every rank)
@@ -274,17 +277,25 @@ def several(calls) -> list:
     """Each (helper name, args) of this module in turn on the same ranks and process group
     (its first helper joins it, the last leaves it): one launch (the ranks' start, ~5 s of
     a 2-core CPU) for several. Rank 0's results, in order."""
+    import os
     import sys
+    import time
 
     from moe_exp import distributed
 
+    log = os.environ.get("SEVERAL_LOG")  # a file: each call's seconds, appended
     helpers, leave = sys.modules[__name__], distributed.finish
     distributed.finish = lambda: None  # (a process group left and joined again hung)
     try:
         results = []
         for name, args in calls:
+            t0 = time.perf_counter()
             results.append(getattr(helpers, name)(*args))
             dist.barrier()
+            if log and dist.get_rank() == 0:  # (where the suite's time goes)
+                with open(log, "a") as f:
+                    f.write(f"{time.perf_counter() - t0:.1f} s, {dist.get_world_size()} "
+                            f"ranks: {name} {str(args)[:150]}\n")
     finally:
         distributed.finish = leave
         leave()

@@ -36,6 +36,33 @@ def test_every_layout_is_valid_and_keeps_the_global_batch():
     assert all(x.ep == 8 for x in piped) and not any(x.tp > 1 for x in piped)
 
 
+def test_long_sequences_add_context_parallel_layouts():
+    """At 16K tokens a sequence, mixtral_8x7b's layouts on 64 H100s add cp 2 and 4 (each
+    rank keeping at least 4K tokens): FSDP, HSDP and EP with cp, TP x cp without EP (etp=1
+    does not take cp yet), each valid and keeping the 128 sequences; the pipelines of a cp
+    mesh keep its cp."""
+    from moe_exp.config import cp_size, data_ranks
+    from moe_exp.pipeline import prepare
+    from moe_exp.sweep.layouts import Layout, layouts, pipelines
+
+    long = [*MIXTRAL, "train.seq_len=16384"]
+    base = compose(long)
+    flat = [x for x in layouts(base) if x.cp > 1]
+    assert {x.cp for x in flat} == {2, 4}
+    assert not any(x.ep > 1 and x.tp > 1 for x in flat)
+    assert {x.option for x in flat} == {"fsdp", "hsdp", "expert_fsdp"}
+    piped = pipelines(base, Layout(ep=8, cp=2))
+    assert piped and all(x.cp == 2 for x in piped)
+    kinds = {(x.option, x.tp, x.cp, x.pp > 1): x for x in flat + piped}  # (one of each)
+    for lay in kinds.values():
+        cfg, rec = prepare(compose(["task=plan", *long, *lay.overrides()]), [])
+        assert rec is None, (lay, rec["error"])
+        assert cp_size(cfg.parallel) == lay.cp
+        t = cfg.train
+        assert data_ranks(cfg.parallel, 64) * t.micro_batch_size * t.grad_accum_steps == 128
+    assert not any(x.cp > 1 for x in layouts(compose(MIXTRAL)))  # (4K: none)
+
+
 def test_the_search_plans_best_first_what_could_still_win():
     """After each mesh's fastest corner (micro-batch 4, no checkpointing): the layouts a
     step slower (half the micro-batch, the next heavier checkpointing, full checkpointing)

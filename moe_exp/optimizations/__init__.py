@@ -8,7 +8,7 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 from torch import nn
 
-from ..config import FSDP2, pp_size, tp_size
+from ..config import FSDP2, cp_size, pp_size, tp_size
 from .attention import apply_attention
 from .checkpointing import apply_checkpointing
 from .compile import apply_compile, compile_decode
@@ -54,7 +54,8 @@ def apply_inference(model: nn.Module, cfg, device: torch.device) -> tuple[Callab
 def apply(model: nn.Module, cfg, device: torch.device, world: int = 1) -> Applied:
     """Apply the run's optimizations to a plain model, in torchtitan's order.
 
-    attention kernel -> precision -> [pipeline stages: each stage then as a model] ->
+    attention kernel -> precision -> [context parallel: RoPE tables, attention] ->
+    [pipeline stages: each stage then as a model] ->
     tensor parallel -> expert parallel -> activation checkpointing -> data parallel (DDP and
     its comm hook, FSDP2 or HSDP) -> compile.
 
@@ -71,6 +72,10 @@ def apply(model: nn.Module, cfg, device: torch.device, world: int = 1) -> Applie
         from .parallel import device_mesh
 
         mesh = device_mesh(cfg, world)
+    if cp_size(cfg.parallel) > 1:  # (before the stages: they take its RoPE tables)
+        from .parallel.context import apply_context
+
+        apply_context(model, mesh["cp"], cfg.train.seq_len)
     if pp_size(cfg.parallel) > 1:  # each stage optimized as a model, then the rank's joined
         from .parallel.pipeline import PipelineModel, split_stages
 
@@ -80,6 +85,12 @@ def apply(model: nn.Module, cfg, device: torch.device, world: int = 1) -> Applie
         (_, wrapped), model = parts[0], piped  # (its clip: every stage's ranks alike)
     else:
         model, wrapped = _parallelize(model, cfg, device, world, mesh)
+    if cp_size(cfg.parallel) > 1:
+        from .parallel.context import shard_inputs
+
+        # (on the module compile wraps: the evaluator calls that one)
+        shard_inputs(getattr(model, "_orig_mod", model), mesh["cp"].size(),
+                     mesh["cp"].get_local_rank())
     return Applied(model, autocast_factory(cfg.precision, device),
                    grad_scaler(cfg.precision, device), **(wrapped if par != "none" else {}))
 

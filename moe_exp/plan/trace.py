@@ -17,7 +17,7 @@ from unittest import mock
 
 import torch
 
-from ..config import pp_size
+from ..config import cp_size, pp_size
 from ..screen import phase
 from .fake_world import ddp_buckets, ddp_calls, fake_world
 from .ops import StepOps
@@ -200,10 +200,11 @@ def trace_step(cfg, micro_batch: int | None = None, rank: int = 0) -> StepMemory
     cfg = planned_config(cfg)
     world = cfg.hardware.devices  # (1 under parallel=none: validate sees to it)
     m = cfg.model
-    rows = b * cfg.train.seq_len * max(m.top_k, 1)  # a MoE call's (token, choice) pairs
+    seq = cfg.train.seq_len // cp_size(cfg.parallel)  # (context parallel: the rank's part)
+    rows = b * seq * max(m.top_k, 1)  # a MoE call's (token, choice) pairs
     experts = m.num_experts or 1
     if m.num_experts and m.capacity_factor:  # (balanced: every expert at its capacity or
-        rows = min(rows, experts * capacity(b * cfg.train.seq_len, m.top_k, experts,
+        rows = min(rows, experts * capacity(b * seq, m.top_k, experts,
                                             m.capacity_factor))  # below it)
     ops = StepOps(io)
     sdpa = cuda_sdpa(cfg.train.attention) if gpu else \
@@ -310,19 +311,24 @@ def cuda_sdpa(attention: str):
     the memory-efficient kernel (query/key and value heads of different sizes, as MLA's;
     or train.attention=efficient), that kernel, whose backward keeps the log-sum-exp, not
     the (S, S) scores the CPU's math kernel holds. Otherwise SDPA as it is: the CPU's flash
-    kernel saves what CUDA's does."""
+    kernel saves what CUDA's does. Context parallel's lower-right causal mask: for MLA the
+    efficient kernel, with the mask as its bias."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def run(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
             enable_gqa=False):
-        if attn_mask is not None or (q.shape[-1] == v.shape[-1] and attention != "efficient"):
+        if attn_mask is not None and q.shape[-1] != v.shape[-1]:  # (context parallel's
+            # lower-right causal: CUDA's efficient kernel with its mask type, ~ this bias)
+            attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device) \
+                .masked_fill_(~attn_mask, float("-inf")).expand(*q.shape[:2], -1, -1)
+        elif attn_mask is not None or (q.shape[-1] == v.shape[-1] and attention != "efficient"):
             return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
         if k.shape[1] != q.shape[1]:  # (the efficient kernel takes no grouped heads)
             r = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
         return torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, None, q.requires_grad or k.requires_grad, dropout_p, is_causal,
+            q, k, v, attn_mask, q.requires_grad or k.requires_grad, dropout_p, is_causal,
             scale=scale)[0]
     return run
 

@@ -1,6 +1,6 @@
 """+sweep=layouts: every layout of hardware.devices GPUs for a model, as sweep jobs.
 
-A layout is tp x pp x (dp_replicate x dp_shard) with expert parallel over the data ranks,
+A layout is tp x pp x cp x (dp_replicate x dp_shard) with expert parallel over the data ranks,
 a micro-batch and a checkpointing choice, all at one global batch (sequences a step).
 Each size divides what it splits (the checks validate runs too).
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 # the keys a layout sets: the command line's values of them are the search's to choose
 KEYS = ("parallel", "parallel.tp", "parallel.etp", "parallel.expert_parallel_size",
-        "parallel.replicate", "parallel.pp", "parallel.pp_schedule",
+        "parallel.replicate", "parallel.cp", "parallel.pp", "parallel.pp_schedule",
         "parallel.pp_microbatches", "parallel.reshard_after_forward", "parallel.accum_no_sync",
         "train.micro_batch_size", "train.grad_accum_steps", "train.activation_checkpointing")
 AC_LADDER = ("none", "selective", "full")  # lightest (fastest) first
@@ -25,6 +25,7 @@ MAX_PP = 8  # a pipeline's plan traces every block of every micro-batch (pp x bl
 # sequence each): pp 16 of mixtral_8x7b would take ~8 minutes here
 MAX_TRACED = 300  # blocks x micro-batches a pipeline's plan may trace in the search
 # (mixtral_8x7b's EP 8 x PP 8 interleaved: 256, 60 s here; DeepSeek-V3's: 512, ~8 minutes)
+MIN_CP_TOKENS = 4096  # context parallel where each rank keeps at least these of a sequence
 SCHEDULES = ("1f1b", "interleaved_1f1b")  # gpipe: 1f1b's bubble with more memory held;
 # zero_bubble: not planned (torch's memory tracker fails in its split backward)
 
@@ -33,6 +34,7 @@ SCHEDULES = ("1f1b", "interleaved_1f1b")  # gpipe: 1f1b's bubble with more memor
 class Layout:
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     ep: int = 1  # experts' ranks (1: experts FSDP-sharded like the rest)
     replicate: int = 1  # HSDP's replicas (1: FSDP over every data rank)
     micro: int = 1  # sequences a micro-batch
@@ -75,7 +77,8 @@ class Layout:
 
     def overrides(self) -> list[str]:
         o = [f"parallel={self.option}", f"parallel.tp={self.tp}",
-             f"train.activation_checkpointing={self.ac}"]
+             f"train.activation_checkpointing={self.ac}"] + (
+            [f"parallel.cp={self.cp}"] if self.cp > 1 else [])
         if self.ep > 1:
             o += [f"parallel.expert_parallel_size={self.ep}"]
             if self.tp > 1:
@@ -108,8 +111,9 @@ def layout_name(label: str) -> str | None:
         return None
     ep, rep = o.get("parallel.expert_parallel_size"), o.get("parallel.replicate")
     tp, pp = int(o.get("parallel.tp", 1)), int(o.get("parallel.pp", 1))
+    cp = int(o.get("parallel.cp", 1))
     parts = [f"EP {ep}" if ep else f"HSDP ({rep} replicas)" if rep else
-             "FSDP"] + ([f"TP {tp}"] if tp > 1 else [])
+             "FSDP"] + ([f"CP {cp}"] if cp > 1 else []) + ([f"TP {tp}"] if tp > 1 else [])
     if pp > 1:
         parts.append(f"PP {pp} ({o.get('parallel.pp_schedule', '1f1b')}, "
                      f"{o.get('parallel.pp_microbatches')} micro-batches)")
@@ -152,14 +156,18 @@ class Frontier:
         return max((v or 0.0 for ok, v in self.planned.values() if ok), default=0.0)
 
     def next(self) -> tuple[Layout, float] | None:
+        return next(iter(self.take(1)), None)
+
+    def take(self, n: int, skip=frozenset()) -> list[tuple[Layout, float]]:
+        """The n unplanned layouts next() would give in turn were none of them planned (the
+        highest bounds; of equal bounds the leanest), with their bounds; none of `skip`
+        (being planned)."""
         best = self.best()
         fits = [t for t, (ok, _) in self.planned.items() if ok]
         live = [(b, t) for t, b in self.bound.items()
-                if b > best and not any(f.covers(t) for f in fits)]
-        if not live:
-            return None
-        b, t = max(live, key=lambda x: (x[0], x[1].leanness()))  # (a tie: the leanest)
-        return t, b
+                if b > best and t not in skip and not any(f.covers(t) for f in fits)]
+        live.sort(key=lambda x: (x[0], x[1].leanness()), reverse=True)
+        return [(t, b) for b, t in live[:n]]
 
 
 def _pow2(upto: int) -> list[int]:
@@ -189,6 +197,15 @@ def _tps(cfg) -> list[int]:
         size % tp for _, size in tp_splits(m, tp)) and cfg.train.seq_len % tp == 0]
 
 
+def _cps(cfg, tp: int) -> list[int]:
+    """The context-parallel sizes at tp: 1, and each power of two leaving every rank at
+    least MIN_CP_TOKENS of a sequence, that divides the ranks and the sequence into 2 x cp
+    x tp chunks."""
+    n, seq = cfg.hardware.devices, cfg.train.seq_len
+    return [cp for cp in _pow2(n // tp) if cp == 1 or (
+        seq // cp >= MIN_CP_TOKENS and n % (tp * cp) == 0 and seq % (2 * cp * tp) == 0)]
+
+
 def no_layout(cfg) -> str | None:
     """One line where no layout splits the global batch, else None."""
     if layouts(cfg):
@@ -206,9 +223,11 @@ def layouts(cfg) -> list[Layout]:
     n, node, batch = hw.devices, hw.devices_per_node or hw.devices, global_batch(cfg)
     out = []
     for tp in _tps(cfg):
-        if batch % (n // tp) == 0:
-            for mesh in _meshes(m, n // tp, tp, node):
-                out += _batches(mesh, 1, batch // (n // tp), m.num_layers)
+        for cp in _cps(cfg, tp):
+            dp = n // tp // cp
+            if batch % dp == 0:
+                for mesh in _meshes(m, dp, tp, node, cp):
+                    out += _batches(mesh, 1, batch // dp, m.num_layers)
     return out
 
 
@@ -222,12 +241,12 @@ def pipelines(cfg, best: Layout) -> list[Layout]:
     m, n, batch = cfg.model, cfg.hardware.devices, global_batch(cfg)
     out = []
     for pp in _pow2(min(MAX_PP, m.num_layers // 2))[1:]:
-        dp = n // pp
-        if n % pp or batch % dp:
+        dp = n // pp // best.cp
+        if n % (pp * best.cp) or dp == 0 or batch % dp:
             continue
         rep = best.replicate if best.replicate > 1 and dp % best.replicate == 0 and \
             dp > best.replicate else 1
-        mesh = Layout(ep=gcd(best.ep, dp), replicate=rep)
+        mesh = Layout(ep=gcd(best.ep, dp), replicate=rep, cp=best.cp)
         out += _batches(mesh, pp, batch // dp, m.num_layers)
     return out
 
@@ -262,17 +281,17 @@ def traced_blocks(m, lay: Layout) -> int:
     return (4 if alike else lay.pp) * lay.pp_micro * -(-layers // lay.pp)
 
 
-def _meshes(m, dp: int, tp: int, node: int) -> list[Layout]:
-    """The data dims: FSDP over all dp ranks, HSDP with a node's ranks a shard group,
-    expert parallel of each size dividing the experts and the ranks it spans (dp x tp:
-    experts whole under TP, etp = 1)."""
-    out = [Layout(tp=tp)]
-    shard = node // tp
+def _meshes(m, dp: int, tp: int, node: int, cp: int = 1) -> list[Layout]:
+    """The data dims: FSDP over all dp (x cp) ranks, HSDP with a node's ranks a shard
+    group, expert parallel of each size dividing the experts and the ranks it spans (dp x
+    tp: experts whole under TP, etp = 1, which context parallel does not take yet)."""
+    out = [Layout(tp=tp, cp=cp)]
+    shard = node // tp // cp
     if shard > 1 and dp > shard and dp % shard == 0:
-        out.append(Layout(tp=tp, replicate=dp // shard))
-    if m.num_experts:
+        out.append(Layout(tp=tp, cp=cp, replicate=dp // shard))
+    if m.num_experts and (cp == 1 or tp == 1):
         span = dp * tp
-        out += [Layout(tp=tp, ep=e) for e in _pow2(min(span, m.num_experts))[1:]
+        out += [Layout(tp=tp, cp=cp, ep=e) for e in _pow2(min(span, m.num_experts))[1:]
                 if m.num_experts % e == 0 and span % e == 0 and e % tp == 0]
     return out
 

@@ -62,9 +62,11 @@ def _plan_check(r: dict) -> str:
 
 def layout(r: dict) -> str:
     """The parallel option and its sizes: 'fsdp', 'fsdp x tp 2 (sequence parallel)',
-    'fsdp x pp 2 (1f1b, 4 micro-batches)'."""
-    tp, pp = r.get("tp") or 1, r.get("pp") or 1
+    'fsdp x cp 2', 'fsdp x pp 2 (1f1b, 4 micro-batches)'."""
+    tp, pp, cp = r.get("tp") or 1, r.get("pp") or 1, r.get("cp") or 1
     out = r["parallel"]
+    if cp > 1:
+        out += f" x cp {cp}"
     if tp > 1:
         out += f" x tp {tp}" + (" (sequence parallel)" if r.get("sp") else "")
     if pp > 1:

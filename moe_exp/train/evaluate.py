@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from ..config import cp_size
 from ..data import heldout
 
 
@@ -22,6 +23,7 @@ class Evaluator:
         self.data = heldout(cfg)  # (tokens, targets) on the CPU, or None: no held-out set
         self.model = getattr(applied.model, "_orig_mod", applied.model)  # (compile: eager)
         self.autocast, self.device, self.b = applied.autocast, device, t.micro_batch_size
+        self.parts = cp_size(cfg.parallel) > 1  # (context parallel: each rank's part's loss)
         self.curve: list[list] = []  # [step, eval loss] (steps: optimizer steps done)
         self.reached: int | None = None  # the first step whose eval loss <= target_loss
 
@@ -43,6 +45,10 @@ class Evaluator:
                     total += self.model(x, y).ce.double() * len(x)
         finally:
             self.model.train()
+        if self.parts:  # (every rank evaluates the same sequences)
+            from ..distributed import all_mean
+
+            total = all_mean(total)
         loss = total.item() / len(tokens)
         self.curve.append([steps_done, loss])
         if self.target is not None and self.reached is None and loss <= self.target:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ..config import total_steps
+from ..config import cp_size, total_steps
 from ..optimizations.collect import Collector
 from .balance import BiasBalancer
 from .evaluate import Evaluator
@@ -355,7 +355,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
     model, autocast, scaler, accum = applied.model, applied.autocast, applied.scaler, \
         t.grad_accum_steps
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    total = total_steps(t)
+    total, cp = total_steps(t), cp_size(cfg.parallel)
     timer, res = StepTimer(device), LoopResult()
     resumed = ckpt.resumed if ckpt else None
     start = resumed["step"] if resumed else 0
@@ -410,7 +410,7 @@ def train_loop(cfg, applied, optimizer, scheduler, loader, device: torch.device,
                     live.micro()
                 step_loss += out.ce.detach() / accum
                 if win.measured(step):
-                    moe.add(out, tokens.numel())
+                    moe.add(out, tokens.numel() // cp)  # (cp: each rank routes its part)
                 balancer.add(out.routed)
             res.lrs.append(optimizer.param_groups[0]["lr"])
             norm = optimizer_step(cfg, applied, optimizer, scheduler, scaler, params, timer)

@@ -14,14 +14,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...config import FSDP2, data_ranks
+from ...config import FSDP2, cp_size, data_ranks
 from .expert import shard_experts
 from .hooks import record_reduce_bytes, register_comm_hook  # noqa: F401 (the API)
 
 
 def device_mesh(cfg, world: int):
-    """The run's one device mesh, its dims and sizes config.mesh_dims's: (dp_shard[, tp])
-    for fsdp, (dp, ep[, tp]) for expert parallel, (dp_replicate, dp_shard) for hsdp."""
+    """The run's one device mesh, its dims and sizes config.mesh_dims's: ([pp, ]dp_shard[,
+    cp][, tp]) for fsdp, (dp[, cp], ep[, tp]) for expert parallel, (dp_replicate, dp_shard
+    [, cp][, tp]) for hsdp."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from ...config import mesh_dims
@@ -111,22 +112,21 @@ def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh):
               "reshard_after_forward": p.reshard_after_forward}
         if p.cpu_offload:
             kw["offload_policy"] = CPUOffloadPolicy()
-        # the data ranks (expert_fsdp: dp x ep); hsdp: its 2-D mesh
-        world_mesh = mesh["dp_replicate", "dp_shard"] if p.name == "hsdp" else \
-            mesh["dp_shard"] if p.name == "fsdp" else mesh["dp", "ep"]._flatten("dp_shard")
+        world_mesh, expert_mesh = _fsdp_meshes(p, mesh)
         units = []  # per block: [block, its FSDP-sharded experts (expert_fsdp)]
         shards = world_mesh.size(world_mesh.ndim - 1)  # (HSDP: its shard dim's ranks)
         for block in _blocks(model):
             units.append([block])
             if p.name == "expert_fsdp" and hasattr(block.ffn, "experts"):
                 experts = block.ffn.experts.local  # EP shard: FSDP over dp only
-                fully_shard(experts, mesh=mesh["dp"], **kw,
-                            shard_placement_fn=expert_placement(experts, mesh["dp"].size()))
+                fully_shard(experts, mesh=expert_mesh, **kw,
+                            shard_placement_fn=expert_placement(experts, expert_mesh.size()))
                 for prm in experts.parameters():  # fully_shard made new ones: mark them again
                     prm._expert_parallel = True
-                # sum over ep, mean over the data ranks (tensor-parallel ones share theirs)
-                experts.set_gradient_divide_factor(float(data_ranks(p, world)))
-                if dist.get_backend() == "gloo" and mesh["dp"].size() > 1:
+                # sum over ep, mean over the data and cp ranks (tensor-parallel ones share
+                # theirs)
+                experts.set_gradient_divide_factor(float(data_ranks(p, world) * cp_size(p)))
+                if dist.get_backend() == "gloo" and expert_mesh.size() > 1:
                     # gloo has no PREMUL_SUM: sum, then divide (not over one rank: there
                     # FSDP2 skips the reduce-scatter, divides, and forced to sum, divides again)
                     experts.set_force_sum_reduction_for_comms(True)
@@ -138,6 +138,21 @@ def apply_data_parallel(model: nn.Module, cfg, device, world: int, mesh):
         if p.prefetch:
             _prefetch(model, units, p.prefetch)
     return model
+
+
+def _fsdp_meshes(p, mesh):
+    """FSDP2's mesh for the dense parameters, the data ranks x cp (expert_fsdp: dp x cp x
+    ep; hsdp: replicate x (shard x cp)), and expert_fsdp's for its experts (dp x cp)."""
+    cp = cp_size(p) > 1
+    if p.name == "hsdp":
+        if cp:
+            mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        return mesh["dp_replicate", "dp_shard_cp" if cp else "dp_shard"], None
+    if p.name == "fsdp":
+        return (mesh["dp_shard", "cp"]._flatten("dp_shard_cp") if cp else mesh["dp_shard"]), None
+    dims = ("dp", "cp", "ep") if cp else ("dp", "ep")
+    return mesh[dims]._flatten("dp_shard_cp" if cp else "dp_shard"), \
+        (mesh["dp", "cp"]._flatten("dp_cp") if cp else mesh["dp"])
 
 
 def expert_placement(experts: nn.Module, shards: int):

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...config import pp_microbatches, pp_stages, stages_per_rank
+from ...config import cp_size, pp_microbatches, pp_stages, stages_per_rank
 from ...model import Output
 
 
@@ -93,11 +93,12 @@ def _shapes(cfg, stage: int, n_stages: int, device) -> dict:
 
     m, t = cfg.model, cfg.train
     rows = t.micro_batch_size // pp_microbatches(cfg.parallel)
+    seq = t.seq_len // cp_size(cfg.parallel)  # (context parallel: this rank's part)
     dtype = DTYPES.get(cfg.precision.autocast_dtype, torch.float32)
-    hidden = torch.empty(rows, t.seq_len, m.hidden_size, dtype=dtype, device=device,
+    hidden = torch.empty(rows, seq, m.hidden_size, dtype=dtype, device=device,
                          requires_grad=True)
-    tokens = torch.empty(rows, t.seq_len, dtype=torch.long, device=device)
-    out = torch.empty(rows, t.seq_len, m.vocab_size, dtype=dtype, device=device,
+    tokens = torch.empty(rows, seq, dtype=torch.long, device=device)
+    out = torch.empty(rows, seq, m.vocab_size, dtype=dtype, device=device,
                       requires_grad=True) if stage == n_stages - 1 else hidden
     return {"input_args": tokens if stage == 0 else hidden, "output_args": out}
 

@@ -1,0 +1,96 @@
+"""Context parallel, parallel.cp: each sequence split over the cp ranks of the mesh.
+
+Load-balanced as torch's context_parallel shards causal attention: the sequence in 2 x cp
+chunks, cp rank r holding chunks r and 2cp - 1 - r, so every rank attends over as many
+keys. Attention gathers the keys and values of the whole sequence once (an all-gather over
+the cp group; its backward a reduce-scatter), as torch's default all-gather rotation does;
+each local chunk then attends causally over the keys up to its own end (lower-right causal:
+flash or memory-efficient attention on CUDA, a boolean mask elsewhere). RoPE's tables are
+this rank's positions. Every other op runs on the rank's tokens alone, as on a data rank;
+FSDP2 averages the gradients over dp x cp.
+
+torch's own context_parallel handles the CUDA flash, memory-efficient and cuDNN SDPA ops
+only (not CPU's, nor the math kernel MLA's unequal head sizes take), through private
+dispatch tables; this is the same algorithm on public ops, on any device.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def chunks(cp: int, rank: int) -> tuple[int, int]:
+    """The two of the 2 x cp sequence chunks cp rank `rank` holds."""
+    return rank, 2 * cp - 1 - rank
+
+
+def positions(seq: int, cp: int, rank: int) -> torch.Tensor:
+    """This cp rank's token positions in the sequence, in the order it holds them."""
+    c = seq // (2 * cp)
+    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in chunks(cp, rank)])
+
+
+def apply_context(model: nn.Module, mesh, seq: int) -> None:
+    """Split `model` (a plain Transformer) over the 1-D cp mesh for sequences of `seq`.
+
+    Its inputs are cut to this rank's chunks (a hook: parallel.shard_inputs), its RoPE
+    tables taken at their positions and each attention layer's `attend` gathers the keys
+    and values."""
+    cp, rank = mesh.size(), mesh.get_local_rank()
+    mine = positions(seq, cp, rank).to(model.rope_cos.device)
+    model.rope_cos = model.rope_cos[mine]
+    model.rope_sin = model.rope_sin[mine]
+    group = mesh.get_group()
+    for mod in model.modules():
+        if hasattr(mod, "attend"):
+            mod.attend = GatherAttend(group, cp, rank)
+
+
+def shard_inputs(model: nn.Module, cp: int, rank: int) -> None:
+    """Cut (tokens, targets) to this cp rank's chunks before each forward of `model`."""
+    def cut(_m, args):
+        tokens, targets, *rest = args
+        mine = positions(tokens.shape[1], cp, rank).to(tokens.device)
+        return (tokens[:, mine], targets[:, mine], *rest)
+
+    model.register_forward_pre_hook(cut)
+
+
+class GatherAttend:
+    """Causal attention of this rank's two query chunks over the whole sequence's keys."""
+
+    def __init__(self, group, cp: int, rank: int):
+        self.group, self.cp, self.rank = group, cp, rank
+        held = [i for r in range(cp) for i in chunks(cp, r)]  # the gathered chunks' order
+        self.index = [held.index(i) for i in range(2 * cp)]
+
+    def __call__(self, q, k, v):
+        import torch.distributed._functional_collectives as funcol
+
+        gather = getattr(funcol, "all_gather_single_autograd", None) or \
+            funcol.all_gather_tensor_autograd  # (torch 2.11's name)
+        cp, c = self.cp, q.shape[2] // 2
+        # every rank's (chunk r, chunk 2cp-1-r), in rank order, then in sequence order
+        k, v = (gather(t.contiguous(), 2, self.group) for t in (k, v))
+        index = torch.tensor(self.index, device=q.device)
+        k, v = (t.unflatten(2, (2 * cp, c))[:, :, index].flatten(2, 3) for t in (k, v))
+        out = [_causal_over_prefix(qi, k[:, :, :(i + 1) * c], v[:, :, :(i + 1) * c])
+               for qi, i in zip(q.split(c, dim=2), chunks(cp, self.rank))]
+        return torch.cat(out, dim=2)
+
+
+def _causal_over_prefix(q, k, v):
+    """SDPA of q, the last q.shape[2] positions of k's, over k and v: lower-right causal."""
+    gqa = k.shape[1] != q.shape[1]
+    if q.is_cuda:
+        from torch.nn.attention.bias import causal_lower_right
+
+        if gqa:  # (torch's lower-right bias: the fused kernels without enable_gqa)
+            r = q.shape[1] // k.shape[1]
+            k, v, gqa = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1), False
+        mask = causal_lower_right(q.shape[2], k.shape[2])
+    else:
+        lq, lk = q.shape[2], k.shape[2]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
