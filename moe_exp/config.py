@@ -365,6 +365,11 @@ def cp_size(p) -> int:
     return p.cp if p.name in CP_OPTIONS else 1
 
 
+def seq_part(cfg) -> int:
+    """The tokens of a sequence one rank holds: train.seq_len, over parallel.cp."""
+    return cfg.train.seq_len // cp_size(cfg.parallel)
+
+
 def data_ranks(p, world: int) -> int:
     """The ranks that take their own data: tensor-parallel ranks share theirs, a
     pipeline's stages theirs, and context-parallel ranks theirs (each a part of it)."""

@@ -91,8 +91,6 @@ class LayoutSweeper(Sweeper):
         a worker that finishes takes the next at once, knowing every plan finished."""
         from concurrent.futures import FIRST_COMPLETED, wait
 
-        from moe_exp.sweep.layouts import layout_name
-
         must, running = list(must), {}
         while True:
             while len(running) < self.workers:
@@ -103,7 +101,7 @@ class LayoutSweeper(Sweeper):
                     if not nxt:
                         break
                     (lay, bound), = nxt
-                    self.say(f"next: {layout_name(' '.join(lay.overrides()))} (at most "
+                    self.say(f"next: {lay.name()} (at most "
                              f"{bound:,.0f} tokens/s; the fastest that fits: "
                              f"{self.front.best():,.0f})")
                 running[self._submit(lay)] = lay
@@ -114,8 +112,7 @@ class LayoutSweeper(Sweeper):
                 try:
                     rec = f.result()
                 except BrokenProcessPool:  # a plan's process died (killed: out of memory)
-                    self.say(f"a plan's process died: {layout_name(' '.join(lay.overrides()))}"
-                             " counts as not planned")
+                    self.say(f"a plan's process died: {lay.name()} counts as not planned")
                     self.pool.shutdown(wait=False)
                     self.pool, rec = None, None
                 self.recs[lay] = rec

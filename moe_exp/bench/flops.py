@@ -137,9 +137,9 @@ def activation_lower_bound(cfg) -> float:
     The fp32 log-probabilities the loss saves, micro-batch x seq x vocab, and each layer's
     input, which any activation checkpointing keeps.
     """
-    from ..config import cp_size
+    from ..config import seq_part
 
     m, t = cfg.model, cfg.train
-    tokens = t.micro_batch_size * t.seq_len // cp_size(cfg.parallel)  # (cp: the rank's part)
+    tokens = t.micro_batch_size * seq_part(cfg)
     width = 2 if cfg.precision.autocast_dtype else 4
     return tokens * (4 * m.vocab_size + width * m.num_layers * m.hidden_size)

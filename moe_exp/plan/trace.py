@@ -17,7 +17,7 @@ from unittest import mock
 
 import torch
 
-from ..config import cp_size, pp_size
+from ..config import pp_size, seq_part
 from ..screen import phase
 from .fake_world import ddp_buckets, ddp_calls, fake_world
 from .ops import StepOps
@@ -200,7 +200,7 @@ def trace_step(cfg, micro_batch: int | None = None, rank: int = 0) -> StepMemory
     cfg = planned_config(cfg)
     world = cfg.hardware.devices  # (1 under parallel=none: validate sees to it)
     m = cfg.model
-    seq = cfg.train.seq_len // cp_size(cfg.parallel)  # (context parallel: the rank's part)
+    seq = seq_part(cfg)
     rows = b * seq * max(m.top_k, 1)  # a MoE call's (token, choice) pairs
     experts = m.num_experts or 1
     if m.num_experts and m.capacity_factor:  # (balanced: every expert at its capacity or

@@ -75,6 +75,10 @@ class Layout:
         return self.mesh() == other.mesh() and self.micro >= other.micro and \
             AC_LADDER.index(self.ac) <= AC_LADDER.index(other.ac)
 
+    def name(self) -> str:
+        """In short, as layout_name writes it."""
+        return layout_name(" ".join(self.overrides()))
+
     def overrides(self) -> list[str]:
         o = [f"parallel={self.option}", f"parallel.tp={self.tp}",
              f"train.activation_checkpointing={self.ac}"] + (
@@ -260,7 +264,7 @@ def too_long(cfg, lays: list[Layout]) -> tuple[list[Layout], list[str]]:
         if n <= MAX_TRACED:
             keep.append(lay)
         else:
-            why.append(f"{layout_name(' '.join(lay.overrides()))}: its plan would trace "
+            why.append(f"{lay.name()}: its plan would trace "
                        f"{n:,} blocks x micro-batches (over {MAX_TRACED}); plan it alone "
                        "with task=plan")
     return keep, why

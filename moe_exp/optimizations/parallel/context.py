@@ -16,8 +16,13 @@ dispatch tables; this is the same algorithm on public ops, on any device.
 from __future__ import annotations
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
+
+# funcol's all-gather whose backward reduce-scatters (torch 2.11: all_gather_tensor_autograd)
+_gather = getattr(funcol, "all_gather_single_autograd", None) or \
+    funcol.all_gather_tensor_autograd
 
 
 def chunks(cp: int, rank: int) -> tuple[int, int]:
@@ -25,10 +30,10 @@ def chunks(cp: int, rank: int) -> tuple[int, int]:
     return rank, 2 * cp - 1 - rank
 
 
-def positions(seq: int, cp: int, rank: int) -> torch.Tensor:
-    """This cp rank's token positions in the sequence, in the order it holds them."""
-    c = seq // (2 * cp)
-    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in chunks(cp, rank)])
+def mine(x: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tensor:
+    """This cp rank's two chunks of x's sequence dim `dim`, in the order it holds them."""
+    c = x.shape[dim] // (2 * cp)
+    return torch.cat([x.narrow(dim, i * c, c) for i in chunks(cp, rank)], dim=dim)
 
 
 def apply_context(model: nn.Module, mesh, seq: int) -> None:
@@ -38,9 +43,8 @@ def apply_context(model: nn.Module, mesh, seq: int) -> None:
     tables taken at their positions and each attention layer's `attend` gathers the keys
     and values."""
     cp, rank = mesh.size(), mesh.get_local_rank()
-    mine = positions(seq, cp, rank).to(model.rope_cos.device)
-    model.rope_cos = model.rope_cos[mine]
-    model.rope_sin = model.rope_sin[mine]
+    model.rope_cos = mine(model.rope_cos[:seq], 0, cp, rank)
+    model.rope_sin = mine(model.rope_sin[:seq], 0, cp, rank)
     group = mesh.get_group()
     for mod in model.modules():
         if hasattr(mod, "attend"):
@@ -51,8 +55,7 @@ def shard_inputs(model: nn.Module, cp: int, rank: int) -> None:
     """Cut (tokens, targets) to this cp rank's chunks before each forward of `model`."""
     def cut(_m, args):
         tokens, targets, *rest = args
-        mine = positions(tokens.shape[1], cp, rank).to(tokens.device)
-        return (tokens[:, mine], targets[:, mine], *rest)
+        return (mine(tokens, 1, cp, rank), mine(targets, 1, cp, rank), *rest)
 
     model.register_forward_pre_hook(cut)
 
@@ -63,20 +66,15 @@ class GatherAttend:
     def __init__(self, group, cp: int, rank: int):
         self.group, self.cp, self.rank = group, cp, rank
         held = [i for r in range(cp) for i in chunks(cp, r)]  # the gathered chunks' order
-        self.index = [held.index(i) for i in range(2 * cp)]
+        self.order = [held.index(i) for i in range(2 * cp)]  # where chunk i was gathered
 
     def __call__(self, q, k, v):
-        import torch.distributed._functional_collectives as funcol
-
-        gather = getattr(funcol, "all_gather_single_autograd", None) or \
-            funcol.all_gather_tensor_autograd  # (torch 2.11's name)
-        cp, c = self.cp, q.shape[2] // 2
+        c = q.shape[2] // 2
         # every rank's (chunk r, chunk 2cp-1-r), in rank order, then in sequence order
-        k, v = (gather(t.contiguous(), 2, self.group) for t in (k, v))
-        index = torch.tensor(self.index, device=q.device)
-        k, v = (t.unflatten(2, (2 * cp, c))[:, :, index].flatten(2, 3) for t in (k, v))
+        k, v = (_gather(t.contiguous(), 2, self.group) for t in (k, v))
+        k, v = (torch.cat([t.narrow(2, j * c, c) for j in self.order], dim=2) for t in (k, v))
         out = [_causal_over_prefix(qi, k[:, :, :(i + 1) * c], v[:, :, :(i + 1) * c])
-               for qi, i in zip(q.split(c, dim=2), chunks(cp, self.rank))]
+               for qi, i in zip(q.split(c, dim=2), chunks(self.cp, self.rank))]
         return torch.cat(out, dim=2)
 
 

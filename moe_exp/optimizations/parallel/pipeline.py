@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...config import cp_size, pp_microbatches, pp_stages, stages_per_rank
+from ...config import pp_microbatches, pp_stages, seq_part, stages_per_rank
 from ...model import Output
 
 
@@ -93,7 +93,7 @@ def _shapes(cfg, stage: int, n_stages: int, device) -> dict:
 
     m, t = cfg.model, cfg.train
     rows = t.micro_batch_size // pp_microbatches(cfg.parallel)
-    seq = t.seq_len // cp_size(cfg.parallel)  # (context parallel: this rank's part)
+    seq = seq_part(cfg)
     dtype = DTYPES.get(cfg.precision.autocast_dtype, torch.float32)
     hidden = torch.empty(rows, seq, m.hidden_size, dtype=dtype, device=device,
                          requires_grad=True)
