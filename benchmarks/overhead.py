@@ -7,7 +7,7 @@ _timing.round_orders, --runs rounds; rounds where other processes loaded the CPU
 flagged):
   default     `python -m moe_exp.run [overrides]`: wall time, and the record's startup_s
               (process start -> first measured step, compile excluded)
-  none        the same with logger=none
+  none        the same with logger=none (left out where the overrides set it)
   torch       `python -c "import torch; torch.optim.AdamW(...)"`: what any PyTorch training
               process pays before its first step (interpreter, torch, and torch._dynamo,
               which torch.optim imports on first use)
@@ -121,6 +121,8 @@ def main(argv=None):
         "none": [py, "-m", "moe_exp.run", "logger=none", *a.overrides],
         "torch": [py, "-c", TORCH_FLOOR],
     }
+    if "logger=none" in a.overrides:  # (the default command is then "none" itself)
+        del cmds["none"]
     res = {n: {"wall_s": [], "startup_s": [], "other_load": []} for n in cmds}
     with tempfile.TemporaryDirectory() as tmp:
         cwd = Path(tmp)

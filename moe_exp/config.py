@@ -8,6 +8,7 @@ Choices among strings, such as `train.compile`, are checked in `validate.py`.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -306,8 +307,13 @@ class ParallelConfig:
                                           since=None, read_by=PP, column="pp_microbatches",
                                           check=at_least(1, "or null (the stages)"))
     pp_split: Optional[List[int]] = knob(None, "the first block of each stage after the "
-                                         "first; null = blocks split evenly", since=None,
-                                         read_by=PP, column="pp_split")
+                                         "first; null = split by parallel.pp_balance",
+                                         since=None, read_by=PP, column="pp_split")
+    pp_balance: str = knob("blocks", "how stages split the blocks where parallel.pp_split "
+                           "is null: blocks = as many a stage (the first ones one more); "
+                           "flops = as many training FLOPs a stage, the LM head's on the last",
+                           choices=("blocks", "flops"), since="blocks", read_by=PP,
+                           column="pp_balance")
     pp_stages_per_rank: Optional[int] = knob(None, "stages a rank holds (looped: rank r holds "
                                              "r, r + pp, ...); null = 2 for the interleaved "
                                              "schedules, else 1", since=None, read_by=PP,
@@ -394,14 +400,41 @@ def data_rank(p, world: int, rank: int) -> int:
     return index
 
 
-def pp_stages(p, num_layers: int) -> list[int]:
-    """The pipeline's stages as their first blocks: parallel.pp_split's, or the blocks split
-    evenly over pp x stages per rank (the first stages take one more where they do not)."""
+def pp_stages(cfg) -> list[int]:
+    """The pipeline's stages as their first blocks: parallel.pp_split's, else the blocks
+    split over pp x stages per rank by parallel.pp_balance: evenly (the first stages take
+    one more where they do not), or by each block's training FLOPs and the head's."""
+    p, m = cfg.parallel, cfg.model
     n = p.pp * stages_per_rank(p)
     if p.pp_split is not None:
         return [0, *p.pp_split]
-    size, extra = divmod(num_layers, n)
+    if p.pp_balance == "flops":
+        from .bench.flops import block_flops, head_flops
+
+        return balanced(tuple(block_flops(m, cfg.train.seq_len)), head_flops(m), n)
+    size, extra = divmod(m.num_layers, n)
     return [i * size + min(i, extra) for i in range(n)]
+
+
+@functools.lru_cache(maxsize=256)
+def balanced(weights: tuple, tail: float, n: int) -> list[int]:
+    """The first blocks of n contiguous stages of `weights` (one block at least each; the
+    last stage also carries `tail`) whose largest stage weighs least (a partition by
+    dynamic programming; of equal ones, the earliest cuts)."""
+    size, at = len(weights), [0.0]
+    for w in weights:
+        at.append(at[-1] + w)
+    cost = lambda j, i: at[i] - at[j] + (tail if i == size else 0.0)  # noqa: E731
+    best = {(0, 0): (0.0, None)}
+    for s in range(1, n + 1):
+        for i in range(s, size - (n - s) + 1):
+            best[s, i] = min((max(best[s - 1, j][0], cost(j, i)), j)
+                             for j in range(s - 1, i) if (s - 1, j) in best)
+    first, i = [], size
+    for s in range(n, 0, -1):
+        i = best[s, i][1]
+        first.append(i)
+    return first[::-1]
 
 
 def stages_per_rank(p) -> int:
@@ -413,14 +446,15 @@ def pp_microbatches(p) -> int:
     return p.pp_microbatches or p.pp * stages_per_rank(p)
 
 
-def record_pp_columns(rec: dict, p, layers: int, figures: tuple) -> None:
+def record_pp_columns(rec: dict, cfg, figures: tuple) -> None:
     """A record's pipeline columns, their nulls resolved as the run resolves them; at
-    pp = 1 these, pp_schedule and `figures` (the task's pipeline figures) null, with why."""
-    cols = ("pp_microbatches", "pp_stages_per_rank", "pp_split")
+    pp = 1 these, pp_schedule, pp_balance and `figures` (the task's pipeline figures)
+    null, with why."""
+    p, cols = cfg.parallel, ("pp_microbatches", "pp_stages_per_rank", "pp_split")
     if pp_size(p) > 1:
-        rec.update(zip(cols, (pp_microbatches(p), stages_per_rank(p), pp_stages(p, layers)[1:])))
+        rec.update(zip(cols, (pp_microbatches(p), stages_per_rank(p), pp_stages(cfg)[1:])))
         return
-    for k in (*figures, *cols, "pp_schedule"):
+    for k in (*figures, *cols, "pp_schedule", "pp_balance"):
         rec[k] = None
         rec["null_reasons"][k] = "parallel.pp=1: no pipeline"
 

@@ -470,7 +470,11 @@ def _check_pp(cfg, world: int) -> None:
     if stages > layers:
         raise ConfigError("parallel.pp", f"{stages} stages ({p.pp} ranks x {per_rank} a rank) "
                           f"for model.num_layers={layers} blocks: at most one stage a block")
-    first = pp_stages(p, layers)
+    if p.pp_split is not None and p.pp_balance != "blocks":
+        raise ConfigError("parallel.pp_balance", "splits the blocks where parallel.pp_split "
+                          f"is null; got both (pp_balance={p.pp_balance}, pp_split="
+                          f"{list(p.pp_split)})")
+    first = pp_stages(cfg)
     if p.pp_split is not None and (len(first) != stages or any(
             b <= a for a, b in zip(first, first[1:])) or first[-1] >= layers):
         raise ConfigError("parallel.pp_split", f"needs {stages - 1} increasing first blocks "

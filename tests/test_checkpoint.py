@@ -103,6 +103,7 @@ def test_expert_parallel_resumes_bit_for_bit(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
     o = ["parallel=expert", "hardware.devices=2", "logger=none", "train.steps=6",
+         "train.plan=false",
          "train.warmup_steps=1", "train.micro_batch_size=2", "train.seq_len=32",
          "parallel.profile_steps=0"]
     p = run_cli([*o, "train.checkpoint_every=3", "train.checkpoint_keep=0", f"hydra.run.dir={tmp_path / 'a'}"], tmp_path)
@@ -126,6 +127,7 @@ def test_a_pipeline_resumes_bit_for_bit(tmp_path):
     optimizer's groups per parameter (one key per group would keep one rank's list: the
     resumed run failed); the routers' biases move as before."""
     o = ["parallel=fsdp", "parallel.pp=2", "hardware.devices=2", "logger=none",
+         "train.plan=false",
          "train.steps=4", "train.warmup_steps=1", "train.micro_batch_size=2",
          "train.seq_len=32", "parallel.profile_steps=0", "model.bias_update_rate=0.01"]
     p = run_cli([*o, "train.checkpoint_every=2", "train.checkpoint_keep=0",

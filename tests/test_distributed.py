@@ -18,7 +18,7 @@ def launch(fn, *args, n=2):
     from moe_exp.distributed import launch as elastic
     from moe_exp.distributed import rank_entry
 
-    return elastic(rank_entry, n, fn, *args)
+    return elastic(rank_entry, n, fn, *args, fork=True)
 
 
 @pytest.mark.parametrize("case", ["2", "4", "tiny_deepseek", "capacity"])
@@ -663,6 +663,8 @@ PARALLEL_ERRORS = [
     *(([*PP, *o], k) for o, k in (
         (["parallel.pp_schedule=interleaved_1f1b"], "parallel.pp"),  # 4 stages, 2 blocks
         (["model.num_layers=4", "parallel.pp_split=[4]"], "parallel.pp_split"),
+        (["model.num_layers=4", "parallel.pp_split=[2]", "parallel.pp_balance=flops"],
+         "parallel.pp_balance"),
         (["parallel.pp_microbatches=3"], "parallel.pp_microbatches"),
         (["parallel.pp_microbatches=1"], "parallel.pp_microbatches"),
         (["parallel.pp_schedule=gpipe", "parallel.pp_stages_per_rank=2"],
@@ -794,9 +796,18 @@ def _inject_failure(tmp_path, fail_rank) -> dict:
 def test_a_failed_launch_keeps_what_it_knew(tmp_path, monkeypatch):
     """A rank that raises under the app's own launch: the record names it (status error)
     and keeps the analytic figures (they were null: "not measured")."""
-    env = _inject_failure(tmp_path, 1)  # (what the spawned ranks start with)
-    for k in ("PYTHONPATH", "FAIL_RANK"):
-        monkeypatch.setenv(k, env[k])
+    import os
+
+    import moe_exp.train.loop as loop
+
+    step = loop.micro_step
+
+    def boom(*a, **k):  # (the forked ranks inherit it)
+        if os.environ.get("RANK") == "1":
+            raise ValueError("injected failure")
+        return step(*a, **k)
+
+    monkeypatch.setattr(loop, "micro_step", boom)
     out = tmp_path / "bad"
     assert run_inproc([*TINY, "parallel=ddp", "hardware.devices=2"], out)["status"] == "error"
     rec = json.loads((out / "metrics.json").read_text())

@@ -89,7 +89,7 @@ def test_loss_ok_flags_a_harmful_row_and_passes_a_harmless_one(tmp_path):
 
     from moe_exp.sweep.table import loss_ok
 
-    p = run_cli(["-m", "logger=none", "train.steps=8", "train.warmup_steps=1",
+    p = run_cli(["-m", "logger=none", "train.steps=8", "train.warmup_steps=1", "train.plan=false",
                  "sweep.repeats=2", "sweep.vary_init=true", "sweep.isolate=false",
                  "optim.lr=1e-3,1e-7", "train.activation_checkpointing=none,full",
                  f"hydra.sweep.dir={tmp_path}"], tmp_path)

@@ -102,3 +102,79 @@ def test_flop_check_cli_names_a_bad_override_in_one_line(capsys):
         assert main([override]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: {line}") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_chunks_count_as_their_sequences_causal_attention(cp):
+    """A cp rank's two lower-right causal calls (its chunks over the keys up to their ends)
+    count, forward and backward, as the convention counts the whole sequence's causal call
+    (in full), over cp: planned cp layouts are not flattered by the keys they skip."""
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from moe_exp.bench.formulas import flop_formulas
+    from moe_exp.optimizations.parallel.context import _causal_over_prefix, chunks
+
+    s, c = 64, 64 // (2 * cp)
+
+    def counted(fn):
+        q, k, v = (torch.randn(1, 2, s, 8, requires_grad=True) for _ in range(3))
+        with FlopCounterMode(display=False, custom_mapping=flop_formulas()) as m:
+            fn(q, k, v).sum().backward()
+        return m.get_total_flops()
+
+    whole = counted(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    for rank in range(cp):
+        part = counted(lambda q, k, v: torch.cat(
+            [_causal_over_prefix(q[:, :, i * c:(i + 1) * c], k[:, :, :(i + 1) * c],
+                                 v[:, :, :(i + 1) * c]) for i in chunks(cp, rank)], dim=2))
+        assert part == whole / cp
+
+
+@pytest.mark.parametrize("model", ["deepseek_v3", "mixtral_8x7b", "tiny_deepseek"])
+def test_blocks_and_head_sum_to_flops_per_token(model):
+    """parallel.pp_balance=flops weighs each block and the LM head by flops_per_token's own
+    terms: together they are flops_per_token."""
+    from conftest import compose
+    from moe_exp.bench.flops import block_flops, flops_per_token, head_flops
+
+    m = compose([f"model={model}"]).model
+    w = block_flops(m, 4096)
+    assert len(w) == m.num_layers
+    assert sum(w) + head_flops(m) == pytest.approx(flops_per_token(m, 4096), rel=1e-12)
+
+
+def test_a_flops_balanced_pipeline_lightens_the_heads_stage():
+    """DeepSeek-V3 on 16 stages: blocks evenly (4 a stage, 3 on the last three) leave the
+    last stage its 3 blocks and the 129K-token head (1.6 blocks' FLOPs), 8.8% over the
+    mean stage; balanced by FLOPs, the head's stage keeps 2 blocks: 2.9% over. Every split
+    of the 61 blocks into 16 stages of one block or more weighs at least as much."""
+    import itertools
+
+    from conftest import compose
+    from moe_exp.bench.flops import block_flops, head_flops
+    from moe_exp.config import balanced, pp_stages
+
+    cfg = compose(["model=deepseek_v3", "parallel=fsdp", "parallel.pp=16",
+                   "train.seq_len=4096"])
+    w, head = block_flops(cfg.model, 4096), head_flops(cfg.model)
+
+    def worst(first):
+        ends = [*first[1:], len(w)]
+        return max(sum(w[a:b]) + (head if b == len(w) else 0) for a, b in zip(first, ends))
+
+    even = pp_stages(cfg)
+    cfg.parallel.pp_balance = "flops"
+    flops = pp_stages(cfg)
+    assert len(flops) == 16 and flops[0] == 0 and flops[-1] == 59  # (the last: 2 blocks)
+    assert worst(flops) < worst(even)
+    mean = (sum(w) + head) / 16
+    assert worst(even) / mean == pytest.approx(1.088, abs=1e-3)
+    assert worst(flops) / mean == pytest.approx(1.029, abs=1e-3)
+    # the partition is the best one: brute force over a small case
+    small = (3.0, 1.0, 1.0, 2.0, 1.0, 1.0)
+    cuts = balanced(small, 1.5, 3)
+    best = min(max(sum(small[a:b]) + (1.5 if b == 6 else 0) for a, b in zip((0, *c), (*c, 6)))
+               for c in itertools.combinations(range(1, 6), 2))
+    assert max(sum(small[a:b]) + (1.5 if b == 6 else 0)
+               for a, b in zip(cuts, (*cuts[1:], 6))) == best

@@ -128,7 +128,7 @@ def test_an_fsdp_plans_optimizer_step_moves_its_shard_only():
     ["model=tiny_moe", "parallel=fsdp", "hardware.devices=2", "parallel.pp=2",
      "model.num_layers=12", "train.micro_batch_size=2"],
 ])
-def test_a_deep_model_is_planned_from_two_shallow_traces(tmp_path, overrides):
+def test_a_deep_model_is_planned_from_two_shallow_traces(tmp_path, overrides, monkeypatch):
     """train.plan_depth=auto traces 2 and 3 of a deep model's alike blocks (past its dense
     first) and extrapolates: every figure equals the whole model's trace, the peak's
     phase and split by kind too, and the record names the depths traced. A pipeline's
@@ -138,7 +138,10 @@ def test_a_deep_model_is_planned_from_two_shallow_traces(tmp_path, overrides):
         for k, v in d.items():
             yield from flat(v, f"{pre}{k}.") if isinstance(v, dict) else [(pre + k, v)]
 
-    runs = {d: run_inproc([*PLAN, "model.num_layers=8", *overrides, "hardware=h100",
+    from moe_exp.plan import depth
+
+    monkeypatch.setattr(depth, "MIN_BLOCKS", 6)  # (a whole trace of 6 blocks, not 8, to check)
+    runs = {d: run_inproc([*PLAN, "model.num_layers=6", *overrides, "hardware=h100",
                            "precision=bf16", f"train.plan_depth={d}"], tmp_path / d)
             for d in ("auto", "full")}
     auto, full = ({k: v for k, v in flat(r) if k.startswith("planned")} for r in runs.values())

@@ -126,13 +126,15 @@ def test_record_says_how_often_padded_fell_back(limit, share, tmp_path, monkeypa
     from moe_exp.tasks.summary import summary_rows
 
     monkeypatch.setattr(moe, "PAD_LIMIT", limit)
-    rec = run_inproc(["model.dispatch=padded", "logger=none", "train.steps=4"], tmp_path)
+    rec = run_inproc(["model.dispatch=padded", "logger=none", "train.steps=4",
+                      "train.plan=false"], tmp_path)
     assert rec["status"] == "ok" and rec["moe_dispatch"] == "padded"
     got = rec["moe_padded_fallback_share"]
     assert 0 <= got <= 1 if share is None else got == share
     load = dict(summary_rows(rec))["expert load"]
     assert ("padded fell back on 100% of layer calls" in load) == (got == 1.0)
-    other = run_inproc(["model.dispatch=loop", "logger=none", "train.steps=2"], tmp_path / "l")
+    other = run_inproc(["model.dispatch=loop", "logger=none", "train.steps=2",
+                        "train.plan=false"], tmp_path / "l")
     assert other["moe_padded_fallback_share"] is None
     assert "only padded falls back" in other["null_reasons"]["moe_padded_fallback_share"]
     from moe_exp.tasks.summary import _fallbacks
@@ -151,7 +153,8 @@ def test_dense_model_has_null_expert_stats_with_reason(tmp_path):
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_checkpointed_run_has_same_losses(mode, tmp_path, default_record):
-    rec = run_inproc([f"train.activation_checkpointing={mode}", "logger=none"], tmp_path)
+    rec = run_inproc([f"train.activation_checkpointing={mode}", "logger=none",
+                      "train.plan=false"], tmp_path)
     assert rec["status"] == "ok"
     assert rec["losses"] == pytest.approx(default_record[0]["losses"], rel=1e-4)
 
@@ -334,6 +337,7 @@ def test_cpu_peak_memory_does_not_grow_with_the_runs_length(tmp_path):
     micro-batch 2 x 32 tokens it hid: 1.2x)."""
     def run(steps):
         return run_cli(["logger=none", "model.num_layers=1", f"train.steps={steps}",
+                        "train.plan=false",
                         f"train.log_every={steps}", f"hydra.run.dir={tmp_path / str(steps)}"],
                        tmp_path, env=ONE_THREAD)
 
@@ -762,7 +766,8 @@ def test_run_with_unwritable_stderr(tmp_path, how):
             os.dup2(os.open(os.devnull, os.O_RDONLY), 2)
 
     p = subprocess.run([sys.executable, "-m", "moe_exp.run", "logger=none", "train.steps=2",
-                        "train.warmup_steps=1", f"hydra.run.dir={tmp_path}"], cwd=tmp_path,
+                        "train.warmup_steps=1", "train.plan=false", "train.micro_batch_size=2",
+                        "train.seq_len=32", f"hydra.run.dir={tmp_path}"], cwd=tmp_path,
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
                        text=True, timeout=300, preexec_fn=fd2)
     assert p.returncode == 0, p.stdout[-2000:]
@@ -775,7 +780,8 @@ JOB_LOGGING = ["file", "disabled", "stdout", "default"]
 
 def _job_logging_args(choice):
     return ["logger=none", "train.steps=2", "train.warmup_steps=1", "train.micro_batch_size=2",
-            "train.seq_len=32", f"hydra/job_logging={choice}", "hydra.run.dir={cwd}"]
+            "train.seq_len=32", "train.plan=false", f"hydra/job_logging={choice}",
+            "hydra.run.dir={cwd}"]
 
 
 @pytest.fixture(scope="module")

@@ -47,19 +47,29 @@ def expert_params(m) -> int:
     return moe_layers(m) * m.num_experts * 3 * m.hidden_size * m.ffn_hidden_size
 
 
+def block_params(m) -> tuple[int, int]:
+    """The matmul parameters a token runs through in a dense block and in a MoE block (its
+    attention's, its FFN's: shared experts, router and top_k routed ones)."""
+    h, f = m.hidden_size, m.ffn_hidden_size
+    attn, _ = attention_params(m)
+    moe = moe_layers(m)
+    dense_f = (m.dense_ffn_hidden_size or f) if moe else f
+    shared = 3 * h * m.num_shared_experts * (m.shared_ffn_hidden_size or f) if moe else 0
+    router = h * m.num_experts if moe else 0
+    return attn + 3 * h * dense_f, attn + shared + router + m.top_k * 3 * h * f
+
+
 def param_counts(m) -> dict:
     h, f, L = m.hidden_size, m.ffn_hidden_size, m.num_layers
     attn, attn_norms = attention_params(m)
     moe = moe_layers(m)
     dense = L - moe  # dense FFN blocks: a dense model's, or a MoE's first_k_dense
-    dense_f = (m.dense_ffn_hidden_size or f) if moe else f
-    shared = 3 * h * m.num_shared_experts * (m.shared_ffn_hidden_size or f) if moe else 0
-    router = h * m.num_experts if moe else 0
-    ffn_total = dense * 3 * h * dense_f + moe * (shared + router) + expert_params(m)
-    ffn_active = dense * 3 * h * dense_f + moe * (shared + router + m.top_k * 3 * h * f)
+    dense_block, moe_block = block_params(m)
+    ffn_total = dense * (dense_block - attn) + moe * (moe_block - attn - m.top_k * 3 * h * f) \
+        + expert_params(m)
     embed = head = m.vocab_size * h
     norms = L * (2 * h + attn_norms) + h
-    matmul_active = L * attn + ffn_active + head
+    matmul_active = dense * dense_block + moe * moe_block + head
     return {
         "params_total": embed + head + norms + L * attn + ffn_total,
         "params_active": embed + norms + matmul_active,
@@ -77,6 +87,21 @@ def flops_per_token(m, seq_len: int, drop_rate: float = 0.0) -> float:
     n = param_counts(m)["params_matmul_active"]
     return 6.0 * n + 6.0 * m.num_layers * m.num_heads * (qk + v) * seq_len \
         - routed_flops_per_token(m) * drop_rate
+
+
+def block_flops(m, seq_len: int) -> list[float]:
+    """Each block's training FLOPs per token, flops_per_token's terms (the LM head's apart:
+    head_flops): the dense first blocks', then the MoE blocks'."""
+    qk, v = qk_v_dims(m)
+    scores = 6.0 * m.num_heads * (qk + v) * seq_len
+    dense, moe = (6.0 * n + scores for n in block_params(m))
+    first = m.num_layers - moe_layers(m)
+    return [dense] * first + [moe] * (m.num_layers - first)
+
+
+def head_flops(m) -> float:
+    """The LM head's training FLOPs per token."""
+    return 6.0 * m.vocab_size * m.hidden_size
 
 
 def routed_flops_per_token(m) -> float:

@@ -91,14 +91,25 @@ def iqr(xs):
     return q[2] - q[0]
 
 
+# a rank forked by distributed.launch: the launching process's start (its /proc starttime),
+# for it is where the run started, not the fork
+STARTED: int | None = None
+
+
+def start_ticks(pid: str = "self") -> int:
+    """A process's start, in clock ticks since boot (Linux /proc, field 22: starttime)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[19])
+
+
 def process_age_s() -> float | None:
-    """Seconds since this process started, from Linux /proc; None elsewhere."""
+    """Seconds since this process (a forked rank: its launcher) started, from Linux /proc;
+    None elsewhere."""
     try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        ticks = STARTED if STARTED is not None else start_ticks()
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])
-        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+        return uptime - ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, AttributeError):
         return None
 

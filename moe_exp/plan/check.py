@@ -64,7 +64,7 @@ def _tracked_step(cfg, device, start: int) -> tuple[int | None, str | None]:
     if t.compile != "off":
         return None, "train.compile: the tracker follows eager ops, not a compiled step's"
     if pp_size(cfg.parallel) > 1:
-        return None, "parallel.pp: not planned (task=plan does not trace pipelines yet)"
+        return None, "parallel.pp: the run does not track a pipeline's step yet"
     if step < max(start, 1):
         return None, f"train.warmup_steps={t.warmup_steps}: the step tracked is the last " \
                      "warmup step after the first (with the optimizer's state): >= 2"

@@ -56,7 +56,7 @@ def stage_moe_blocks(cfg) -> list[int]:
     from ..config import pp_stages
 
     m = cfg.model
-    first = pp_stages(cfg.parallel, m.num_layers) + [m.num_layers]
+    first = pp_stages(cfg) + [m.num_layers]
     lead = m.first_k_dense if m.num_experts else 0
     return [b - a - (lead if i == 0 else 0) for i, (a, b) in enumerate(zip(first, first[1:]))]
 

@@ -53,7 +53,7 @@ def plan_step(cfg, rec: dict) -> None:
         else:
             _deep(cfg, rec, depths)
             rec["plan_s"] = time.perf_counter() - t0
-    record_pp_columns(rec, cfg.parallel, cfg.model.num_layers, PIPELINE)
+    record_pp_columns(rec, cfg, PIPELINE)
     fill_null_reasons(rec, WHY)
 
 
@@ -183,7 +183,7 @@ def _traced_pp_ranks(cfg) -> list[int]:
     from ..config import pp_stages
 
     p, layers = cfg.parallel, cfg.model.num_layers
-    pp, first = p.pp, pp_stages(p, layers) + [layers]
+    pp, first = p.pp, pp_stages(cfg) + [layers]
     size = [b - a for a, b in zip(first, first[1:])]
     held = [[size[s] for s in range(r, len(size), pp)] for r in range(pp)]
     if cfg.train.plan_depth == "full" or pp < 5 or any(h != held[1] for h in held[1:-1]):

@@ -18,8 +18,9 @@ from dataclasses import dataclass, replace
 # the keys a layout sets: the command line's values of them are the search's to choose
 KEYS = ("parallel", "parallel.tp", "parallel.etp", "parallel.expert_parallel_size",
         "parallel.replicate", "parallel.cp", "parallel.pp", "parallel.pp_schedule",
-        "parallel.pp_microbatches", "parallel.reshard_after_forward", "parallel.accum_no_sync",
-        "train.micro_batch_size", "train.grad_accum_steps", "train.activation_checkpointing")
+        "parallel.pp_microbatches", "parallel.pp_balance", "parallel.reshard_after_forward",
+        "parallel.accum_no_sync", "train.micro_batch_size", "train.grad_accum_steps",
+        "train.activation_checkpointing")
 AC_LADDER = ("none", "selective", "full")  # lightest (fastest) first
 MAX_PP = 8  # a pipeline's plan traces every block of every micro-batch (pp x blocks at one
 # sequence each): pp 16 of mixtral_8x7b would take ~8 minutes here
@@ -94,7 +95,7 @@ class Layout:
             # default under pp, a gather less a micro-batch, and expert_fsdp's selective
             # recompute needs it)
             o += [f"parallel.pp={self.pp}", f"parallel.pp_schedule={self.schedule}",
-                  f"parallel.pp_microbatches={self.pp_micro}",
+                  f"parallel.pp_microbatches={self.pp_micro}", "parallel.pp_balance=flops",
                   "parallel.reshard_after_forward=false",
                   f"train.micro_batch_size={self.micro * self.pp_micro}",
                   "train.grad_accum_steps=1"]

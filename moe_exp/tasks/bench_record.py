@@ -186,7 +186,7 @@ def record_pipeline(cfg, rec: dict, res, model, device: torch.device, world: int
     from ..distributed import all_gather_stack, collective_device
 
     why, pp = rec["null_reasons"], pp_size(cfg.parallel)
-    record_pp_columns(rec, cfg.parallel, cfg.model.num_layers, PIPELINE)
+    record_pp_columns(rec, cfg, PIPELINE)
     if pp == 1:
         return
     peak, bubble = res.memory[0].get("peak_mem_gib"), _bubble(cfg, model)

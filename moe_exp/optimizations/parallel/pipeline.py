@@ -79,7 +79,7 @@ def split_stages(model: nn.Module, cfg, mesh) -> list[Stage]:
     """This rank's stages of the model, in order: rank r of the pp group holds stages r,
     r + pp, ..."""
     p, layers = cfg.parallel, len(model.layers)
-    first = [*pp_stages(p, layers), layers]
+    first = [*pp_stages(cfg), layers]
     rank = mesh["pp"].get_local_rank()
     mine = [rank + k * p.pp for k in range(stages_per_rank(p))]
     return [Stage(model, first[i], first[i + 1], i == len(first) - 2) for i in mine]
