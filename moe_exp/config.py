@@ -409,15 +409,15 @@ def pp_stages(cfg) -> list[int]:
     if p.pp_split is not None:
         return [0, *p.pp_split]
     if p.pp_balance == "flops":
-        from .bench.flops import block_flops, head_flops
+        from .shapes import block_flops, head_flops
 
-        return balanced(tuple(block_flops(m, cfg.train.seq_len)), head_flops(m), n)
+        return list(balanced(tuple(block_flops(m, cfg.train.seq_len)), head_flops(m), n))
     size, extra = divmod(m.num_layers, n)
     return [i * size + min(i, extra) for i in range(n)]
 
 
 @functools.lru_cache(maxsize=256)
-def balanced(weights: tuple, tail: float, n: int) -> list[int]:
+def balanced(weights: tuple, tail: float, n: int) -> tuple[int, ...]:
     """The first blocks of n contiguous stages of `weights` (one block at least each; the
     last stage also carries `tail`) whose largest stage weighs least (a partition by
     dynamic programming; of equal ones, the earliest cuts)."""
@@ -434,7 +434,7 @@ def balanced(weights: tuple, tail: float, n: int) -> list[int]:
     for s in range(n, 0, -1):
         i = best[s, i][1]
         first.append(i)
-    return first[::-1]
+    return tuple(first[::-1])
 
 
 def stages_per_rank(p) -> int:

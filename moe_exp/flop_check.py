@@ -82,7 +82,7 @@ def check(overrides=(), device: str = "cpu") -> dict:
                                autocast_factory(cfg.precision, torch.device("cpu")))
     dropped = 0.0
     if m.num_experts and m.capacity_factor is not None and device != "meta":
-        from .bench.flops import moe_layers
+        from .shapes import moe_layers
 
         # useful FLOPs: those of the choices kept (as the record counts them)
         dropped = 1 - counted["kept"] / (tokens.numel() * m.top_k * moe_layers(m))

@@ -136,7 +136,8 @@ def test_blocks_and_head_sum_to_flops_per_token(model):
     """parallel.pp_balance=flops weighs each block and the LM head by flops_per_token's own
     terms: together they are flops_per_token."""
     from conftest import compose
-    from moe_exp.bench.flops import block_flops, flops_per_token, head_flops
+    from moe_exp.bench.flops import flops_per_token
+    from moe_exp.shapes import block_flops, head_flops
 
     m = compose([f"model={model}"]).model
     w = block_flops(m, 4096)
@@ -152,7 +153,7 @@ def test_a_flops_balanced_pipeline_lightens_the_heads_stage():
     import itertools
 
     from conftest import compose
-    from moe_exp.bench.flops import block_flops, head_flops
+    from moe_exp.shapes import block_flops, head_flops
     from moe_exp.config import balanced, pp_stages
 
     cfg = compose(["model=deepseek_v3", "parallel=fsdp", "parallel.pp=16",
@@ -178,3 +179,4 @@ def test_a_flops_balanced_pipeline_lightens_the_heads_stage():
                for c in itertools.combinations(range(1, 6), 2))
     assert max(sum(small[a:b]) + (1.5 if b == 6 else 0)
                for a, b in zip(cuts, (*cuts[1:], 6))) == best
+    assert cuts[0] == 0 and len(cuts) == 3

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
     ("config", ["moe_exp", "moe_exp.knobs", "moe_exp.config", "moe_exp.conf", "moe_exp.ranks",
                 "moe_exp.host", "moe_exp.record", "moe_exp.results", "moe_exp.hardware",
-                "moe_exp.tracking", "moe_exp.hydra_internals"]),
+                "moe_exp.tracking", "moe_exp.hydra_internals", "moe_exp.shapes"]),
     ("instruments", ["moe_exp.bench"]),
     ("runtime", ["moe_exp.distributed", "moe_exp.data"]),
     ("model", ["moe_exp.model"]),
