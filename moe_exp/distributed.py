@@ -54,12 +54,29 @@ def init(cfg) -> Dist:
              int(os.environ.get("LOCAL_RANK", 0)))
     if cfg.hardware.device == "cuda":
         torch.cuda.set_device(d.local_rank)
-    elif "OMP_NUM_THREADS" not in os.environ:  # ranks share the cores: no oversubscription
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", d.world))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    elif (threads := rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", d.world)))):
+        torch.set_num_threads(threads)  # (a forked rank keeps its parent's count otherwise)
     if not dist.is_initialized():
         dist.init_process_group(backend(cfg), timeout=dt.timedelta(seconds=cfg.parallel.timeout_s))
     return d
+
+
+def rank_threads(local: int) -> int | None:
+    """Torch threads of each of `local` CPU ranks: OMP_NUM_THREADS where set, else the cores
+    shared out (no oversubscription). None where OMP_NUM_THREADS is not one number."""
+    env = os.environ.get("OMP_NUM_THREADS")
+    if env is None:
+        return max(1, (os.cpu_count() or 1) // local)
+    return int(env) if env.strip().isdigit() and int(env) > 0 else None
+
+
+def start_method(n: int, fork: bool) -> str:
+    """How launch starts n local ranks: "fork" where asked, CUDA is not initialized here and
+    each rank runs one thread, else "spawn". GNU OpenMP's thread pool does not survive a
+    fork: a forked rank running 2 threads, after its parent had, hung in
+    gomp_team_barrier_wait_end (an in-process sweep's second job)."""
+    ok = fork and not torch.cuda.is_initialized() and rank_threads(n) == 1
+    return "fork" if ok else "spawn"
 
 
 def finish() -> None:
@@ -84,12 +101,12 @@ def launch(entry, n: int, *args, run_id: str | None = None, fork: bool = False):
     """Run entry(*args) on n local ranks; returns rank 0's return value.
 
     A rank that fails ends all of them, as the agent stops the rest, and raises
-    ChildFailedError naming it. fork: the ranks forked from this process (CPU ranks; 0.8 s
-    a launch of 2 where spawning, each rank importing torch again, takes 4 s), else
-    spawned; never forked once this process has initialized CUDA."""
+    ChildFailedError naming it. fork: the ranks forked from this process where start_method
+    allows (CPU ranks of one thread; 0.8 s a launch of 2 where spawning, each rank
+    importing torch again, takes 4 s), else spawned."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    fork = fork and not torch.cuda.is_initialized()
+    fork = start_method(n, fork) == "fork"
     lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n,
                       run_id=run_id or f"moe_exp-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                       rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.2,

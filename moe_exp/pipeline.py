@@ -203,7 +203,8 @@ def launch(cfg_dict: dict, out_dir: Path, overrides, choices, progress,
     try:
         rec = elastic(rank_entry, cfg_dict["hardware"]["devices"], rank_main, cfg_dict,
                       str(out_dir), overrides, choices, progress, True, known,
-                      fork=cfg_dict["hardware"]["device"] == "cpu")
+                      fork=cfg_dict["hardware"]["device"] == "cpu" and  # (hardware.env's
+                      not cfg_dict["hardware"].get("env"))  # variables: read by a start)
     except ChildFailedError as e:
         (out_dir / "error.log").write_text(failure_report(e))
         msg = failure_message(e)

@@ -742,6 +742,22 @@ def test_sweep_over_parallel_and_devices(tmp_path):
     assert df.loc[0, "baseline"] and df.loc[3, "speedup"] > 0
 
 
+def test_cpu_ranks_are_forked_only_where_each_runs_one_thread(monkeypatch):
+    """GNU OpenMP's pool does not survive a fork: a rank of 2 threads forked from a process
+    that had run 2 hung (the sweep above, outside pytest -n's one thread). Such ranks are
+    spawned; a forked rank sets its threads itself."""
+    from moe_exp.distributed import rank_threads, start_method
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert [rank_threads(n) for n in (1, 2, 4)] == [2, 1, 1]
+    assert [start_method(n, True) for n in (1, 2, 4)] == ["spawn", "fork", "fork"]
+    assert start_method(2, False) == "spawn"
+    for env, threads, how in (("1", 1, "fork"), ("3", 3, "spawn"), ("4,2", None, "spawn")):
+        monkeypatch.setenv("OMP_NUM_THREADS", env)
+        assert (rank_threads(1), start_method(1, True)) == (threads, how)
+
+
 def test_max_over_ranks_keeps_nulls_apart(launched):
     """Peaks and comm time -> max over ranks with the same keys on every rank: a figure one
     rank could not measure (null) takes the others' (the null list used to be skipped,
