@@ -473,9 +473,10 @@ def experts_whole(p) -> bool:
 
 
 def ep_size(p, world: int) -> int:
-    """Expert parallel's size: parallel.expert_parallel_size, or every data rank (every
-    rank where the experts are whole under tensor parallel: parallel.etp=1)."""
-    return p.expert_parallel_size or (world if experts_whole(p) else data_ranks(p, world))
+    """Expert parallel's size: parallel.expert_parallel_size, or every data rank (and each
+    one's tp ranks where the experts are whole under tensor parallel: parallel.etp=1)."""
+    return p.expert_parallel_size or data_ranks(p, world) * (tp_size(p) if experts_whole(p)
+                                                            else 1)
 
 
 def mesh_dims(p, devices: int, world: int) -> list[tuple[str, int]]:

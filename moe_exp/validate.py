@@ -457,9 +457,10 @@ def _check_pp(cfg, world: int) -> None:
     p, n, layers = cfg.parallel, cfg.hardware.devices, cfg.model.num_layers
     if pp_size(p) == 1:
         return
-    if world % p.pp:
+    if world % (p.pp * tp_size(p)):
         ranks = f"hardware.devices={n}" if world == n else f"world size {world} (WORLD_SIZE)"
-        raise ConfigError("parallel.pp", f"must divide the {ranks}, got {p.pp}")
+        by = f" x parallel.tp={p.tp}" if tp_size(p) > 1 else ""
+        raise ConfigError("parallel.pp", f"parallel.pp={p.pp}{by} must divide the {ranks}")
     per_rank, single = stages_per_rank(p), p.pp_schedule in ("gpipe", "1f1b")
     if single != (per_rank == 1):
         raise ConfigError("parallel.pp_stages_per_rank", f"parallel.pp_schedule="
@@ -502,8 +503,6 @@ def _check_pp(cfg, world: int) -> None:
                           "checkpointing and expert_fsdp's sharded experts, the recompute "
                           "finds the experts gathered where the forward gathered them: set "
                           "false (allowed: false)")
-    if tp_size(p) > 1:
-        raise ConfigError("parallel.tp", f"not with parallel.pp > 1 yet (allowed: 1), got {p.tp}")
     if cfg.optim.name == "muon":
         raise ConfigError("optim", "muon not with parallel.pp > 1 yet: its Newton-Schulz "
                           "round-robin assumes every rank holds every matrix (allowed: adamw)")

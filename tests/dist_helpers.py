@@ -310,7 +310,8 @@ def pp_grads_match(overrides, batch: int) -> dict | None:
     from torch.distributed.tensor import DTensor
 
     from moe_exp import distributed
-    from moe_exp.config import data_rank, data_ranks, ep_size, pp_microbatches
+    from moe_exp.config import (data_rank, data_ranks, ep_size, experts_whole,
+                                pp_microbatches, tp_size)
 
     cfg = _cfg(["train.seq_len=16", f"train.micro_batch_size={batch}", *overrides])
     d = distributed.init(cfg)
@@ -319,11 +320,15 @@ def pp_grads_match(overrides, batch: int) -> dict | None:
         ref, applied, x, y = _twins(cfg, d.world, batch * dp)
         r = data_rank(cfg.parallel, d.world, d.rank)
         out = applied.model(x[r * batch:(r + 1) * batch], y[r * batch:(r + 1) * batch])
+        if applied.before_step:  # (tp's DTensor grad sync; FSDP2 reduces its own)
+            applied.before_step()
         loss = distributed.all_mean(out.loss.detach())
         counts = out.counts.clone()
         dist.all_reduce(counts)
-        counts //= cfg.parallel.pp
-        grads = {n.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", ""):
+        # (every stage holds them; every tp rank too, but where each routes its shard)
+        counts //= cfg.parallel.pp * (1 if experts_whole(cfg.parallel) else tp_size(cfg.parallel))
+        grads = {n.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
+                 .replace(".inner.", "."):  # (tp's split experts)
                  q.grad.full_tensor() if isinstance(q.grad, DTensor) else q.grad
                  for n, q in applied.model.named_parameters()}  # (collectives: every rank)
         every = [None] * d.world

@@ -35,6 +35,10 @@ def test_expert_parallel_loss_grads_and_counts_match_one_process(case, launched)
     assert worst[1] < 1e-5, worst
 
 
+def ranks_of(overrides) -> int:
+    return 4 if "hardware.devices=4" in overrides else 2
+
+
 CLIPPED = ["ddp", "fsdp", "expert", "expert_fsdp"]
 # HSDP on 2 ranks: 2-D DTensor grads on a 1 x 2 mesh (sharded) and a 2 x 1 one (replicated)
 HSDP_2 = {"hsdp": "parallel.replicate=1", "hsdp-2x1": "parallel.replicate=2"}
@@ -86,17 +90,28 @@ PP_GRADS = [
                               "parallel.pp_schedule=interleaved_1f1b"]),
     # (each stage on its 2 cp ranks; the aux losses each rank's part's: off)
     ("cp2 tiny_moe", 4, ["parallel=fsdp", "parallel.cp=2", "model.aux_loss_coef=0"]),
+    # each stage split over 2 tp ranks: its sequence shard sent, the last ending on its vocab
+    # shard; MLA, the dense first block, 2 stages a rank without and with sequence parallel
+    ("tp2 tiny_moe", 4, ["parallel=fsdp", "parallel.tp=2"]),
+    ("tp2 tiny_deepseek interleaved nosp", 4, [
+        "parallel=fsdp", "parallel.tp=2", "model=tiny_deepseek", "model.num_layers=4",
+        "parallel.pp_schedule=interleaved_1f1b", "parallel.sequence_parallel=false"]),
+    # etp=1: each stage's experts whole over its ep x tp ranks, each MoE on its shard
+    ("tp2 etp1 tiny_deepseek", 4, ["parallel=expert_fsdp", "parallel.tp=2", "parallel.etp=1",
+                                   "model=tiny_deepseek", "model.aux_loss_coef=0"]),
 ]
 # task=plan of a pipeline: each stage's rank traced, against the real ranks
 PP_PLANS = {"fsdp-1f1b": ["parallel=fsdp"],
             "expert_fsdp-interleaved-deepseek": [
                 "parallel=expert_fsdp", "parallel.pp_schedule=interleaved_1f1b",
-                "model=tiny_deepseek", "model.num_layers=4"]}
-PP_PLANS = {k: [*o, "hardware.devices=2", "parallel.pp=2", "train.micro_batch_size=4"]
+                "model=tiny_deepseek", "model.num_layers=4"],
+            "fsdp-tp2-4ranks": ["parallel=fsdp", "parallel.tp=2", "hardware.devices=4"]}
+PP_PLANS = {k: [*o, "parallel.pp=2", "train.micro_batch_size=4"] +
+            ([] if "hardware.devices=4" in o else ["hardware.devices=2"])
             for k, o in PP_PLANS.items()}
 # dist_helpers calls: (ranks, helper, its args)
 CALLS = {
-    **{f"stages {k}": (2, "measured_stages", [o]) for k, o in PP_PLANS.items()},
+    **{f"stages {k}": (ranks_of(o), "measured_stages", [o]) for k, o in PP_PLANS.items()},
     **{f"plan {k}": (2, "measured_step", [o]) for k, o in PLANS.items()},
     **{f"ep grads {n}": (n, "ep_grads_match", [["parallel=expert", f"hardware.devices={n}",
                                                 "parallel.expert_parallel_size=2",
@@ -231,10 +246,6 @@ RUNS = {  # id: every override
 }
 
 
-def ranks_of(overrides) -> int:
-    return 4 if "hardware.devices=4" in overrides else 2
-
-
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """Rank 0's result of each CALLS call, and each RUNS run's (record, output dir), from
@@ -354,7 +365,8 @@ def test_pipeline_loss_counts_and_every_gradient_match_one_process(case, launche
     worst = max(res["grad_diffs"].items(), key=lambda kv: kv[1])
     assert worst[1] < 1e-5, worst
     # each parameter on one stage: its dp ranks (4 ranks: 2) and no other
-    assert set(res["held"].values()) == {2 if case[:3] in ("dp2", "ep2", "hsd", "cp2") else 1}
+    assert set(res["held"].values()) == {2 if case[:3] in ("dp2", "ep2", "hsd", "cp2", "tp2")
+                                         else 1}
 
 
 def test_a_pipeline_records_its_bubble_sends_and_stage_peaks(launched):
@@ -660,8 +672,8 @@ PARALLEL_ERRORS = [
      "parallel.etp"),
     (["parallel=ddp", "hardware.devices=2", "parallel.comm_hook=powersgd",
       "parallel.powersgd_rank=0"], "parallel.powersgd_rank"),
-    # pipeline parallel: stages that do not divide the ranks, more stages than blocks, a
-    # bad split, micro-batches that do not split the batch or are too few for 1f1b
+    # pipeline parallel: stages (x tp) that do not divide the ranks, more stages than
+    # blocks, a bad split, micro-batches that do not split the batch or too few for 1f1b
     *(([*PP, *o], k) for o, k in (
         (["parallel.pp_schedule=interleaved_1f1b"], "parallel.pp"),  # 4 stages, 2 blocks
         (["model.num_layers=4", "parallel.pp_split=[4]"], "parallel.pp_split"),
@@ -673,7 +685,7 @@ PARALLEL_ERRORS = [
          "parallel.pp_stages_per_rank"),
         (["model.num_layers=4", "parallel.pp_schedule=zero_bubble"],
          "parallel.reshard_after_forward"),
-        (["parallel.tp=2"], "parallel.tp"))),
+        (["parallel.tp=2"], "parallel.pp"))),  # (pp 2 x tp 2 on 2 ranks)
     # context parallel: cp that does not divide the ranks, a sequence that does not split
     # into 2 x cp chunks, an attention kernel of its own
     (["parallel=fsdp", "hardware.devices=2", "parallel.cp=4"], "parallel.cp"),

@@ -11,17 +11,20 @@ MIXTRAL = ["model=mixtral_8x7b", "hardware=h100", "hardware.devices=64", "precis
 
 def test_every_layout_is_valid_and_keeps_the_global_batch():
     """Each layout of mixtral_8x7b on 64 H100s (and the slower ones of one of each kind:
-    option x tp x pp) passes the run's own checks, and its data ranks x micro-batch x accumulation (a pipeline's: its
-    micro-batches) is the 128 sequences asked for; every size of each dim that divides
-    what it splits is there, each mesh at its fastest corner."""
+    option x tp x pp) passes the run's own checks, and its data ranks x micro-batch x
+    accumulation (a pipeline's: its micro-batches) is the 128 sequences asked for; every
+    size of each dim that divides what it splits is there, each mesh at its fastest corner.
+    The pipelines of a TP mesh keep its tp (and EP 8 over its dp x tp ranks, etp=1)."""
     from moe_exp.config import data_ranks
     from moe_exp.pipeline import prepare
     from moe_exp.sweep.layouts import Layout, layouts, pipelines
 
     base = compose(MIXTRAL)
     flat, piped = layouts(base), pipelines(base, Layout(ep=8))
-    kinds = {(x.option, x.tp > 1, x.pp > 1): x for x in flat + piped}  # (one of each)
-    for lay in {x: 0 for y in [*flat, *piped] for x in (
+    piped_tp = pipelines(base, Layout(tp=2, ep=8))
+    assert piped_tp and all(x.tp == 2 and x.ep == 8 and x.pp > 1 for x in piped_tp)
+    kinds = {(x.option, x.tp > 1, x.pp > 1): x for x in flat + piped + piped_tp}  # (each)
+    for lay in {x: 0 for y in [*flat, *piped, *piped_tp] for x in (
             (y, *y.slower()) if kinds[y.option, y.tp > 1, y.pp > 1] == y else (y,))}:
         cfg, rec = prepare(compose(["task=plan", *MIXTRAL, *lay.overrides()]), [])
         assert rec is None, (lay, rec["error"])

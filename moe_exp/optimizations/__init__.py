@@ -83,6 +83,12 @@ def apply(model: nn.Module, cfg, device: torch.device, world: int = 1) -> Applie
                  for s in split_stages(model, cfg, mesh)]
         piped = PipelineModel([m for m, _ in parts], model, cfg, mesh, device)
         (_, wrapped), model = parts[0], piped  # (its clip: every stage's ranks alike)
+        syncs = [w["before_step"] for _, w in parts if w.get("before_step")]
+        if len(syncs) > 1:  # (each stage's own: tensor parallel's replicated weights)
+            def every_stage():
+                for sync in syncs:
+                    sync()
+            wrapped = {**wrapped, "before_step": every_stage}
     else:
         model, wrapped = _parallelize(model, cfg, device, world, mesh)
     if cp_size(cfg.parallel) > 1:

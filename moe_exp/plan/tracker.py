@@ -22,6 +22,18 @@ class _PeakOnly:
                 self._peak_mem[dev] = snap["Total"]
                 self._peak_mem_snap[dev] = dict(snap)
 
+    def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+        # (tensor parallel's split experts run on their shards' local views, which
+        # functional_call swaps in: not leaves, no grad hooks; their gradients reach the
+        # DTensor shards, tracked and hooked on the module above)
+        import warnings
+
+        leaves = all(p.is_leaf for p in module.parameters())
+        with warnings.catch_warnings():  # (it reads their .grad: None, with a warning)
+            warnings.filterwarnings("ignore", message=".*not a leaf Tensor")
+            return super()._track_module_params_and_buffers(module,
+                                                            install_grad_hooks and leaves)
+
     def restart_peak(self) -> None:
         """The peak from now on: what is live now (a step's phases each have their own)."""
         if all(hasattr(self, a) for a in ("_curr_mem_snap", "_peak_mem", "_peak_mem_snap")):

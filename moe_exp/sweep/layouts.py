@@ -237,21 +237,22 @@ def layouts(cfg) -> list[Layout]:
 
 
 def pipelines(cfg, best: Layout) -> list[Layout]:
-    """The pipelines of `best`'s data mesh (the fastest planned without a pipeline at tp =
-    1, fitting or not: tp x pp is not built yet): pp of each power of two up to half the blocks and MAX_PP, each
-    schedule; its expert-parallel size or the data ranks, the fewer, and its HSDP
-    replicas where they divide the data ranks."""
+    """The pipelines of `best`'s data mesh (the fastest planned without a pipeline, fitting
+    or not): pp of each power of two up to half the blocks and MAX_PP, each schedule; its
+    tp and cp, its expert-parallel size or the ranks it can span, the fewer (the data
+    ranks, x tp where the experts are whole under TP), and its HSDP replicas where they
+    divide the data ranks."""
     from math import gcd
 
     m, n, batch = cfg.model, cfg.hardware.devices, global_batch(cfg)
     out = []
     for pp in _pow2(min(MAX_PP, m.num_layers // 2))[1:]:
-        dp = n // pp // best.cp
-        if n % (pp * best.cp) or dp == 0 or batch % dp:
+        dp = n // pp // best.cp // best.tp
+        if n % (pp * best.cp * best.tp) or dp == 0 or batch % dp:
             continue
         rep = best.replicate if best.replicate > 1 and dp % best.replicate == 0 and \
             dp > best.replicate else 1
-        mesh = Layout(ep=gcd(best.ep, dp), replicate=rep, cp=best.cp)
+        mesh = Layout(tp=best.tp, ep=gcd(best.ep, dp * best.tp), replicate=rep, cp=best.cp)
         out += _batches(mesh, pp, batch // dp, m.num_layers)
     return out
 

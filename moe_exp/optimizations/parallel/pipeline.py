@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...config import pp_microbatches, pp_stages, seq_part, stages_per_rank
+from ...config import pp_microbatches, pp_stages, seq_part, stages_per_rank, tp_size
 from ...model import Output
 
 
@@ -88,17 +88,20 @@ def split_stages(model: nn.Module, cfg, mesh) -> list[Stage]:
 def _shapes(cfg, stage: int, n_stages: int, device) -> dict:
     """A stage's example input and output, one micro-batch's: torch's static metadata,
     so no stage runs a forward to infer them or sends them as objects (which a plan's fake
-    process group cannot). The blocks run in FSDP2's parameter dtype (the embedding's)."""
+    process group cannot). The blocks run in FSDP2's parameter dtype (the embedding's);
+    under tensor parallel each rank sends its sequence shard (sequence parallel) and the
+    last stage ends on its vocab shard."""
     from ..precision import DTYPES
 
-    m, t = cfg.model, cfg.train
+    m, t, tp = cfg.model, cfg.train, tp_size(cfg.parallel)
     rows = t.micro_batch_size // pp_microbatches(cfg.parallel)
     seq = seq_part(cfg)
     dtype = DTYPES.get(cfg.precision.autocast_dtype, torch.float32)
-    hidden = torch.empty(rows, seq, m.hidden_size, dtype=dtype, device=device,
+    shard = seq // tp if cfg.parallel.sequence_parallel else seq
+    hidden = torch.empty(rows, shard, m.hidden_size, dtype=dtype, device=device,
                          requires_grad=True)
     tokens = torch.empty(rows, seq, dtype=torch.long, device=device)
-    out = torch.empty(rows, seq, m.vocab_size, dtype=dtype, device=device,
+    out = torch.empty(rows, seq, m.vocab_size // tp, dtype=dtype, device=device,
                       requires_grad=True) if stage == n_stages - 1 else hidden
     return {"input_args": tokens if stage == 0 else hidden, "output_args": out}
 
@@ -194,7 +197,7 @@ class PipelineModel(nn.Module):
         self.layers = nn.ModuleDict({k: b for s in stages for k, b in s.layers.items()})
         self.norm, self.head = (stages[-1].norm, stages[-1].head) if self.is_last else (None,
                                                                                          None)
-        self.loss = model.loss if self.is_last else None
+        self.loss = getattr(stages[-1], "loss", model.loss) if self.is_last else None
         self.coefs = stages[0].coefs
         moe = [int(k) for k, b in model.layers.named_children() if b.is_moe]
         self.n_moe, self.num_experts = len(moe), cfg.model.num_experts

@@ -31,23 +31,26 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 
 from ...model.moe import MoE
+from ...model.transformer import block_items
 
 
 def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool,
                           experts: bool | str = True) -> None:
-    """Split `model` (a model.transformer.Transformer) over the 1-D TP mesh, in place.
+    """Split `model` (a model.transformer.Transformer, or a pipeline's Stage: its embedding,
+    norm and head where it has them) over the 1-D TP mesh, in place.
 
     experts=False leaves the routed experts whole, for expert parallel to shard first
     (parallel.apply_expert then splits each rank's with split_experts); "whole"
     (parallel.etp=1) runs each MoE on the rank's sequence shard, unsplit."""
     seq = Shard(1) if sequence_parallel else Replicate()
-    parallelize_module(model, mesh, {
-        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "head": ColwiseParallel(input_layouts=seq),  # (local logits, this rank's vocab)
-    })
-    model.loss = VocabParallelLoss(mesh)
-    _norm(model.norm, mesh, sequence_parallel)
-    for block in model.layers:
+    ends = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "head": ColwiseParallel(input_layouts=seq)}  # (local logits, this rank's vocab)
+    parallelize_module(model, mesh, {k: v for k, v in ends.items()
+                                     if getattr(model, k, None) is not None})
+    if getattr(model, "head", None) is not None:
+        model.loss = VocabParallelLoss(mesh)
+        _norm(model.norm, mesh, sequence_parallel)
+    for _, block in block_items(model.layers):
         _norm(block.attn_norm, mesh, sequence_parallel)
         _norm(block.ffn_norm, mesh, sequence_parallel)
         _attention(block.attn, mesh, seq)
