@@ -17,7 +17,8 @@ import traceback
 PRELOAD = ["torch", "torch._dynamo", "torch._inductor.config", "hydra", "omegaconf",
            "moe_exp.cli", "moe_exp.pipeline", "moe_exp.tasks.bench"]
 # read when used, not at import: may differ from the server's
-RUNTIME = {"PYTEST_CURRENT_TEST", "PYTHONPATH", "WANDB_MODE", "WANDB_SILENT", "HYDRA_FULL_ERROR"}
+RUNTIME = {"PYTEST_CURRENT_TEST", "PYTHONPATH", "WANDB_MODE", "WANDB_SILENT", "HYDRA_FULL_ERROR",
+           "TORCHINDUCTOR_CACHE_DIR"}  # (inductor's cache_dir() reads it at each call)
 _server = {}
 
 

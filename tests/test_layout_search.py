@@ -14,7 +14,8 @@ def test_every_layout_is_valid_and_keeps_the_global_batch():
     option x tp x pp) passes the run's own checks, and its data ranks x micro-batch x
     accumulation (a pipeline's: its micro-batches) is the 128 sequences asked for; every
     size of each dim that divides what it splits is there, each mesh at its fastest corner.
-    The pipelines of a TP mesh keep its tp (and EP 8 over its dp x tp ranks, etp=1)."""
+    A TP mesh's pipelines (task=plan's; the search's are at tp 1) keep its tp and EP 8
+    over its dp x tp ranks (etp=1)."""
     from moe_exp.config import data_ranks
     from moe_exp.pipeline import prepare
     from moe_exp.sweep.layouts import Layout, layouts, pipelines

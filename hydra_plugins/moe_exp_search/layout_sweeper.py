@@ -4,7 +4,7 @@ The layouts come from the composed config (moe_exp.sweep.layouts), so they are n
 Hydra could expand. It plans every data mesh without a pipeline at its fastest corner
 (the largest micro-batch, no checkpointing), then best first the slower layouts that
 could still win (moe_exp.sweep.layouts.Frontier); then the pipelines of the fastest data
-mesh, the same way. Each plan is a job of the sweep's table.
+mesh without tp, the same way. Each plan is a job of the sweep's table.
 
 Plans run `sweep.plan_workers` at a time (default 2: a plan keeps one core busy), each
 in a process forked from this one before it runs any plan, which runs the job as Hydra's
@@ -68,18 +68,19 @@ class LayoutSweeper(Sweeper):
         flat = layouts(base)
         self.say(f"{len(flat)} data meshes without a pipeline, each at its fastest corner")
         self._run(flat, frontier=False)
-        # the pipelines' data mesh: the fastest planned (fitting or not: a pipeline holds a
-        # stage's parameters, not the model's; the slower layouts of a mesh are slower, so
-        # its corners decide)
+        # the pipelines' data mesh: the fastest planned at tp 1 (fitting or not: a pipeline
+        # holds a stage's parameters, not the model's; the slower layouts of a mesh are
+        # slower, so its corners decide). A TP mesh's pipelines have tp x the micro-batches
+        # a data rank: most would trace too long (docs/plan.md)
         known = [(t, v) for t, (ok, v) in self.front.planned.items()
-                 if ok is not None and t.pp == 1 and v]
+                 if ok is not None and t.tp == 1 and t.pp == 1 and v]
         keep = []
         if known:
             best = max(known, key=lambda x: x[1])[0]
             keep, left = too_long(base, pipelines(base, best))
             for line in left:
                 self.say(f"not planned: {line}")
-            self.say(f"{len(keep)} pipelines of the fastest data mesh, each at "
+            self.say(f"{len(keep)} pipelines of the fastest data mesh without tp, each at "
                      "its fastest corner; then best first, every mesh's slower layouts")
         self._run(keep, frontier=True)
 

@@ -237,11 +237,11 @@ def layouts(cfg) -> list[Layout]:
 
 
 def pipelines(cfg, best: Layout) -> list[Layout]:
-    """The pipelines of `best`'s data mesh (the fastest planned without a pipeline, fitting
-    or not): pp of each power of two up to half the blocks and MAX_PP, each schedule; its
-    tp and cp, its expert-parallel size or the ranks it can span, the fewer (the data
-    ranks, x tp where the experts are whole under TP), and its HSDP replicas where they
-    divide the data ranks."""
+    """The pipelines of `best`'s data mesh (the search's: the fastest planned at tp 1,
+    fitting or not): pp of each power of two up to half the blocks and MAX_PP, each
+    schedule; its tp and cp, its expert-parallel size or the ranks it can span, the fewer
+    (the data ranks, x tp where the experts are whole under TP), and its HSDP replicas
+    where they divide the data ranks."""
     from math import gcd
 
     m, n, batch = cfg.model, cfg.hardware.devices, global_batch(cfg)
