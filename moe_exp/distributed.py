@@ -271,6 +271,9 @@ def rank_entry(fn, *args):
     from .results import stop_on_sigterm
 
     stop_on_sigterm()  # the agent passes a SIGTERM on to the ranks: rank 0 records it
+    # a forked rank inherits the agent's SIGINT handler (it raises SignalException): a
+    # SIGINT, a Ctrl-C or its launcher's death, is a KeyboardInterrupt here, as when spawned
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return fn(*args)
     except Exception as e:

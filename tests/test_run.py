@@ -654,12 +654,15 @@ def test_other_load_counts_other_processes_not_our_own_tree():
         proc.wait()
         return share
 
-    child = share_while(lambda: subprocess.Popen([sys.executable, "-c", spin.format(1.6)]))
-    # `sh` starts the loop in the background and exits: the loop is no longer in our tree
-    stranger = share_while(lambda: subprocess.Popen(
-        ["sh", "-c", f"{sys.executable} -c '{spin.format(1.6)}' >/dev/null 2>&1 &"]))
-    time.sleep(0.4)  # (until that loop has ended)
     cpus = len(os.sched_getaffinity(0))
+    for _ in range(3):  # (another test's ranks can fill every core: then try again)
+        child = share_while(lambda: subprocess.Popen([sys.executable, "-c", spin.format(1.6)]))
+        # `sh` starts the loop in the background and exits: the loop is no longer in our tree
+        stranger = share_while(lambda: subprocess.Popen(
+            ["sh", "-c", f"{sys.executable} -c '{spin.format(1.6)}' >/dev/null 2>&1 &"]))
+        time.sleep(0.4)  # (until that loop has ended)
+        if stranger >= 0.6 / cpus and child <= stranger - 0.4 / cpus:
+            break
     assert stranger >= 0.6 / cpus and child <= stranger - 0.4 / cpus, (child, stranger, cpus)
     assert other_load(None, snapshot()) is None
     rows = dict(_summary_stub(summary_rows, {"cpu_other_load": 0.4, "null_reasons": {}}))
