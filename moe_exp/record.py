@@ -90,6 +90,7 @@ class Planned:
     planned_tokens_per_s: F = None
     planned_comm_gib: F = None
     planned_time_basis: S = None  # datasheet (a floor) | calibration <its file> (...)
+    planned_memory_basis: S = None  # eager step | compiled step (...) | eager step (why)
     planned_kernel_ms: F = None  # the device's busy time (a calibrated plan's)
     calibration_s: F = None  # making the calibration in this run (hardware.calibration=auto)
     planned_pp_stage_peaks_gib: L = None  # parallel.pp: each pp rank's planned peak

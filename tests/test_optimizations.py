@@ -107,8 +107,13 @@ def test_compiled_run_matches_eager_losses(tmp_path, cold_compile):
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-3)
     assert eager["compile_cache_hit_share"] is None
     assert eager["null_reasons"]["compile_cache_hit_share"] == "train.compile=off"
-    again = run_inproc(COMPILED, tmp_path / "again")  # dynamo reuses
+    # dynamo reuses; its plan is of the compiled step (AOTAutograd's partition, fused), its
+    # check the CPU allocator's live bytes in the last warmup step (-1.8% measured)
+    again = run_inproc([*COMPILED, "train.plan=true", "train.warmup_steps=2"],
+                       tmp_path / "again")
     assert again["compile_cache_hit_share"] == 1.0  # this process's graphs: nothing compiled
+    assert again["planned_memory_basis"].startswith("compiled step")
+    assert abs(again["planned_peak_error"]) < 0.10, again["null_reasons"]
 
 
 @pytest.mark.slow

@@ -474,14 +474,14 @@ def test_kineto_marks_are_caught_other_stderr_passes(capfd):
     fd 2 are dropped, anything else written there meanwhile still reaches stderr."""
     import os
 
-    from moe_exp.train.loop import _kineto_quiet
+    from moe_exp.train.loop import kineto_quiet
 
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-    with _kineto_quiet():
+    with kineto_quiet():
         prof.__enter__()
         os.write(2, b"a real warning\n")
     torch.ones(4).sum()
-    with _kineto_quiet():
+    with kineto_quiet():
         prof.__exit__(None, None, None)
     err = capfd.readouterr().err
     assert "a real warning" in err

@@ -27,6 +27,7 @@ def plan_step(cfg, rec: dict) -> None:
 
     A model of many alike blocks is traced at two small depths and its figures taken on
     the line through them (plan/depth.py, train.plan_depth)."""
+    from .compiled import memory_basis
     from .depth import traced_depths
     from .trace import trace_step
 
@@ -53,6 +54,7 @@ def plan_step(cfg, rec: dict) -> None:
         else:
             _deep(cfg, rec, depths)
             rec["plan_s"] = time.perf_counter() - t0
+    rec["planned_memory_basis"] = memory_basis(cfg)
     record_pp_columns(rec, cfg, PIPELINE)
     fill_null_reasons(rec, WHY)
 
@@ -296,8 +298,8 @@ def _figures(cfg, rec: dict, step) -> None:
 # what a task=bench run records of its plan (train.plan)
 BENCH = ("plan_s", "planned_peak_gib", "planned_step_ms", "planned_compute_ms",
          "planned_comm_ms", "planned_comm_exposed_ms", "planned_tokens_per_s",
-         "planned_comm_gib", "planned_time_basis", "planned_kernel_ms", "calibration_s",
-         *PIPELINE)
+         "planned_comm_gib", "planned_time_basis", "planned_memory_basis",
+         "planned_kernel_ms", "calibration_s", *PIPELINE)
 
 
 def bench_plan(cfg) -> dict:

@@ -146,7 +146,8 @@ def _eager(cfg, device: torch.device | None = None):
     """A copy of cfg for a traced or tracked step, on `device` where given.
 
     Compile is off: dynamo does not trace under an outer fake mode, and the tracker follows
-    eager ops. The model's dispatch is resolved for the device."""
+    eager ops (a compiled step's memory: _compiled_memory). The model's dispatch is the
+    run's, compiled or not, on the device."""
     from ..optimizations.dispatch import resolve_model_dispatch
 
     cfg = copy.deepcopy(cfg)
@@ -161,6 +162,8 @@ def _eager(cfg, device: torch.device | None = None):
             dtype = torch.bfloat16 if cfg.precision.autocast_dtype == "bfloat16" else None
             m.dispatch = "grouped" if cc is not None and grouped_fast("cuda", dtype, cc) \
                 else "loop"
+    elif cfg.hardware.device == "cpu":  # (compiled, fp32 runs the loop)
+        resolve_model_dispatch(cfg, torch.device("cpu"))
     cfg.train.compile = "off"
     if device is not None:
         cfg.hardware.device = device.type
@@ -194,9 +197,12 @@ def trace_step(cfg, micro_batch: int | None = None, rank: int = 0) -> StepMemory
     from ..model.transformer import Transformer
     from .pipeline import tagged
 
+    from .compiled import memory_basis
+
     b = micro_batch or cfg.train.micro_batch_size
     io = bool(cfg.hardware.calibration)  # (fused kernels, waits for collectives)
     gpu = cfg.hardware.device == "cuda"
+    partitioned = memory_basis(cfg).startswith("compiled")
     cfg = planned_config(cfg)
     world = cfg.hardware.devices  # (1 under parallel=none: validate sees to it)
     m = cfg.model
@@ -221,9 +227,27 @@ def trace_step(cfg, micro_batch: int | None = None, rank: int = 0) -> StepMemory
             with _phases(built[0].model):
                 got = _tracked(cfg, built, FAKE_DEVICE, [Shadows(rows, experts), ops], ops)
             got.flops, got.comm, got.ops = ops.flops, ops.comm, ops
+            if partitioned:  # (its time: the eager ops', fused by the calibration)
+                mem = _compiled_memory(cfg, build_step(cfg, b, FAKE_DEVICE, world), rows,
+                                       experts)
+                got.peak_bytes, got.at_peak, got.phases = mem.peak_bytes, mem.at_peak, \
+                    mem.phases
             if cfg.parallel.name == "ddp":
                 ddp_calls(got, built[0].model)
     return got
+
+
+def _compiled_memory(cfg, built, rows: int, experts: int) -> StepMemory:
+    """A compiled step's memory: the model's forward and backward as torch.compile
+    partitions them (plan/compiled.py), traced once outside the tracker, then tracked."""
+    from .compiled import Compiled
+
+    applied, tokens = built[0], built[3]
+    applied.model = Compiled(applied.model, cfg.train.activation_checkpointing)
+    phase("partitioning the compiled step (AOTAutograd)")
+    with Shadows(rows, experts), applied.autocast():
+        applied.model(tokens[:, :-1], tokens[:, 1:])
+    return _tracked(cfg, built, FAKE_DEVICE, [Shadows(rows, experts)])
 
 
 @contextlib.contextmanager

@@ -12,7 +12,15 @@ class _PeakOnly:
 
     MemTracker updates every module's own peak at every op, a loop over the modules that
     costs a big model's plan much of its time, and a plan does not read those peaks. Where
-    torch's tracker lacks these internals, its own update runs."""
+    torch's tracker lacks these internals, its own update runs. While `hidden`, the ops
+    run untracked (a compiled plan's fused ops: plan/compiled.py)."""
+
+    hidden = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.hidden:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _update_peak_stats(self, peak_state) -> None:
         if not all(hasattr(self, a) for a in ("_curr_mem_snap", "_peak_mem", "_peak_mem_snap")):

@@ -79,7 +79,8 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
     return [
         ("plan", f"{run_line(r)} micro-batch {r['micro_batch_size']} on {r['hardware']}, "
                  f"{where} ({traced}{r['plan_s']:.1f} s)"),
-        ("peak memory", f"{r['planned_peak_gib']:,.3f} GiB per device: {split}"),
+        ("peak memory", f"{r['planned_peak_gib']:,.3f} GiB per device: {split}"
+                        + _memory_basis(r.get("planned_memory_basis"))),
         ("fits", fits),
         *([("collectives", _collectives(r))] if r.get("planned_comm") else []),
         *([("pipeline", _pipeline(r))] if peaks else []),
@@ -151,3 +152,10 @@ def _what_to_change(r: dict) -> str:
     if kind not in SHRINK or not gib:
         return ""
     return f"; {kind} {gib:,.3g} GiB of it: " + SHRINK[kind].format(seq=r.get("seq_len"))
+
+
+def _memory_basis(basis: str | None) -> str:
+    """The peak's step where it is not plainly the eager one (train.compile)."""
+    if not basis or basis == "eager step":
+        return ""
+    return " (the compiled step's)" if basis.startswith("compiled") else f" ({basis})"

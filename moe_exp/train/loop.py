@@ -91,11 +91,14 @@ def _profiler(device):
 
 
 _KINETO_MARKS = ("USDT:", "STAGE:")
+# (profile_memory: the CPU allocator logs a free of a block older than the profiler once)
+_OLD_BLOCK = "Memory block of unknown size was allocated before the profiling started"
 
 
 @contextlib.contextmanager
-def _kineto_quiet():
-    """Hide Kineto's profiler start/stop marks from stderr, passing every other line on.
+def kineto_quiet():
+    """Hide Kineto's profiler start/stop marks (and the CPU allocator's line about a block
+    older than a memory profile) from stderr, passing every other line on.
 
     Kineto writes them straight to fd 2 at every start and stop, no log level silences them,
     and each rank would print them. fd 2 is caught for just that call; where it cannot be
@@ -117,7 +120,8 @@ def _kineto_quiet():
         with tmp:
             tmp.seek(0)
             lines = tmp.read().decode(errors="replace").splitlines(keepends=True)
-        out = "".join(x for x in lines if not x.startswith(_KINETO_MARKS))
+        out = "".join(x for x in lines if not x.startswith(_KINETO_MARKS)
+                      and _OLD_BLOCK not in x)
         if out:
             os.write(2, out.encode())
 
@@ -171,7 +175,7 @@ class _Window:
             if self.snapshot:
                 torch.cuda.memory._record_memory_history(max_entries=100_000)
             self.prof = _profiler(self.device)
-            with _kineto_quiet():
+            with kineto_quiet():
                 self.prof.__enter__()
             self.prof_t0 = time.perf_counter()
         if step == self.warmup:
@@ -220,7 +224,7 @@ class _Window:
 
     def close(self) -> None:
         if self.prof is not None:
-            with _kineto_quiet():
+            with kineto_quiet():
                 self.prof.__exit__(None, None, None)
             self._closed, self.prof = self.prof, None
 
