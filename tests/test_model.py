@@ -165,6 +165,7 @@ def test_set_routing_gives_the_load_asked_for(dispatch):
         x = torch.randn(4, 18, 32, requires_grad=True)  # 72 tokens, 144 choices: 24 each
         out, _, _, _, counts, _ = moe(x)
         load = (counts.max() / counts.float().mean()).item()
+        assert moe.router.largest(72) == counts.max()  # (padded's capacity, from sizes)
         if routing == "balanced":
             assert counts.tolist() == [24] * 6
         else:

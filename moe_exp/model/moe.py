@@ -218,6 +218,13 @@ class Router(nn.Module):
         if bias_rate > 0:
             self.register_buffer("expert_bias", torch.zeros(num_experts))
 
+    def largest(self, tokens: int) -> int | None:
+        """The largest expert's count of `tokens` where the routing sets the load, else None."""
+        if self.routing == "learned":
+            return None
+        return set_largest(tokens, self.num_experts, self.top_k,
+                           self.skew if self.routing == "skewed" else None)
+
     def forward(self, x: torch.Tensor):
         """Route x (T, H): returns logits (T, E), probs (T, E), weights (T, k), experts (T, k).
 
@@ -305,6 +312,15 @@ def set_experts(tokens: int, num_experts: int, top_k: int, skew: float | None,
     return torch.where(first, 0, 1 + rank.remainder(num_experts - 1)).view(tokens, top_k)
 
 
+def set_largest(tokens: int, num_experts: int, top_k: int, skew: float | None) -> int:
+    """The largest expert's count under set_experts' load, from the sizes alone."""
+    pairs = tokens * top_k
+    if skew is None:
+        return -(-pairs // num_experts)
+    busy = min(tokens, round(skew * tokens * top_k / num_experts))
+    return max(busy, -(-(pairs - busy) // (num_experts - 1)))
+
+
 class SwiGLU(nn.Module):
     """A dense SwiGLU FFN: w2(silu(w1 x) * w3 x)."""
 
@@ -328,19 +344,23 @@ PAD_LIMIT = 1.5
 PAD_MULTIPLE = 16
 
 
-def pad_capacity(counts: torch.Tensor, rows: int) -> int | None:
+def pad_capacity(counts: torch.Tensor, rows: int, largest: int | None = None) -> int | None:
     """Rows per expert for padded: the largest group, rounded up to PAD_MULTIPLE.
 
     None where padded should not run, in eager only: with no rows, which an expert-parallel
     rank can get, or with padding past PAD_LIMIT, where grouped and loop, costing only the
     real rows, do better. Compiled code cannot branch on the counts, so it always pads.
+    largest: the largest group where the routing sets it (set_largest), read from no tensor.
     """
     num_experts = counts.shape[0]
-    # host sync (compiled: a data-dependent size, one symbol, so it can take a hint; >= 2
-    # spares inductor a size-1 case)
-    cap = int(counts.max().clamp(min=2))
-    torch._check(cap >= 2)
-    hint_size(cap)
+    if largest is not None:  # (a set load: inductor folds its counts, and a size read from
+        cap = max(largest, 2)  # them was left undefined in the compiled code)
+    else:
+        # host sync (compiled: a data-dependent size, one symbol, so it can take a hint;
+        # >= 2 spares inductor a size-1 case)
+        cap = int(counts.max().clamp(min=2))
+        torch._check(cap >= 2)
+        hint_size(cap)
     if not torch.compiler.is_compiling() and (
             rows == 0 or num_experts * cap > PAD_LIMIT * rows + 16 * num_experts):
         return None
@@ -560,7 +580,7 @@ class MoE(nn.Module):
         mode = self.grouped if self.dispatch != "padded" else "padded"
         if mode == "padded" and isinstance(self.experts, Experts):  # (expert parallel's
             # wrapper takes expert-sorted rows)
-            cap = pad_capacity(counts, flat.numel())
+            cap = pad_capacity(counts, flat.numel(), self.router.largest(x.shape[0]))
             if cap is not None:  # tokens straight to their padded rows and back
                 y = self.experts.padded(x, pad_slots(flat, inv, counts, cap), cap, self.top_k)
             else:
