@@ -172,6 +172,9 @@ class LatentAttention(nn.Module):
         self.wkv_b = nn.Linear(self.kv_rank, n * (self.nope + self.vdim), bias=False)
         self.wo = nn.Linear(n * self.vdim, h, bias=False)
         self.attend = causal_attention  # (q, k, v) -> y; an attention kernel may replace it
+        # (latent, k_rope) -> the keys' source positions to expand (context parallel: the
+        # whole sequence's, gathered); None: x's own
+        self.latents = None
 
     def forward(self, x, cos, sin, cache=None):
         """Attend over x; a cache keeps keys and values per head as expanded, not the latent."""
@@ -180,10 +183,13 @@ class LatentAttention(nn.Module):
         q = self.wq(x).view(b, s, self.n_heads, -1).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         latent, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope], dim=-1)
-        kv = self.wkv_b(self.kv_norm(latent)).view(b, s, self.n_heads, -1).transpose(1, 2)
+        latent, k_rope = self.kv_norm(latent), apply_rope(k_rope[:, None], cos, sin)
+        if self.latents is not None:
+            latent, k_rope = self.latents(latent, k_rope)
+        kv = self.wkv_b(latent).view(b, latent.shape[1], self.n_heads, -1).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.vdim], dim=-1)
         q_rope = apply_rope(q_rope, cos, sin)
-        k_rope = apply_rope(k_rope[:, None], cos, sin).expand(-1, self.n_heads, -1, -1)
+        k_rope = k_rope.expand(-1, self.n_heads, -1, -1)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope], dim=-1)
         y = _attend(self, q, k, v, cache)

@@ -3,7 +3,8 @@
 Load-balanced as torch's context_parallel shards causal attention: the sequence in 2 x cp
 chunks, cp rank r holding chunks r and 2cp - 1 - r, so every rank attends over as many
 keys. Attention gathers the keys and values of the whole sequence once (an all-gather over
-the cp group; its backward a reduce-scatter), as torch's default all-gather rotation does;
+the cp group; its backward a reduce-scatter), as torch's default all-gather rotation does
+(MLA: its latent and shared RoPE key, each rank expanding the whole sequence's keys);
 each local chunk then attends causally over the keys up to its own end (lower-right causal:
 flash or memory-efficient attention on CUDA, a boolean mask elsewhere). RoPE's tables are
 this rank's positions. Every other op runs on the rank's tokens alone, as on a data rank;
@@ -47,7 +48,10 @@ def apply_context(model: nn.Module, mesh, seq: int) -> None:
     model.rope_sin = mine(model.rope_sin[:seq], 0, cp, rank)
     group = mesh.get_group()
     for mod in model.modules():
-        if hasattr(mod, "attend"):
+        if hasattr(mod, "latents"):  # MLA: the latent gathered, each rank expanding the
+            mod.attend = GatherAttend(group, cp, rank, whole=True)  # whole sequence's keys
+            mod.latents = mod.attend.latents
+        elif hasattr(mod, "attend"):
             mod.attend = GatherAttend(group, cp, rank)
 
 
@@ -61,18 +65,31 @@ def shard_inputs(model: nn.Module, cp: int, rank: int) -> None:
 
 
 class GatherAttend:
-    """Causal attention of this rank's two query chunks over the whole sequence's keys."""
+    """Causal attention of this rank's two query chunks over the whole sequence's keys.
 
-    def __init__(self, group, cp: int, rank: int):
-        self.group, self.cp, self.rank = group, cp, rank
+    whole: the keys and values come whole (MLA's, expanded from the gathered latent:
+    `latents`); else each is gathered here."""
+
+    def __init__(self, group, cp: int, rank: int, whole: bool = False):
+        self.group, self.cp, self.rank, self.whole = group, cp, rank, whole
         held = [i for r in range(cp) for i in chunks(cp, r)]  # the gathered chunks' order
         self.order = [held.index(i) for i in range(2 * cp)]  # where chunk i was gathered
 
+    def gathered(self, t, dim: int):
+        """t's sequence dim `dim` gathered over the cp ranks, in sequence order."""
+        c = t.shape[dim] // 2  # every rank's (chunk r, chunk 2cp-1-r), in rank order
+        t = _gather(t.contiguous(), dim, self.group)
+        return torch.cat([t.narrow(dim, j * c, c) for j in self.order], dim=dim)
+
+    def latents(self, latent, k_rope):
+        """MLA's normed latent (b, s, rank) and roped shared key part (b, 1, s, rope), the
+        whole sequence's: 576 values a token for DeepSeek-V3, not its 128 heads' 40,960."""
+        return self.gathered(latent, 1), self.gathered(k_rope, 2)
+
     def __call__(self, q, k, v):
         c = q.shape[2] // 2
-        # every rank's (chunk r, chunk 2cp-1-r), in rank order, then in sequence order
-        k, v = (_gather(t.contiguous(), 2, self.group) for t in (k, v))
-        k, v = (torch.cat([t.narrow(2, j * c, c) for j in self.order], dim=2) for t in (k, v))
+        if not self.whole:
+            k, v = self.gathered(k, 2), self.gathered(v, 2)
         out = [_causal_over_prefix(qi, k[:, :, :(i + 1) * c], v[:, :, :(i + 1) * c])
                for qi, i in zip(q.split(c, dim=2), chunks(self.cp, self.rank))]
         return torch.cat(out, dim=2)
