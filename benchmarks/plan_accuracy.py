@@ -3,9 +3,12 @@ beside the live tensor memory the same step tracks on real tensors (learned rout
 the time each took. The issue's goal: within 10% of measured. (Bench runs that check
 their own plan, memory and time: plan_rows.py.)
 
+--compile off,default: compiled rows too, their real step's peak the CPU allocator's live
+bytes (plan.trace.measure_compiled_step; one device only).
+
     PYTHONPATH=. python benchmarks/plan_accuracy.py [--models tiny_moe,small_moe]
         [--precisions fp32,bf16] [--ac none,full,selective] [--micro-batch 4]
-        [--parallel none,ddp,fsdp,expert] [--json out.json] [override ...]
+        [--parallel none,ddp,fsdp,expert] [--compile off] [--json out.json] [override ...]
 """
 from __future__ import annotations
 
@@ -31,22 +34,26 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=at_least(1), default=4)
     ap.add_argument("--parallel", default="none", help="e.g. none,ddp,fsdp,expert: the "
                     "others on 2 gloo ranks (rank 0's real step against the plan of rank 0)")
+    ap.add_argument("--compile", default="off", help="train.compile values, e.g. off,default")
     ap.add_argument("--json", type=out_file)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     runs = [[f"model={m}", f"precision={p}", f"train.activation_checkpointing={c}",
-             "hardware=cpu", f"train.micro_batch_size={a.micro_batch}",
+             "hardware=cpu", f"train.micro_batch_size={a.micro_batch}", f"train.compile={k}",
              *([f"parallel={par}", "hardware.devices=2"] if par != "none" else []),
              *a.overrides]
-            for par, m, p, c in itertools.product(a.parallel.split(","), a.models.split(","),
-                                                  a.precisions.split(","), a.ac.split(","))]
+            for par, m, p, c, k in itertools.product(
+                a.parallel.split(","), a.models.split(","), a.precisions.split(","),
+                a.ac.split(","), a.compile.split(","))]
     check_config(ap, runs)
+    if a.compile != "off" and a.parallel != "none":
+        ap.error("--compile: compiled rows on one device only (--parallel none)")
     from moe_exp.plan.trace import trace_step
 
     print(device_name(torch.device("cpu")))
-    print("| parallel | model | precision | AC | planned MiB | measured MiB | error | plan s | "
-          "run s |")
-    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| parallel | model | precision | AC | compile | planned MiB | measured MiB | error | "
+          "plan s | run s |")
+    print("| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
     rows = []
     for o in runs:
         cfg = compose(o)
@@ -58,12 +65,13 @@ def main() -> None:
         err = plan.peak_bytes / real.peak_bytes - 1
         row = dict(parallel=cfg.parallel.name, model=cfg.model.name,
                    precision=cfg.precision.name, ac=cfg.train.activation_checkpointing,
+                   compile=cfg.train.compile,
                    planned_mib=plan.peak_bytes / 2**20, measured_mib=real.peak_bytes / 2**20,
                    error=err, plan_s=t1 - t0,
                    run_s=t2 - t1, planned=plan.at_peak, measured=real.at_peak)
         rows.append(row)
         print(f"| {row['parallel']} | {row['model']} | {row['precision']} | {row['ac']} | "
-              f"{row['planned_mib']:,.1f} | {row['measured_mib']:,.1f} | {err:+.1%} | "
+              f"{row['compile']} | {row['planned_mib']:,.1f} | {row['measured_mib']:,.1f} | {err:+.1%} | "
               f"{row['plan_s']:.1f} | {row['run_s']:.1f} |", flush=True)
     worst = max(abs(r["error"]) for r in rows)
     print(f"worst error {worst:.1%} over {len(rows)} configurations (goal: within 10%)")
@@ -72,9 +80,12 @@ def main() -> None:
 
 
 def _measured(cfg, overrides):
-    """The real step's tracked memory: here, or on 2 gloo ranks (rank 0's)."""
-    from moe_exp.plan.trace import measure_step
+    """The real step's tracked memory: here (compiled: its allocator's), or on 2 gloo ranks
+    (rank 0's)."""
+    from moe_exp.plan.trace import measure_compiled_step, measure_step
 
+    if cfg.train.compile != "off":
+        return measure_compiled_step(cfg)
     if cfg.parallel.name == "none":
         return measure_step(cfg)
     from moe_exp.distributed import launch, rank_entry

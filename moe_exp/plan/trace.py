@@ -361,6 +361,24 @@ def _no_init(self) -> None:
     """Skips weight init: fake weights have no values to initialize."""
 
 
+def measure_compiled_step(cfg, micro_batch: int | None = None) -> StepMemory:
+    """A compiled step's real peak on this CPU, as a compiled bench run checks its plan:
+    the CPU allocator's live bytes over its second step (the first compiles and makes the
+    optimizer's state; plan.check.Allocations). The peak only: no split by kind."""
+    from ..optimizations.dispatch import resolve_model_dispatch
+    from .check import Allocations
+
+    cfg = copy.deepcopy(cfg)
+    resolve_model_dispatch(cfg, torch.device("cpu"))  # (as the compiled run picks it)
+    torch.manual_seed(cfg.train.seed)
+    built = build_step(cfg, micro_batch or cfg.train.micro_batch_size, torch.device("cpu"), 1)
+    _steps(cfg, built, None)
+    built[1].zero_grad(set_to_none=True)
+    with Allocations(built[0].model, built[1]) as seen:
+        _steps(cfg, built, None)
+    return StepMemory(seen.peak)
+
+
 def measure_step(cfg, micro_batch: int | None = None) -> StepMemory:
     """The plan's steps on real tensors, tracked the same way: its check where it can run.
 
