@@ -195,9 +195,8 @@ def trace_step(cfg, micro_batch: int | None = None, rank: int = 0) -> StepMemory
 
     from ..model.capacity import capacity
     from ..model.transformer import Transformer
-    from .pipeline import tagged
-
     from .compiled import memory_basis
+    from .pipeline import tagged
 
     b = micro_batch or cfg.train.micro_batch_size
     io = bool(cfg.hardware.calibration)  # (fused kernels, waits for collectives)
