@@ -185,6 +185,27 @@ def test_set_routing_gives_the_load_asked_for(dispatch):
         assert grads[-1].abs().sum() > 0  # the router's gradient
 
 
+def test_padded_dispatch_under_a_set_load_reads_no_value():
+    """model.routing=balanced|skewed: the padded capacity comes from the sizes, no value
+    read from the counts (learned: one, the largest count). Compiled with two MoE layers,
+    inductor merged their alike, constant counts and left a capacity read from them
+    undefined ("expected [u1] to have been codegen-ed"; tiny_moe bf16 compiled, balanced
+    and skewed, runs since)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n = getattr(self, "n", 0) + (func is torch.ops.aten._local_scalar_dense.default)
+            return func(*args, **(kwargs or {}))
+
+    for routing, want in (("balanced", 0), ("skewed", 0), ("learned", 1)):
+        moe = MoE(32, 48, num_experts=6, top_k=2, dispatch="padded", routing=routing,
+                  skew=1.5)
+        with Reads() as reads:
+            moe(torch.randn(4, 18, 32))
+        assert reads.n == want, routing
+
+
 def test_balanced_run_records_a_load_of_exactly_one(tmp_path):
     """A run with model.routing=balanced: max/mean load 1.0 in every layer and every step."""
     from conftest import run_inproc
