@@ -587,7 +587,7 @@ def test_compile_threads_are_checked_first_and_hardware_env_sets_them(env, hw, s
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     if env is not None:
         monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", env)
-    args = ["logger=none", f"train.compile={compile_}"]
+    args = ["logger=none", f"train.compile={compile_}", "train.plan=false"]
     if hw is not None:
         args.append(f"++hardware.env.TORCHINDUCTOR_COMPILE_THREADS={hw}")
     rec = run_inproc(args, tmp_path)
