@@ -218,7 +218,9 @@ def test_a_sweeps_table_sums_up_its_rows_plan_checks():
     line = plan_errors(df)
     assert line.startswith("Plan check") and "step time median +10%, -30% to +20% over 3 " \
         "rows" in line and "peak median +2%, +1% to +3% over 3 rows" in line
-    assert "calibration h100.json" in line
+    assert "calibration h100.json" in line and "compiled rows" not in line
+    df["planned_memory_basis"] = ["eager step", "compiled step (AOTAutograd's ...)", None, None]
+    assert "; compiled rows' peaks from the compiled step's partition." in plan_errors(df)
     assert plan_errors(pd.DataFrame({"status": ["ok"]})) == ""
 
 

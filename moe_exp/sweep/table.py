@@ -605,8 +605,11 @@ def plan_errors(df) -> str:
         return ""
     basis = sorted({b for b in df.get("planned_time_basis", []) if isinstance(b, str)})
     said = {"datasheet": "the datasheet's peaks, a floor"}
+    steps = {b.split(" (")[0] for b in df.get("planned_memory_basis", []) if isinstance(b, str)}
     return ("Plan check (planned / measured − 1): " + "; ".join(parts) + (
-        f" (time from {', '.join(said.get(b, b) for b in basis)})" if basis else "") + ".")
+        f" (time from {', '.join(said.get(b, b) for b in basis)})" if basis else "") + (
+        "; compiled rows' peaks from the compiled step's partition"
+        if "compiled step" in steps else "") + ".")
 
 
 def markdown(df, title: str = "Sweep results", lead: str = "") -> str:
