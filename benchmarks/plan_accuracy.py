@@ -45,9 +45,9 @@ def main() -> None:
             for par, m, p, c, k in itertools.product(
                 a.parallel.split(","), a.models.split(","), a.precisions.split(","),
                 a.ac.split(","), a.compile.split(","))]
-    check_config(ap, runs)
     if a.compile != "off" and a.parallel != "none":
         ap.error("--compile: compiled rows on one device only (--parallel none)")
+    check_config(ap, runs)
     from moe_exp.plan.trace import trace_step
 
     print(device_name(torch.device("cpu")))

@@ -196,6 +196,7 @@ BAD_INPUT = [
     (["overhead.py", "--runs", "1", "model.num_heads=3"], "model.num_heads"),
     (["muon_fsdp.py", "--ranks", "1000"], "ranks asked for"),
     (["pad_multiple.py", "--multiples", "0"], "--multiples"),
+    (["plan_accuracy.py", "--compile", "default", "--parallel", "ddp"], "--compile"),
     (["ab_runs.py", "--rounds", "0", "--variant", "a:", "--variant", "b:"], "--rounds"),
     (["ab_runs.py", "--variant", "precision=bf16", "--variant", "b:"], "NAME:override"),
     (["mfu_table.py", "/nonexistent"], "folder"),
