@@ -8,7 +8,10 @@ micro-batches): the planned bubble beside the measured one (issue 51).
 --rows gpu: issue 50's table on a GPU (moe_1b bf16 micro-batch 8 x 2048 eager, balanced,
 compiled and fully checkpointed; seed_moe8 at hidden 1024, 8 layers, fp32 and bf16, with
 and without full checkpointing). --rows cpu: tiny_moe and small_moe x fp32, bf16 x none,
-full, selective x eager, compiled (24 rows). --repeat N runs each row N times (CPU steps
+full, selective x eager, compiled (24 rows), routed balanced as their plans are: a learned
+router's first steps load some experts past the padded dispatch's limit, which on CPU
+falls back to one matmul an expert and pads the compiled step's buffers (benchmarks/
+plans.md). --repeat N runs each row N times (CPU steps
 move +-20% between processes) and reports the median error.
 
 --cpu-peaks: the datasheet roofline at this CPU's own peaks, measured here first (the
@@ -42,7 +45,8 @@ ROWS = {
             SEED + ["precision=bf16", "train.activation_checkpointing=full"],
             SEED + ["precision=fp32", "train.activation_checkpointing=full"]],
     "cpu": [[f"model={m}", f"precision={p}", f"train.activation_checkpointing={a}",
-             f"train.compile={c}", "hardware=cpu", "train.micro_batch_size=4"]
+             f"train.compile={c}", "hardware=cpu", "train.micro_batch_size=4",
+             "model.routing=balanced"]
             for m, p, a, c in itertools.product(("tiny_moe", "small_moe"), ("fp32", "bf16"),
                                                 ("none", "full", "selective"),
                                                 ("off", "default"))],

@@ -262,6 +262,25 @@ def test_auto_makes_this_machines_calibration_once_and_then_reads_it(tmp_path, m
     assert again["planned_step_ms"] == pytest.approx(first["planned_step_ms"])
 
 
+def test_a_cpus_calibration_is_kept_for_its_thread_count():
+    """A CPU's rates scale with torch's threads (2 threads: twice 1's FLOP/s here): the
+    cache keeps one a count, and a calibration read at another count says so."""
+    from moe_exp.plan.calibration import machine_key
+
+    n, cpu = torch.get_num_threads(), torch.device("cpu")
+    cal = Calibration({**_data(), "threads": 2}, "made.json")
+    try:
+        torch.set_num_threads(1)
+        one, differs = machine_key(cpu), cal.label()
+        torch.set_num_threads(2)
+        two, same = machine_key(cpu), cal.label()
+    finally:
+        torch.set_num_threads(n)
+    assert one != two and one.replace("1t-", "2t-") == two
+    assert "this process runs 1 threads: its rates differ" in differs
+    assert "2 threads" in same and "differ" not in same
+
+
 def test_a_gpu_plan_picks_the_expert_kernel_by_the_profiles_capability():
     """Without the GPU here, model.dispatch=auto is planned as CUDA picks it on the
     profile's part: grouped_mm's own kernel in bf16 on sm90 (hardware.compute_capability

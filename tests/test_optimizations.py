@@ -99,19 +99,21 @@ def cold_compile(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_compiled_run_matches_eager_losses(tmp_path, cold_compile):
-    _, compiled = cold_compile
+def test_compiled_run_matches_eager_losses(tmp_path, cold_compile, monkeypatch):
+    cache, compiled = cold_compile
     eager = run_inproc([*COMPILED, "train.compile=off"], tmp_path / "eager")
     assert compiled["status"] == "ok", compiled["error"]
     assert compiled["compile_s"] > 0
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-3)
     assert eager["compile_cache_hit_share"] is None
     assert eager["null_reasons"]["compile_cache_hit_share"] == "train.compile=off"
-    # dynamo reuses; its plan is of the compiled step (AOTAutograd's partition, fused), its
-    # check the CPU allocator's live bytes in the last warmup step (-1.8% measured)
+    # a run in the same process compiles afresh (dynamo reset) from inductor's cache; its
+    # plan is of the compiled step (AOTAutograd's partition, fused), its check the CPU
+    # allocator's live bytes in the last warmup step (-1.8% measured)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
     again = run_inproc([*COMPILED, "train.plan=true", "train.warmup_steps=2"],
                        tmp_path / "again")
-    assert again["compile_cache_hit_share"] == 1.0  # this process's graphs: nothing compiled
+    assert again["compile_cache_hit_share"] == 1.0  # the cold run's graphs, each a hit
     assert again["planned_memory_basis"].startswith("compiled step")
     assert abs(again["planned_peak_error"]) < 0.10, again["null_reasons"]
 
@@ -421,3 +423,25 @@ def test_a_pipelines_action_clock_counts_the_time_no_action_runs(monkeypatch):
         clock.end()
     assert clock.idle_shares(0, 2) == pytest.approx([0.6, 0.6])
     assert clock.idle_shares(1, 5) == pytest.approx([0.6])
+
+
+def test_a_compiled_run_compiles_as_a_process_of_its_own():
+    """In-process runs (a sweep's, a benchmark's) compile as separate processes would: the
+    8th of 8 compiled runs of tiny_moe and small_moe in one process failed in inductor's
+    code ("name 'u144' is not defined": benchmarks/plan_rows.py, CPU rows) until a
+    compiled run's apply reset dynamo (what an earlier run compiled is gone)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from moe_exp.optimizations import apply
+
+    def double(x):
+        return x * 2
+
+    torch.compile(double, backend="eager")(torch.ones(2))
+    assert _debug_get_cache_entry_list(double)
+    cfg = compose(["model=tiny_moe", "hardware=cpu", "model.num_layers=1"])
+    apply(build_model(cfg.model), cfg, torch.device("cpu"))  # (eager: nothing reset)
+    assert _debug_get_cache_entry_list(double)
+    cfg.train.compile = "default"
+    apply(build_model(cfg.model), cfg, torch.device("cpu"))
+    assert not _debug_get_cache_entry_list(double)

@@ -61,6 +61,8 @@ def apply(model: nn.Module, cfg, device: torch.device, world: int = 1) -> Applie
 
     Gradient accumulation, train.grad_accum_steps, is the loop's: train/loop.py.
     """
+    if cfg.train.compile != "off":  # a run compiles as in a process of its own: another
+        torch._dynamo.reset()  # in-process run's graphs left an unbacked size undefined
     set_matmul_precision(device, cfg.precision.tf32)
     apply_attention(model, cfg.train.attention)
     if cfg.precision.name == "fp8":

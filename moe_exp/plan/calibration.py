@@ -71,10 +71,17 @@ class Calibration:
         self._memo: dict = {}
 
     def label(self) -> str:
-        """Its source (a shipped one by name) and what it measured, when."""
+        """Its source (a shipped one by name) and what it measured, when; on CPU, at how
+        many threads, and where this process runs another count, that its rates do not
+        hold here."""
         d, src = self.data, Path(self.source)
         name = src.stem if src.parent == SHIPPED else self.source
-        return f"{name} ({d['device_name']}, torch {d['torch']}, {d['made'][:10]})"
+        made = d.get("threads")
+        threads = f", {made} threads" if self.device == "cpu" and made else ""
+        text = f"{name} ({d['device_name']}{threads}, torch {d['torch']}, {d['made'][:10]})"
+        if threads and made != torch.get_num_threads():
+            text += f"; this process runs {torch.get_num_threads()} threads: its rates differ"
+        return text
 
     def kernel_s(self, flops: float, nbytes: int, dtype, shape, precision: str) -> float:
         """One op's kernel time in seconds: a compute op's FLOPs at its shape's rate, else
@@ -272,13 +279,14 @@ def cache_dir() -> Path:
 
 
 def machine_key(device: torch.device) -> str:
-    """This machine's calibration name: its device, CPU cores or GPU, and torch version."""
+    """This machine's calibration name: its device, CPU cores and torch threads (a CPU's
+    rates scale with the threads) or GPU, and torch version."""
     import os
     import re
 
     from ..hardware import device_name
 
-    cores = f"-{os.cpu_count()}c" if device.type == "cpu" else ""
+    cores = f"-{os.cpu_count()}c{torch.get_num_threads()}t" if device.type == "cpu" else ""
     name = re.sub(r"[^A-Za-z0-9]+", "_", device_name(device)).strip("_")
     return f"{name}{cores}-torch{torch.__version__.split('+')[0]}"
 

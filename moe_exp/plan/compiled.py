@@ -33,16 +33,21 @@ REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var_mean", "
               "argmax", "argmin", "any", "all", "logsumexp"}
 
 
+def partitioned(cfg) -> bool:
+    """Whether a plan's memory is the compiled step's (train.compile on one device). Under
+    a parallel strategy a compiled step's memory is the eager step's: its hooks and
+    collectives run between compiled graphs."""
+    return cfg.train.compile != "off" and cfg.parallel.name == "none"
+
+
 def memory_basis(cfg) -> str:
-    """What a plan's memory is traced from: the eager step, or (train.compile) the step as
-    compile partitions and fuses it. Under a parallel strategy a compiled step's memory is
-    the eager step's: its hooks and collectives run between compiled graphs."""
+    """What a plan's memory is traced from (the record's planned_memory_basis)."""
+    if partitioned(cfg):
+        return "compiled step (AOTAutograd's min-cut partition, inductor's fusion)"
     if cfg.train.compile == "off":
         return "eager step"
-    if cfg.parallel.name != "none":
-        return f"eager step (a compiled step's under parallel={cfg.parallel.name} is not " \
-               "planned yet)"
-    return "compiled step (AOTAutograd's min-cut partition, inductor's fusion)"
+    return f"eager step (a compiled step's under parallel={cfg.parallel.name} is not " \
+           "planned yet)"
 
 
 class Compiled(nn.Module):

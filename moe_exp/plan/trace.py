@@ -195,13 +195,13 @@ def trace_step(cfg, micro_batch: int | None = None, rank: int = 0) -> StepMemory
 
     from ..model.capacity import capacity
     from ..model.transformer import Transformer
-    from .compiled import memory_basis
+    from .compiled import partitioned as compiled_memory
     from .pipeline import tagged
 
     b = micro_batch or cfg.train.micro_batch_size
     io = bool(cfg.hardware.calibration)  # (fused kernels, waits for collectives)
     gpu = cfg.hardware.device == "cuda"
-    partitioned = memory_basis(cfg).startswith("compiled")
+    partitioned = compiled_memory(cfg)
     cfg = planned_config(cfg)
     world = cfg.hardware.devices  # (1 under parallel=none: validate sees to it)
     m = cfg.model
