@@ -7,10 +7,10 @@ that partition saves for the backward. Each graph then runs on the fake tensors 
 inductor's fusion: a pointwise op whose users are all pointwise ops, views or reductions is
 fused into them and writes no buffer (its output is not tracked); every other op's output
 is a buffer. What reads the graph's inputs alone runs first, as inductor's scheduler puts
-it; inputs and values are freed after their last use, as inductor's code frees them. On
-CPU it is 5-18% under a tiny model's measured compiled peak: the backward of dynamo's own
-partition (its checkpoint regions, inductor's joint-graph passes) holds more than this
-one's (benchmarks/plans.md)."""
+it; inputs and values are freed after their last use, as inductor's code frees them. The
+partitions are the run's (the same saved tensors; inductor's code for each holds the same
+buffers), but on CPU the loop dispatch's backward peaks up to 16% over this plan: how
+inductor's scheduler orders its per-expert kernels is not modelled (benchmarks/plans.md)."""
 from __future__ import annotations
 
 import contextlib
@@ -172,10 +172,38 @@ def hoist_input_only(gm) -> None:
             anchor = n
 
 
+def written_into_cats(gm) -> tuple[dict, set]:
+    """The cat inputs inductor writes in place: each an op's only output, read by the cat
+    alone (through views). Inductor allocates such a cat's buffer at its first such
+    input's kernel and has each write into its slice (the loop dispatch's experts: their
+    outputs and gradients); other inputs are copied in. ({first such op: its cat}, every
+    such op)."""
+    def source(a):
+        while _kind(a) == "view" and a.target is not operator.getitem and len(a.users) == 1:
+            a = a.args[0]
+        return a
+
+    first, into = {}, set()
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for n in gm.graph.nodes:
+        if n.target is not torch.ops.aten.cat.default:
+            continue
+        ops = [source(a) for a in n.args[0]]
+        ops = [o for o in ops if ops.count(o) == 1 and o.op == "call_function" and
+               _kind(o) in ("extern", "pointwise") and len(o.users) == 1 and
+               isinstance(o.meta.get("val"), torch.Tensor)]
+        if ops:
+            first[min(ops, key=order.get)] = n
+            into.update(ops)
+    return first, into
+
+
 def _fused(gm, _example_inputs):
     """A compiler of AOTAutograd's (boxed): runs `gm` with fusion's buffers only."""
     hoist_input_only(gm)
     fused = fused_nodes(gm)
+    first, into = written_into_cats(gm)
+    held = {}  # a cat's buffer, from its first input's kernel
 
     class Run(torch.fx.Interpreter):
         def call_function(self, target, args, kwargs):
@@ -186,7 +214,11 @@ def _fused(gm, _example_inputs):
             return super().call_function(target, args, kwargs)
 
         def run_node(self, n):
-            if n not in fused:
+            if n in first:
+                v = first[n].meta["val"]
+                held[first[n]] = v.new_empty_strided(v.shape, v.stride())
+            held.pop(n, None)  # (the cat: its buffer becomes its output, tracked)
+            if n not in fused and n not in into:
                 return super().run_node(n)
             with _untracked():
                 return super().run_node(n)
