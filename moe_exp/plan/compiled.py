@@ -5,12 +5,13 @@ The model's forward and backward are traced as AOTAutograd's joint graph and spl
 min-cut partitioner inductor uses, on inductor's decompositions: the forward saves what
 that partition saves for the backward. Each graph then runs on the fake tensors with
 inductor's fusion: a pointwise op whose users are all pointwise ops, views or reductions is
-fused into them and writes no buffer (its output is not tracked); every other op's output
-is a buffer. What reads the graph's inputs alone runs first, as inductor's scheduler puts
-it; inputs and values are freed after their last use, as inductor's code frees them. The
-partitions are the run's (the same saved tensors; inductor's code for each holds the same
-buffers), but on CPU the loop dispatch's backward peaks up to 16% over this plan: how
-inductor's scheduler orders its per-expert kernels is not modelled (benchmarks/plans.md)."""
+fused into them and writes no buffer (its output is not tracked); a cat's inputs read by it
+alone write into its buffer, held from the first; every other op's output is a buffer.
+What reads the graph's inputs alone runs first, as inductor's scheduler puts it; inputs
+and values are freed after their last use, as inductor's code frees them. The partitions
+are the run's (the same saved tensors; inductor's code for each holds the same buffers);
+on CPU a tiny model's loop dispatch still peaks up to 11% over this plan
+(benchmarks/plans.md)."""
 from __future__ import annotations
 
 import contextlib
