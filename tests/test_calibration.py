@@ -277,7 +277,7 @@ def test_a_cpus_calibration_is_kept_for_its_thread_count():
     finally:
         torch.set_num_threads(n)
     assert one != two and one.replace("1t-", "2t-") == two
-    assert "this process runs 1 threads: its rates differ" in differs
+    assert "this process runs 1 thread: its rates differ" in differs
     assert "2 threads" in same and "differ" not in same
 
 

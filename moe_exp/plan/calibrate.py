@@ -136,6 +136,21 @@ def _grid(timer, axes, make, flops_of, bar) -> dict:
 
 
 LAYOUTS = ("nn", "nt", "tn")  # a linear's input gradient, forward, weight gradient
+COLD_BYTES = 32 * 2**20  # on CPU, a read operand rotated over copies of this many bytes
+
+
+def cold(timer, make_one, nbytes: int) -> list:
+    """Copies of an operand (make_one()) that a CPU's calls take in turn, so that each call
+    reads it from beyond the cache, as a step's ops read the weights and saved activations
+    (tiny_moe's experts took 1.4x their hot-cache time in a step). On a GPU: one."""
+    n = 1 if timer.cuda else max(1, min(64, COLD_BYTES // max(nbytes, 1)))
+    return [make_one() for _ in range(n)]
+
+
+def turns(copies: list):
+    """A call's operand: the next of `copies`, in turn."""
+    it = itertools.cycle(copies)
+    return lambda: next(it)
 
 
 def _matmuls(timer, dtype, axes, layout: str, bar) -> dict:
@@ -146,10 +161,16 @@ def _matmuls(timer, dtype, axes, layout: str, bar) -> dict:
             torch.randn(rows, cols, device=dev, dtype=dtype)
         return x
 
-    def make(p):
+    def make(p):  # (the weight read cold; a weight gradient's saved input: its a)
         m, n, k = p
-        a, b = operand(m, k, layout[0]), operand(k, n, layout[1])
-        return lambda: a @ b
+        size = torch.finfo(dtype).bits // 8
+        if layout == "tn":
+            a, b = turns(cold(timer, lambda: operand(m, k, "t"), m * k * size)), \
+                operand(k, n, layout[1])
+            return lambda: a() @ b
+        a = operand(m, k, layout[0])
+        b = turns(cold(timer, lambda: operand(k, n, layout[1]), k * n * size))
+        return lambda: a @ b()
 
     return _grid(timer, axes, make, lambda p: 2 * p[0] * p[1] * p[2], bar)
 
@@ -163,15 +184,19 @@ def _grouped(timer, dtype, axes, bar, weights: bool = False) -> dict | None:
     if not grouped_mm_supported(dev, dtype):
         return None
 
-    def make(p):
+    def make(p):  # (the weights read cold; their gradient's saved input)
         g, rows, n, k = p
-        x = torch.randn(g * rows, k, device=dev, dtype=dtype)
+        size = torch.finfo(dtype).bits // 8
         offs = torch.arange(1, g + 1, device=dev, dtype=torch.int32) * rows
         if weights:
+            x = turns(cold(timer, lambda: torch.randn(g * rows, k, device=dev, dtype=dtype),
+                           g * rows * k * size))
             dy = torch.randn(g * rows, n, device=dev, dtype=dtype)
-            return lambda: grouped_mm(x.t(), dy, offs)
-        w = torch.randn(g, k, n, device=dev, dtype=dtype)
-        return lambda: grouped_mm(x, w, offs)
+            return lambda: grouped_mm(x().t(), dy, offs)
+        x = torch.randn(g * rows, k, device=dev, dtype=dtype)
+        w = turns(cold(timer, lambda: torch.randn(g, k, n, device=dev, dtype=dtype),
+                       g * k * n * size))
+        return lambda: grouped_mm(x, w(), offs)
 
     return _grid(timer, axes, make, lambda p: 2 * p[0] * p[1] * p[2] * p[3], bar)
 

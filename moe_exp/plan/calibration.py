@@ -76,11 +76,14 @@ class Calibration:
         hold here."""
         d, src = self.data, Path(self.source)
         name = src.stem if src.parent == SHIPPED else self.source
-        made = d.get("threads")
-        threads = f", {made} threads" if self.device == "cpu" and made else ""
+        def count(n):
+            return f"{n} thread{'s' * (n != 1)}"
+
+        made, now = d.get("threads"), torch.get_num_threads()
+        threads = f", {count(made)}" if self.device == "cpu" and made else ""
         text = f"{name} ({d['device_name']}{threads}, torch {d['torch']}, {d['made'][:10]})"
-        if threads and made != torch.get_num_threads():
-            text += f"; this process runs {torch.get_num_threads()} threads: its rates differ"
+        if threads and made != now:
+            text += f"; this process runs {count(now)}: its rates differ"
         return text
 
     def kernel_s(self, flops: float, nbytes: int, dtype, shape, precision: str) -> float:
