@@ -8,6 +8,7 @@ the measured dispatch cost of a whole eager step's ops itself."""
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import math
 import os
@@ -139,18 +140,15 @@ LAYOUTS = ("nn", "nt", "tn")  # a linear's input gradient, forward, weight gradi
 COLD_BYTES = 32 * 2**20  # on CPU, a read operand rotated over copies of this many bytes
 
 
-def cold(timer, make_one, nbytes: int) -> list:
-    """Copies of an operand (make_one()) that a CPU's calls take in turn, so that each call
-    reads it from beyond the cache, as a step's ops read the weights and saved activations
-    (tiny_moe's experts took 1.4x their hot-cache time in a step). On a GPU: one."""
-    n = 1 if timer.cuda else max(1, min(64, COLD_BYTES // max(nbytes, 1)))
-    return [make_one() for _ in range(n)]
-
-
-def turns(copies: list):
-    """A call's operand: the next of `copies`, in turn."""
-    it = itertools.cycle(copies)
-    return lambda: next(it)
+def cold(timer, make_one):
+    """An operand for each call in turn from copies of make_one() filling COLD_BYTES, so
+    that on a CPU each call reads it from beyond the cache, as a step's ops read the weights
+    and saved activations (tiny_moe's experts took 1.4x their hot-cache time in a step).
+    On a GPU: one copy."""
+    first = make_one()
+    size = first.numel() * first.element_size()
+    n = 1 if timer.cuda else max(1, min(64, COLD_BYTES // size))
+    return functools.partial(next, itertools.cycle([first, *(make_one() for _ in range(n - 1))]))
 
 
 def _matmuls(timer, dtype, axes, layout: str, bar) -> dict:
@@ -163,13 +161,10 @@ def _matmuls(timer, dtype, axes, layout: str, bar) -> dict:
 
     def make(p):  # (the weight read cold; a weight gradient's saved input: its a)
         m, n, k = p
-        size = torch.finfo(dtype).bits // 8
         if layout == "tn":
-            a, b = turns(cold(timer, lambda: operand(m, k, "t"), m * k * size)), \
-                operand(k, n, layout[1])
+            a, b = cold(timer, lambda: operand(m, k, "t")), operand(k, n, layout[1])
             return lambda: a() @ b
-        a = operand(m, k, layout[0])
-        b = turns(cold(timer, lambda: operand(k, n, layout[1]), k * n * size))
+        a, b = operand(m, k, layout[0]), cold(timer, lambda: operand(k, n, layout[1]))
         return lambda: a @ b()
 
     return _grid(timer, axes, make, lambda p: 2 * p[0] * p[1] * p[2], bar)
@@ -186,16 +181,13 @@ def _grouped(timer, dtype, axes, bar, weights: bool = False) -> dict | None:
 
     def make(p):  # (the weights read cold; their gradient's saved input)
         g, rows, n, k = p
-        size = torch.finfo(dtype).bits // 8
         offs = torch.arange(1, g + 1, device=dev, dtype=torch.int32) * rows
         if weights:
-            x = turns(cold(timer, lambda: torch.randn(g * rows, k, device=dev, dtype=dtype),
-                           g * rows * k * size))
+            x = cold(timer, lambda: torch.randn(g * rows, k, device=dev, dtype=dtype))
             dy = torch.randn(g * rows, n, device=dev, dtype=dtype)
             return lambda: grouped_mm(x().t(), dy, offs)
         x = torch.randn(g * rows, k, device=dev, dtype=dtype)
-        w = turns(cold(timer, lambda: torch.randn(g, k, n, device=dev, dtype=dtype),
-                       g * k * n * size))
+        w = cold(timer, lambda: torch.randn(g, k, n, device=dev, dtype=dtype))
         return lambda: grouped_mm(x, w(), offs)
 
     return _grid(timer, axes, make, lambda p: 2 * p[0] * p[1] * p[2] * p[3], bar)
