@@ -45,6 +45,13 @@ def test_a_cpus_step_is_each_ops_dispatch_then_its_kernel():
     t, busy = c.step_s(_ops([MM, MEM, MM]), "fp32")
     assert busy == pytest.approx(3e-3)
     assert t == pytest.approx(3e-3 + 3 * 100e-6 + 500e-6)
+    # a probe step's ops ran 1.5x their grid times together: every op's dispatch and kernel
+    slow = Calibration({**_data(dispatch=100.0, step=500.0),
+                        "in_step": {"fp32": {"factor": 1.5}}}, "t")
+    t, busy = slow.step_s(_ops([MM, MEM, MM]), "fp32")
+    assert busy == pytest.approx(4.5e-3)
+    assert t == pytest.approx(1.5 * (3e-3 + 3 * 100e-6) + 500e-6)
+    assert slow.factor("tf32") == 1.5 and slow.factor("bf16") == 1.0  # (not measured)
 
 
 def test_a_gpus_host_runs_ahead_until_a_value_is_read():
@@ -111,13 +118,16 @@ def test_grouped_mm_in_fp32_is_traced_on_fake_tensors():
 
 def test_calibrate_measures_a_grid_and_fits_the_dispatch_cost(monkeypatch):
     """A small grid measured here; the tiny runs' step times made up as 40 µs an op (60
-    with full checkpointing) and their kernels: the dispatch cost found is that."""
+    with full checkpointing) and their kernels: the dispatch cost found is that. The
+    in-step probe's made up as 1 s: its factor is that over its plan."""
     monkeypatch.setitem(cal_mod.GRIDS, "cpu", dict(mm=([16, 64], [64], [64]),
                                                    sdpa=([128], [64]), bytes_max=2**14))
 
-    def made_up(cfg, precision, layers, device, ac="none"):
+    def made_up(cfg, precision, shape, device, ac="none"):
+        if shape is cal_mod.SHAPES["in_step"]:
+            return 1.0
         cal = Calibration({**data_so_far[0], "dispatch_us": {}}, "t")
-        n, k = cal_mod._traced(cfg, precision, layers, cal, ac)
+        n, k = cal_mod._traced(cfg, precision, shape, cal, ac)
         return (60e-6 if ac == "full" else 40e-6) * n + k
 
     data_so_far = []
@@ -137,8 +147,12 @@ def test_calibrate_measures_a_grid_and_fits_the_dispatch_cost(monkeypatch):
     assert data["dispatch_us"]["fp32"] == pytest.approx(40.0, rel=1e-6)
     assert data["dispatch_us"]["fp32+full"] == pytest.approx(60.0, rel=1e-6)
     assert data["step_us"] == 0.0
+    probe = data["in_step"]["fp32"]
+    assert probe["measured_ms"] == 1000.0 and 0 < probe["planned_ms"] < 1000.0
+    assert probe["factor"] == pytest.approx(1000.0 / probe["planned_ms"])
+    assert Calibration(data, "made").factor("fp32") == probe["factor"]
     assert data["sdpa"]  # the CPU's flash kernel, forward and backward
-    assert set(data["section_s"]) >= {"matmul", "sdpa", "dispatch"}
+    assert set(data["section_s"]) >= {"matmul", "sdpa", "dispatch", "in_step"}
 
 
 def test_a_plan_says_what_its_time_rests_on(tmp_path, capsys, monkeypatch):

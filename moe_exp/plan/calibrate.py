@@ -258,9 +258,9 @@ def _bandwidth(timer, top: int, bar) -> dict:
     return {"axes": [sizes], "rates": rates, "measured": len(sizes)}
 
 
-def _tiny(cfg, precision: str, layers: int, ac: str = "none"):
-    """A tiny tiny_moe run's config at this precision: its kernels a small part of its
-    step, which its ops' dispatch and the loop's own work fill."""
+def _tiny(cfg, precision: str, shape: dict, ac: str = "none"):
+    """A tiny_moe run's config at this precision and shape (SHAPES), routed balanced as
+    plans route: eager, one device."""
     from omegaconf import OmegaConf
 
     from ..config import CONF, ModelConfig, PrecisionConfig
@@ -270,29 +270,41 @@ def _tiny(cfg, precision: str, layers: int, ac: str = "none"):
 
     cfg = copy.deepcopy(cfg)
     cfg.precision = PrecisionConfig(**load("precision", precision))
-    cfg.model = ModelConfig(**{**load("model", "tiny_moe"), **TINY, "num_layers": layers})
-    cfg.train.seq_len, cfg.train.micro_batch_size = 16, 1
+    cfg.model = ModelConfig(**{**load("model", "tiny_moe"), **shape["model"],
+                               "routing": "balanced"})
+    cfg.train.seq_len, cfg.train.micro_batch_size = shape["seq_len"], shape["micro_batch"]
     cfg.train.activation_checkpointing, cfg.train.compile = ac, "off"
     cfg.train.grad_accum_steps, cfg.parallel.name, cfg.hardware.devices = 1, "none", 1
     return cfg
 
 
-TINY = {"hidden_size": 32, "ffn_hidden_size": 32, "vocab_size": 64, "max_seq_len": 16}
+SHAPES = {  # the calibration's own bench runs (tiny_moe's architecture)
+    # kernels a small part of its step, which its ops' dispatch and the loop's work fill
+    "dispatch": dict(model=dict(hidden_size=32, ffn_hidden_size=32, vocab_size=64,
+                                max_seq_len=16, num_layers=8), seq_len=16, micro_batch=1),
+    # kernels most of it: a step's ops together against their grid times (no row of
+    # benchmarks/plan_rows.py has its shape)
+    "in_step": dict(model=dict(hidden_size=192, ffn_hidden_size=384, vocab_size=512,
+                               max_seq_len=64, num_layers=2), seq_len=64, micro_batch=4),
+}
 
 
-def _measured_step_s(cfg, precision: str, layers: int, device, ac: str = "none") -> float:
-    """The median step of a tiny bench run of its own, as task=bench measures it."""
+def _measured_step_s(cfg, precision: str, shape: dict, device, ac: str = "none") -> float:
+    """The median step of a bench run of its own at a SHAPES shape, as task=bench
+    measures it."""
     import json
     import subprocess
     import tempfile
     from pathlib import Path
 
     with tempfile.TemporaryDirectory() as d:
-        model = [f"model.{k}={v}" for k, v in {**TINY, "num_layers": layers}.items()]
+        model = [f"model.{k}={v}" for k, v in shape["model"].items()]
         cmd = [sys.executable, "-m", "moe_exp.run", "model=tiny_moe", *model,
-               f"precision={precision}", f"train.activation_checkpointing={ac}",
+               "model.routing=balanced", f"precision={precision}",
+               f"train.activation_checkpointing={ac}",
                f"hardware={'cpu' if device.type == 'cpu' else 'auto'}",
-               "train.seq_len=16", "train.micro_batch_size=1", "train.steps=30",
+               f"train.seq_len={shape['seq_len']}",
+               f"train.micro_batch_size={shape['micro_batch']}", "train.steps=20",
                "train.warmup_steps=3", "train.plan=false", "logger=none",
                f"hydra.run.dir={d}"]
         got = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -300,19 +312,19 @@ def _measured_step_s(cfg, precision: str, layers: int, device, ac: str = "none")
         rec = json.loads(f.read_text()) if f.is_file() else {}
         if rec.get("status") != "ok":
             tail = (got.stderr.strip().splitlines() or [""])[-1]
-            raise RuntimeError(f"the tiny run for the dispatch cost failed: "
+            raise RuntimeError(f"the calibration's bench run failed: "
                                f"{rec.get('error') or tail}")
         return rec["step_time_ms"] / 1e3
 
 
-def _traced(cfg, precision: str, layers: int, cal: Calibration,
+def _traced(cfg, precision: str, shape: dict, cal: Calibration,
             ac: str = "none") -> tuple[int, float]:
-    """The plan's dispatched ops and its kernels' time (on a GPU: its syncs') for the
-    tiny run."""
+    """The plan's dispatched ops and its kernels' time (on a GPU: its syncs') for a
+    calibration's run."""
     from .ops import is_kernel
     from .trace import trace_step
 
-    ops = trace_step(_tiny(cfg, precision, layers, ac)).ops
+    ops = trace_step(_tiny(cfg, precision, shape, ac)).ops
     if cal.device == "cuda":
         return ops.dispatched, sum(op[3] == ("sync",) for op in ops.ops) * cal.sync_s
     return ops.dispatched, sum(cal.kernel_s(*op, precision) for op in filter(is_kernel,
@@ -323,17 +335,37 @@ def _dispatch(cfg, device, cal: Calibration, precisions: list) -> tuple[dict, fl
     """The cost of an eager step's ops: µs per op dispatched, by precision and by
     activation checkpointing ("fp32+full"), and µs per step (0: in the ops' cost).
 
-    A tiny bench run of 8 layers in each precision and each checkpointing (whose hooks
-    cost each op more): its step's time less its kernels' predicted time (on a GPU, the
-    host runs ahead of them) over the ops it dispatches. (A fit of a cost per step and
+    A tiny bench run (SHAPES' dispatch) in each precision and each checkpointing (whose
+    hooks cost each op more): its step's time less its kernels' predicted time (on a GPU,
+    the host runs ahead of them) over the ops it dispatches. (A fit of a cost per step and
     one per op over 2 and 8 layers moved by a factor of 2 between calibrations of this
     2-core VM, whose steps move by 15% between processes: one run's ratio holds better.)"""
-    base, out = precisions[0], {}
+    base, out, shape = precisions[0], {}, SHAPES["dispatch"]
     for p, ac in [(p, "none") for p in precisions] + [(base, "full"), (base, "selective")]:
-        n, k = _traced(cfg, p, 8, cal, ac)
+        n, k = _traced(cfg, p, shape, cal, ac)
         key = p if ac == "none" else f"{p}+{ac}"
-        out[key] = max((_measured_step_s(cfg, p, 8, device, ac) - k) / n, 0.0) * 1e6
+        out[key] = max((_measured_step_s(cfg, p, shape, device, ac) - k) / n, 0.0) * 1e6
     return out, 0.0
+
+
+def _in_step(cfg, device, cal: Calibration, precisions: list) -> dict:
+    """A CPU's step against its grids, by precision: {"factor": measured over planned,
+    "measured_ms", "planned_ms"} of a bench run whose kernels fill most of its step
+    (SHAPES' in_step), planned at this calibration without it.
+
+    A step's kernels run slower than each timed alone: they share the caches, and its
+    buffers are new memory (profiled: tiny_moe's expert matmuls 1.4x their grid time).
+    The plan multiplies each op's time, kernel and dispatch, by its precision's factor."""
+    from .trace import trace_step
+
+    out, shape = {}, SHAPES["in_step"]
+    for p in precisions:
+        ops = trace_step(_tiny(cfg, p, shape)).ops
+        planned = cal.step_s(ops, p)[0]
+        measured = _measured_step_s(cfg, p, shape, device)
+        out[p] = {"factor": measured / planned, "measured_ms": measured * 1e3,
+                  "planned_ms": planned * 1e3}
+    return out
 
 
 def calibrate(cfg, device: torch.device, progress: bool = True) -> dict:
@@ -393,10 +425,14 @@ def calibrate(cfg, device: torch.device, progress: bool = True) -> dict:
         bar.set_description("calibrating an eager step's dispatch")
         data["sync_us"] = _sync_us(timer) if kind == "cuda" else 0.0
         lap("sdpa")
+        plain = [p for p in precisions if p in ("fp32", "bf16")]
         data["dispatch_us"], data["step_us"] = _dispatch(cfg, device, Calibration(
-            {**data, "dispatch_us": {}}, "(being made)"), [p for p in precisions
-                                                            if p in ("fp32", "bf16")])
+            {**data, "dispatch_us": {}}, "(being made)"), plain)
         lap("dispatch")
+        if kind == "cpu":
+            bar.set_description("calibrating a step's ops together")
+            data["in_step"] = _in_step(cfg, device, Calibration(data, "(being made)"), plain)
+            lap("in_step")
     data["seconds"] = time.perf_counter() - t0
     return data
 

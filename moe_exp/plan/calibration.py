@@ -5,7 +5,7 @@ names one (a path, a shipped name such as h100, or auto: this machine's, made on
 use). Its grids hold achieved rates: FLOP/s of matmuls by (M, N, K), of grouped_mm by
 (groups, rows, N, K), of each SDPA kernel by (query length, key length, head size), and
 bytes/s of an out-of-place elementwise op by bytes moved; with the cost of dispatching one
-op of an eager step. Between grid points, log(rate) is interpolated in log(size); outside,
+op of an eager step, and on a CPU how much slower a step's ops run together (in_step). Between grid points, log(rate) is interpolated in log(size); outside,
 the nearest edge's rate holds."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-VERSION = 1
+VERSION = 2  # 2: a CPU's in_step (a version 1 file reads as without it)
 SHIPPED = Path(__file__).resolve().parents[1] / "conf" / "hardware" / "calibration"
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -61,6 +61,7 @@ class Calibration:
         self.data, self.source = data, source
         self.device = data["device"]
         self.dispatch_us = data["dispatch_us"]  # {precision: µs an op}
+        self.in_step = {k: v["factor"] for k, v in data.get("in_step", {}).items()}
         self.sync_s = data.get("sync_us", 0.0) / 1e6
         grid = lambda g: Grid(g["axes"], g["rates"])  # noqa: E731
         self.mm = {k: grid(g) for k, g in data["matmul"].items()}
@@ -145,6 +146,13 @@ class Calibration:
             us *= d[hooked] / plain[hooked.split("+")[0]]
         return us / 1e6
 
+    def factor(self, precision: str) -> float:
+        """How much longer a step's ops take together than at their grid times (a CPU's
+        in_step probe; 1 where not measured)."""
+        f = self.in_step
+        return f.get(precision) or f.get({"fp16": "bf16", "tf32": "fp32"}.get(precision)) \
+            or 1.0
+
     def _kernel(self, op: str, dtype: str) -> str:
         """The calibrated kernel for a traced SDPA op: on a GPU, the trace's CPU kernel is
         the one CUDA runs, train.attention's where it names one, else flash."""
@@ -203,21 +211,21 @@ class Calibration:
         included). Compiled, the model's ops up to the optimizer's (ops.split): its
         matmuls and attention as they are, each run of other ops between them one fused
         kernel that reads what comes from outside the run and writes what is read after
-        it, launched at a tiny op's cost."""
+        it, launched at a tiny op's cost. Each op's cost and time times factor()."""
         from .ops import is_kernel
 
-        recorded = sum(map(is_kernel, ops.ops))
-        per_op = self.dispatch_s(precision, ac) * ops.dispatched / max(recorded, 1)
+        recorded, f = sum(map(is_kernel, ops.ops)), self.factor(precision)
+        per_op = self.dispatch_s(precision, ac) * ops.dispatched / max(recorded, 1) * f
         io = ops.io or [None] * len(ops.ops)
         split = (ops.split or 0) if compiled and ops.io else 0
         out, chain = [], []
         last_read = _last_reads(ops.io[:split]) if split else {}
-        tiny = self.data.get("raw_op_us", 0.0) / 1e6
+        tiny = self.data.get("raw_op_us", 0.0) / 1e6 * f
         for i, op in enumerate(ops.ops):
             fuse = i < split and op[3] is None
             if chain and not fuse:
                 t, read, wrote = self._fused([io[j] for j in chain], chain[-1], last_read)
-                out.append(("kernel", tiny, t, read, wrote))
+                out.append(("kernel", tiny, t * f, read, wrote))
                 chain = []
             keys = [tuple(k for k, _ in part) for part in io[i]] if io[i] else [(), ()]
             if fuse:
@@ -228,7 +236,7 @@ class Calibration:
                 out.append(("comm", 0.0, op[3][1], *keys))
             else:
                 out.append(("kernel", tiny if i < split else per_op,
-                            self.kernel_s(*op, precision), *keys))
+                            self.kernel_s(*op, precision) * f, *keys))
         return out
 
     def _fused(self, io: list, end: int, last_read: dict) -> tuple[float, tuple, tuple]:
@@ -258,7 +266,7 @@ def _last_reads(io: list) -> dict:
 
 def check_data(data, source: str) -> dict:
     """A calibration's JSON, checked: raises CalibrationError naming what is wrong."""
-    if not isinstance(data, dict) or data.get("version") != VERSION:
+    if not isinstance(data, dict) or data.get("version") not in (1, VERSION):
         raise CalibrationError(f"{source} is not a moe_exp calibration (version {VERSION}): "
                                "make one with task=calibrate")
     missing = [k for k in ("device", "device_name", "torch", "made", "dispatch_us", "matmul",
@@ -283,7 +291,8 @@ def cache_dir() -> Path:
 
 def machine_key(device: torch.device) -> str:
     """This machine's calibration name: its device, CPU cores and torch threads (a CPU's
-    rates scale with the threads) or GPU, and torch version."""
+    rates scale with the threads) or GPU, torch version and the format's (a cache made
+    before the in_step probe is made again)."""
     import os
     import re
 
@@ -291,7 +300,7 @@ def machine_key(device: torch.device) -> str:
 
     cores = f"-{os.cpu_count()}c{torch.get_num_threads()}t" if device.type == "cpu" else ""
     name = re.sub(r"[^A-Za-z0-9]+", "_", device_name(device)).strip("_")
-    return f"{name}{cores}-torch{torch.__version__.split('+')[0]}"
+    return f"{name}{cores}-torch{torch.__version__.split('+')[0]}-v{VERSION}"
 
 
 def write(data: dict, path: Path) -> None:

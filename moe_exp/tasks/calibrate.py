@@ -49,12 +49,17 @@ class CalibrateTask(Task):
                    torch_version=torch.__version__,
                    calibration_file=str(out / "calibration.json"),
                    calibration_s=data["seconds"], dispatch_us=data["dispatch_us"],
+                   in_step_factor={k: v["factor"] for k, v in data.get("in_step", {}).items()}
+                   or None,
                    sync_us=data["sync_us"], bandwidth_gbps=best(data["bandwidth"]) / 1e9,
                    matmul_tflops=_best_by_precision(data["matmul"]),
                    calibration_points=sum(g["measured"] for part in (
                        data["matmul"], data["grouped_mm"], data["sdpa"]) for g in part.values())
                    + data["bandwidth"]["measured"])
         rec["calibration_cached"] = str(cached)
+        if not rec["in_step_factor"]:
+            rec["null_reasons"]["in_step_factor"] = "a GPU's step is not probed (its host " \
+                "runs ahead of its kernels)"
         fill_null_reasons(rec, "task=calibrate measures kernels, not training")
 
     @staticmethod
@@ -68,6 +73,9 @@ class CalibrateTask(Task):
             ("bandwidth", f"{r['bandwidth_gbps']:,.1f} GB/s at best (an add: 2 reads, 1 "
                           "write)"),
             ("dispatch", f"{disp} µs an eager step's op"),
+            *([("in a step", ", ".join(f"{k} x{v:.2f}" for k, v in r["in_step_factor"].items())
+                + " its ops' grid times (a probe step measured over planned)")]
+              if r.get("in_step_factor") else []),
             ("file", f"{r['calibration_file']} (hardware.calibration=<it>; this machine's "
                      f"cache, hardware.calibration=auto: {r.get('calibration_cached')})"),
         ]
