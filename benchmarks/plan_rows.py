@@ -12,7 +12,9 @@ full, selective x eager, compiled (24 rows), routed balanced as their plans are:
 router's first steps load some experts past the padded dispatch's limit, which on CPU
 falls back to one matmul an expert and pads the compiled step's buffers (benchmarks/
 plans.md). --repeat N runs each row N times (CPU steps
-move +-20% between processes) and reports the median error.
+move +-20% between processes) and reports the median error; the rows run in rounds (each
+row once, then again), and each run records `machine_gflops`, a 512^3 matmul's rate just
+before it (this VM's speed at that moment).
 
 --cpu-peaks: the datasheet roofline at this CPU's own peaks, measured here first (the
 median of an fp32, and bf16 where a row runs it, 2048^3 matmul's FLOP/s and of a 256 MiB
@@ -98,25 +100,29 @@ def main() -> None:
                 if k != "bandwidth"), f"hardware.memory_bandwidth={peaks['bandwidth']:.4g}"]
         runs = [[*o, *hw] for o in runs]
 
+    out, device, recs = [], None, [[] for _ in runs]
+    for turn in range(a.repeat):  # (in rounds: a slow spell of this VM hits several rows
+        for i, o in enumerate(runs):  # once each rather than one row's every run)
+            speed = machine_speed()
+            with tempfile.TemporaryDirectory() as d:
+                rec = run(compose(o), out_dir=d, progress=False, overrides=o)
+            recs[i].append({k: rec.get(k) for k in KEYS} | {"machine_gflops": speed})
+            recs[i][-1]["null_reasons"] = {k: v for k, v in rec["null_reasons"].items()
+                                           if k in KEYS}
+            device = device or recs[i][0]["device_name"]
+            out = [{"row": " ".join(r), "runs": rr, **_medians(rr),
+                    **({"cpu_peaks": peaks} if peaks else {})}
+                   for r, rr in zip(rows, recs) if rr]
+            print(f"[round {turn + 1}/{a.repeat}, row {i + 1}/{len(runs)}] step error "
+                  f"{_fmt(rec.get('planned_step_error'), '+.1%')}, this machine's "
+                  f"{speed:,.0f} GFLOP/s before it", flush=True)
+            if a.json:
+                save_json(a.json, device or "", out)
     print("| row | status | planned ms | kernels ms | measured ms | step error | planned GiB "
           "| measured GiB | peak error |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    out, device = [], None
-    for r, o in zip(rows, runs):
-        recs = []
-        for _ in range(a.repeat):
-            with tempfile.TemporaryDirectory() as d:
-                rec = run(compose(o), out_dir=d, progress=False, overrides=o)
-            recs.append({k: rec.get(k) for k in KEYS})
-            recs[-1]["null_reasons"] = {k: v for k, v in rec["null_reasons"].items()
-                                        if k in KEYS}
-        device = device or recs[0]["device_name"]
-        row = {"row": " ".join(r), "runs": recs, **_medians(recs),
-               **({"cpu_peaks": peaks} if peaks else {})}
-        out.append(row)
+    for row in out:
         _print(row)
-        if a.json:
-            save_json(a.json, device or "", out)
     errs = [abs(r["planned_step_error"]) for r in out if r["planned_step_error"] is not None]
     peaks = [abs(r["planned_peak_error"]) for r in out if r["planned_peak_error"] is not None]
     if errs:
@@ -152,13 +158,32 @@ def cpu_peaks(reps: int = 5, dtypes=("fp32", "bf16")) -> dict:
     return out
 
 
+def machine_speed(reps: int = 5) -> float:
+    """GFLOP/s of a 512^3 fp32 matmul now, the median of `reps`: how fast this machine
+    runs at the moment a row starts (a shared VM's speed drifts by 2x within an hour)."""
+    import torch
+
+    x = torch.randn(512, 512)
+    x @ x
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x @ x
+        times.append(time.perf_counter() - t0)
+    return 2 * 512**3 / statistics.median(times) / 1e9
+
+
+def _fmt(v, fmt: str) -> str:
+    return "—" if v is None else format(v, fmt)
+
+
 def _medians(recs: list) -> dict:
     """The median of each figure over a row's runs (its ok runs)."""
     ok = [r for r in recs if r["status"] == "ok"] or recs
     med = {}
     for k in ("planned_step_ms", "planned_kernel_ms", "step_time_ms", "planned_step_error",
               "planned_peak_gib", "peak_mem_gib", "tracked_peak_gib", "planned_peak_error",
-              "pp_bubble_share", "planned_pp_bubble_share"):
+              "pp_bubble_share", "planned_pp_bubble_share", "machine_gflops"):
         vals = [r[k] for r in ok if r.get(k) is not None]
         med[k] = statistics.median(vals) if vals else None
     med["status"] = ok[0]["status"]
@@ -166,7 +191,7 @@ def _medians(recs: list) -> dict:
 
 
 def _print(r: dict) -> None:
-    f = lambda v, fmt: "—" if v is None else format(v, fmt)  # noqa: E731
+    f = _fmt
     measured = r["peak_mem_gib"] if r["tracked_peak_gib"] is None else r["tracked_peak_gib"]
     print(f"| {r['row']} | {r['status']} | {f(r['planned_step_ms'], ',.1f')} | "
           f"{f(r['planned_kernel_ms'], ',.1f')} | {f(r['step_time_ms'], ',.1f')} | "

@@ -272,7 +272,7 @@ def test_plan_rows_at_this_cpus_peaks(tmp_path):
 def test_plan_rows_plans_each_row_with_a_calibration(tmp_path):
     """Each row a bench run planning its own step at a calibration's rates (here a flat
     one, 1 GFLOP/s and 1 GB/s): its step error is planned / measured - 1, its basis the
-    file."""
+    file (a version 1 one: read as without the in-step factor)."""
     cal = tmp_path / "flat.json"
     flat = {"axes": [[1, 10**6]] * 3, "rates": [[[1e9] * 2] * 2] * 2, "measured": 8}
     cal.write_text(json.dumps({
@@ -288,3 +288,4 @@ def test_plan_rows_plans_each_row_with_a_calibration(tmp_path):
     assert row["planned_step_error"] == pytest.approx(
         row["planned_step_ms"] / row["step_time_ms"] - 1, rel=1e-6)
     assert row["runs"][0]["planned_time_basis"].startswith(f"calibration {cal}")
+    assert row["machine_gflops"] == row["runs"][0]["machine_gflops"] > 0  # (before the run)
