@@ -293,6 +293,9 @@ def test_a_cpus_calibration_is_kept_for_its_thread_count():
     assert one != two and one.replace("1t-", "2t-") == two
     assert "this process runs 1 thread: its rates differ" in differs
     assert "2 threads" in same and "differ" not in same
+    assert "no in-step factor" in same  # (a calibration made before the probe says so)
+    probed = Calibration({**_data(), "in_step": {"fp32": {"factor": 1.2}}}, "made.json")
+    assert "in-step" not in probed.label()
 
 
 def test_a_gpu_plan_picks_the_expert_kernel_by_the_profiles_capability():

@@ -5,8 +5,9 @@ names one (a path, a shipped name such as h100, or auto: this machine's, made on
 use). Its grids hold achieved rates: FLOP/s of matmuls by (M, N, K), of grouped_mm by
 (groups, rows, N, K), of each SDPA kernel by (query length, key length, head size), and
 bytes/s of an out-of-place elementwise op by bytes moved; with the cost of dispatching one
-op of an eager step, and on a CPU how much slower a step's ops run together (in_step). Between grid points, log(rate) is interpolated in log(size); outside,
-the nearest edge's rate holds."""
+op of an eager step, and on a CPU how much slower a step's ops run together (in_step).
+Between grid points, log(rate) is interpolated in log(size); outside, the nearest edge's
+rate holds."""
 from __future__ import annotations
 
 import bisect
@@ -85,6 +86,8 @@ class Calibration:
         text = f"{name} ({d['device_name']}{threads}, torch {d['torch']}, {d['made'][:10]})"
         if threads and made != now:
             text += f"; this process runs {count(now)}: its rates differ"
+        if self.device == "cpu" and not self.in_step:
+            text += "; no in-step factor (made before it: calibrate again)"
         return text
 
     def kernel_s(self, flops: float, nbytes: int, dtype, shape, precision: str) -> float:
