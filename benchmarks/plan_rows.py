@@ -26,6 +26,7 @@ copy's bytes/s), not the cpu profile's; the basis without a calibration.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import statistics
 import sys
@@ -137,15 +138,7 @@ def cpu_peaks(reps: int = 5, dtypes=("fp32", "bf16")) -> dict:
     (AVX2) takes a minute for each 2048^3 one."""
     import torch
 
-    def med(fn):
-        fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
+    med = functools.partial(_median_s, reps=reps)
     n, out = 2048, {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         if name not in dtypes:
@@ -164,13 +157,18 @@ def machine_speed(reps: int = 5) -> float:
     import torch
 
     x = torch.randn(512, 512)
-    x @ x
+    return 2 * 512**3 / _median_s(lambda: x @ x, reps) / 1e9
+
+
+def _median_s(fn, reps: int) -> float:
+    """Seconds a call of fn takes, the median of `reps` after one to warm up."""
+    fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        x @ x
+        fn()
         times.append(time.perf_counter() - t0)
-    return 2 * 512**3 / statistics.median(times) / 1e9
+    return statistics.median(times)
 
 
 def _fmt(v, fmt: str) -> str:
