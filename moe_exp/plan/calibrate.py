@@ -144,11 +144,13 @@ def cold(timer, make_one):
     """An operand for each call in turn from copies of make_one() filling COLD_BYTES, so
     that on a CPU each call reads it from beyond the cache, as a step's ops read the weights
     and saved activations (tiny_moe's experts took 1.4x their hot-cache time in a step).
-    On a GPU: one copy."""
+    On a GPU: one copy. (The rest cloned from the first, strides kept: a clone takes a
+    third of randn's time, and the calibration makes copies for every point.)"""
     first = make_one()
     size = first.numel() * first.element_size()
     n = 1 if timer.cuda else max(1, min(64, COLD_BYTES // size))
-    return functools.partial(next, itertools.cycle([first, *(make_one() for _ in range(n - 1))]))
+    return functools.partial(next, itertools.cycle([first, *(first.clone()
+                                                             for _ in range(n - 1))]))
 
 
 def _matmuls(timer, dtype, axes, layout: str, bar) -> dict:
