@@ -142,8 +142,7 @@ class Calibration:
         proportion, as they did in the calibration's fp32 step."""
         d = self.dispatch_us
         plain = {k: v for k, v in d.items() if "+" not in k}
-        us = plain.get(precision) or plain.get("bf16" if precision == "fp16" else "fp32") \
-            or next(iter(plain.values()), 0.0)
+        us = _by_precision(plain, precision) or next(iter(plain.values()), 0.0)
         hooked = next((k for k in d if k.endswith(f"+{ac}")), None) if ac != "none" else None
         if hooked and plain.get(hooked.split("+")[0]):
             us *= d[hooked] / plain[hooked.split("+")[0]]
@@ -152,9 +151,7 @@ class Calibration:
     def factor(self, precision: str) -> float:
         """How much longer a step's ops take together than at their grid times (a CPU's
         in_step probe; 1 where not measured)."""
-        f = self.in_step
-        return f.get(precision) or f.get({"fp16": "bf16", "tf32": "fp32"}.get(precision)) \
-            or 1.0
+        return _by_precision(self.in_step, precision) or 1.0
 
     def _kernel(self, op: str, dtype: str) -> str:
         """The calibrated kernel for a traced SDPA op: on a GPU, the trace's CPU kernel is
@@ -256,6 +253,11 @@ class Calibration:
         nbytes = sum(read.values()) + sum(nb for key, nb in wrote.items()
                                           if last_read.get(key, end + 1) > end or key in read)
         return nbytes / self.bw.rate(nbytes) if nbytes else 0.0, tuple(read), tuple(wrote)
+
+
+def _by_precision(measured: dict, precision: str):
+    """A precision's measured figure; fp16 takes bf16's, tf32 fp32's where not measured."""
+    return measured.get(precision) or measured.get({"fp16": "bf16", "tf32": "fp32"}.get(precision))
 
 
 def _last_reads(io: list) -> dict:

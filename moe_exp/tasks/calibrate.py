@@ -36,7 +36,7 @@ class CalibrateTask(Task):
 
         from ..hardware import device_name, torch_device
         from ..plan.calibrate import calibrate
-        from ..plan.calibration import cache_dir, machine_key, write
+        from ..plan.calibration import Calibration, cache_dir, machine_key, write
 
         cfg, out = self.ctx.cfg, self.ctx.out_dir
         device = torch_device(cfg)
@@ -49,8 +49,7 @@ class CalibrateTask(Task):
                    torch_version=torch.__version__,
                    calibration_file=str(out / "calibration.json"),
                    calibration_s=data["seconds"], dispatch_us=data["dispatch_us"],
-                   in_step_factor={k: v["factor"] for k, v in data.get("in_step", {}).items()}
-                   or None,
+                   in_step_factor=Calibration(data, str(out)).in_step or None,
                    sync_us=data["sync_us"], bandwidth_gbps=best(data["bandwidth"]) / 1e9,
                    matmul_tflops=_best_by_precision(data["matmul"]),
                    calibration_points=sum(g["measured"] for part in (
