@@ -96,6 +96,7 @@ class Planned:
     planned_pp_stage_peaks_gib: L = None  # parallel.pp: each pp rank's planned peak
     planned_pp_bubble_share: F = None  # parallel.pp: the simulated schedule's idle share
     planned_pp_send_gib: F = None  # parallel.pp: a rank's sends a step (the most)
+    planned_pp_stage_ms: L = None  # parallel.pp: each pp rank's time in its actions a step
 
 
 @dataclass
@@ -123,6 +124,7 @@ class Training(ExpertLoad, Planned):
     pp_bubble_share: F = None  # parallel.pp: the share of a schedule step a rank runs no action
     pp_send_gib: F = None  # parallel.pp: activations and their gradients a rank sends a step
     pp_stage_peaks_gib: L = None  # parallel.pp: each stage's peak (its ranks' max)
+    pp_stage_ms: L = None  # parallel.pp: each stage's time in its actions a step (ranks' max)
     z_loss: F = None
     seq_aux_loss: F = None
     expert_load_step_max_over_mean: F = None
@@ -156,6 +158,7 @@ class Training(ExpertLoad, Planned):
     planned_peak_error: F = None
     planned_step_error: F = None
     planned_pp_bubble_error: F = None  # planned - measured pp_bubble_share (a share)
+    planned_pp_stage_error: L = None  # each stage's planned / measured pp_stage_ms - 1
 
 
 @dataclass

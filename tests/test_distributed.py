@@ -383,6 +383,9 @@ def test_a_pipeline_records_its_bubble_sends_and_stage_peaks(launched):
     assert rec["pp_send_gib"] * 2**30 == 4 * 32 * 128 * 4
     assert len(rec["pp_stage_peaks_gib"]) == 2
     assert max(rec["pp_stage_peaks_gib"]) == rec["peak_mem_gib"]
+    # each stage's time in its actions: within its schedule step, idle the rest
+    assert len(rec["pp_stage_ms"]) == 2 and 0 < min(rec["pp_stage_ms"])
+    assert max(rec["pp_stage_ms"]) < rec["step_time_ms"]
     assert rec["backward_ms"] is None and "forward_ms holds both" in \
         rec["null_reasons"]["backward_ms"]
 

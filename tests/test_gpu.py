@@ -178,5 +178,5 @@ def test_a_pipelines_action_clock_reads_cuda_events_after_the_steps():
         stage.forward_one_chunk(x)
         Stage.forward_one_chunk(stage, x)  # (the same work, not an action)
         clock.end()
-    shares = clock.idle_shares(1, 3)
-    assert len(shares) == 2 and all(0.3 < s < 0.7 for s in shares), shares
+    steps = clock.steps(1, 3)
+    assert len(steps) == 2 and all(0.3 < s < 0.7 and t > 0 for s, t in steps), steps

@@ -404,8 +404,9 @@ class _Actions:
 
 
 def test_a_pipelines_action_clock_counts_the_time_no_action_runs(monkeypatch):
-    """parallel.pp's pp_bubble_share: a step of 10 s in which a forward and a backward of
-    2 s each run idles 60% of it; a forward outside a step (eval) is not counted."""
+    """parallel.pp's pp_bubble_share and pp_stage_ms: a step of 10 s in which a forward and
+    a backward of 2 s each run idles 60% of it, 4 s in its actions; a forward outside a step
+    (eval) is not counted."""
     from moe_exp.optimizations.parallel import pipeline
 
     now = [0.0]
@@ -421,8 +422,8 @@ def test_a_pipelines_action_clock_counts_the_time_no_action_runs(monkeypatch):
         now[0] += 3.0
         stage.backward_one_chunk()
         clock.end()
-    assert clock.idle_shares(0, 2) == pytest.approx([0.6, 0.6])
-    assert clock.idle_shares(1, 5) == pytest.approx([0.6])
+    assert clock.steps(0, 2) == [pytest.approx((0.6, 4.0))] * 2
+    assert clock.steps(1, 5) == [pytest.approx((0.6, 4.0))]
 
 
 def test_a_compiled_run_compiles_as_a_process_of_its_own():

@@ -193,7 +193,9 @@ def test_a_deep_model_is_planned_from_two_shallow_traces(tmp_path, overrides, mo
     auto.pop("planned_from_blocks"), full.pop("planned_from_blocks")
     assert auto.keys() == full.keys() and full["planned_step_ms"] > 0 < full["planned_mfu"]
     for k, v in full.items():
-        assert auto[k] == (pytest.approx(v, rel=1e-9) if isinstance(v, float) else v), k
+        close = isinstance(v, float) or isinstance(v, list) and all(isinstance(x, float)
+                                                                     for x in v)
+        assert auto[k] == (pytest.approx(v, rel=1e-9) if close else v), k
 
 
 def test_a_long_pipelines_middle_ranks_are_planned_from_two_of_them(tmp_path):
@@ -409,8 +411,9 @@ def test_a_pipelines_simulated_bubble_is_its_schedules(schedule, pp, m, per):
 
 
 def test_a_pipeline_is_planned_stage_by_stage(tmp_path):
-    """task=plan with parallel.pp=2 on an h100 profile: each stage's peak, its sends, the
-    simulated schedule's bubble; its step longer than the busiest stage's compute alone."""
+    """task=plan with parallel.pp=2 on an h100 profile: each stage's peak, its time in its
+    actions, its sends, the simulated schedule's bubble; its step longer than the busiest
+    stage's compute alone."""
     rec = run_inproc([*PLAN, "parallel=fsdp", "hardware.devices=2", "parallel.pp=2",
                       "hardware=h100", "parallel.pp_microbatches=4"], tmp_path)
     assert rec["status"] == "ok", rec["error"]
@@ -420,19 +423,29 @@ def test_a_pipeline_is_planned_stage_by_stage(tmp_path):
     assert rec["planned_pp_send_gib"] * 2**30 == 4 * 2 * 128 * 128 * 4
     assert 0.1 < rec["planned_pp_bubble_share"] < 0.5  # 1f1b's textbook 1/5, and the sends
     assert rec["planned_step_ms"] > rec["planned_compute_ms"] / 2
+    # the bubble is the stages' idle share of the schedule's span, within the step
+    busy = rec["planned_pp_stage_ms"]
+    assert len(busy) == 2 and min(busy) > 0
+    span = sum(busy) / 2 / (1 - rec["planned_pp_bubble_share"])
+    assert max(busy) < span <= rec["planned_step_ms"]
     assert rec["planned_tokens_per_s"] > 0 and rec["planned_from_blocks"] is None
 
 
 def test_a_bench_records_its_pipeline_plans_bubble_error():
-    """A bench run with parallel.pp checks its planned bubble against the measured one:
-    planned - measured, in shares; null with the plan's reason where there is none."""
+    """A bench run with parallel.pp checks its planned bubble against the measured one
+    (planned - measured, in shares) and each stage's time in its actions (planned /
+    measured - 1); null with the plan's reason where there is none."""
     from moe_exp.plan.check import record_errors
 
-    rec = {"null_reasons": {}, "planned_pp_bubble_share": 0.215, "pp_bubble_share": 0.229}
+    rec = {"null_reasons": {}, "planned_pp_bubble_share": 0.215, "pp_bubble_share": 0.229,
+           "planned_pp_stage_ms": [90.0, 120.0], "pp_stage_ms": [100.0, 100.0]}
     record_errors(rec, cpu=True)
     assert rec["planned_pp_bubble_error"] == pytest.approx(-0.014)
-    rec = {"null_reasons": {"planned_pp_bubble_share": "parallel.pp=1: no pipeline"},
+    assert rec["planned_pp_stage_error"] == pytest.approx([-0.1, 0.2])
+    pp1 = "parallel.pp=1: no pipeline"
+    rec = {"null_reasons": {"planned_pp_bubble_share": pp1, "planned_pp_stage_ms": pp1},
            "planned_pp_bubble_share": None, "pp_bubble_share": None}
     record_errors(rec, cpu=True)
-    assert rec["planned_pp_bubble_error"] is None
-    assert rec["null_reasons"]["planned_pp_bubble_error"] == "parallel.pp=1: no pipeline"
+    assert rec["planned_pp_bubble_error"] is None and rec["planned_pp_stage_error"] is None
+    assert rec["null_reasons"]["planned_pp_bubble_error"] == pp1
+    assert rec["null_reasons"]["planned_pp_stage_error"] == pp1

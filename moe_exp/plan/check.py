@@ -5,8 +5,8 @@ from ..config import pp_size
 
 
 def record_errors(rec: dict, cpu: bool) -> None:
-    """The plan's errors into rec: planned / measured - 1, of the peak and the step time;
-    planned - measured of a pipeline's bubble share.
+    """The plan's errors into rec: planned / measured - 1, of the peak and the step time and
+    of a pipeline's stages' time in their actions; planned - measured of its bubble share.
 
     On CPU the peak compared is tracked_peak_gib, the live tensors tracked in the last warmup
     step: the RSS holds memory that no plan sees."""
@@ -23,6 +23,12 @@ def record_errors(rec: dict, cpu: bool) -> None:
     if rec["planned_pp_bubble_error"] is None:
         why["planned_pp_bubble_error"] = why.get("planned_pp_bubble_share") if p is None \
             else why.get("pp_bubble_share", "pp_bubble_share not measured")
+    p, g = rec.get("planned_pp_stage_ms"), rec.get("pp_stage_ms")
+    ok = p is not None and g is not None and len(p) == len(g) and all(g)
+    rec["planned_pp_stage_error"] = [a / b - 1 for a, b in zip(p, g)] if ok else None
+    if not ok:
+        why["planned_pp_stage_error"] = why.get("planned_pp_stage_ms") if p is None \
+            else why.get("pp_stage_ms", "pp_stage_ms not measured")
 
 
 class StepWatch:

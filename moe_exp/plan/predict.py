@@ -59,7 +59,8 @@ def plan_step(cfg, rec: dict) -> None:
     fill_null_reasons(rec, WHY)
 
 
-PIPELINE = ("planned_pp_stage_peaks_gib", "planned_pp_bubble_share", "planned_pp_send_gib")
+PIPELINE = ("planned_pp_stage_peaks_gib", "planned_pp_bubble_share", "planned_pp_send_gib",
+            "planned_pp_stage_ms")
 
 
 def _deep(cfg, rec: dict, depths: tuple[int, int]) -> None:
@@ -127,8 +128,9 @@ def _pipelined(cfg, rec: dict) -> None:
     rec["planned_flops_per_step"] = sum(r["flops"] for r in ranks) / len(ranks)  # (a device's)
     why, m = rec["null_reasons"], pp_microbatches(cfg.parallel)
     if rec.get("planned_step_ms") is None:
-        rec["planned_pp_bubble_share"] = None
-        why["planned_pp_bubble_share"] = why.get("planned_step_ms", WHY)
+        for k in ("planned_pp_bubble_share", "planned_pp_stage_ms"):
+            rec[k] = None
+            why[k] = why.get("planned_step_ms", WHY)
         return
     seconds, rest = {}, []
     for r in ranks:
@@ -136,6 +138,7 @@ def _pipelined(cfg, rec: dict) -> None:
         rest.append(r["rec"]["planned_step_ms"] - sum(r["tags"].values()) * 1e3)
     span, busy = simulate(schedule_order(cfg.parallel, m), seconds, ranks[0]["hop_s"])
     rec["planned_pp_bubble_share"] = sum(1 - b / span for b in busy) / len(busy)
+    rec["planned_pp_stage_ms"] = [b * 1e3 for b in busy]
     rec["planned_step_ms"] = span * 1e3 + max(rest)
     _rates(cfg, rec, rec["planned_step_ms"], _tokens(cfg))
 

@@ -175,13 +175,13 @@ def record_run(cfg, rec: dict, res, device: torch.device, world: int, watch=None
             "parallel.profile_steps=0 or train.steps <= profile_steps")
 
 
-PIPELINE = ("pp_bubble_share", "pp_send_gib", "pp_stage_peaks_gib")
+PIPELINE = ("pp_bubble_share", "pp_send_gib", "pp_stage_peaks_gib", "pp_stage_ms")
 
 
 def record_pipeline(cfg, rec: dict, res, model, device: torch.device, world: int) -> None:
     """parallel.pp's figures: the bubble share (the ranks' mean), the bytes a rank sends a
-    step (the most of any rank) and each stage's peak (its ranks' most). Before record_run,
-    which keeps the ranks' largest peak only."""
+    step (the most of any rank), each stage's peak and its time in its actions a schedule
+    step (its ranks' most). Before record_run, which keeps the ranks' largest peak only."""
     from ..config import pp_size, record_pp_columns
     from ..distributed import all_gather_stack, collective_device
 
@@ -189,25 +189,29 @@ def record_pipeline(cfg, rec: dict, res, model, device: torch.device, world: int
     record_pp_columns(rec, cfg, PIPELINE)
     if pp == 1:
         return
-    peak, bubble = res.memory[0].get("peak_mem_gib"), _bubble(cfg, model)
-    mine = [math.nan if v is None else v for v in (peak, bubble, model.send_bytes() / GIB)]
+    peak, (bubble, busy) = res.memory[0].get("peak_mem_gib"), _clock(cfg, model)
+    mine = [math.nan if v is None else v
+            for v in (peak, bubble, model.send_bytes() / GIB, busy)]
     every = all_gather_stack(torch.tensor(mine, dtype=torch.float64,
                                           device=collective_device(device))).tolist()
     per = world // pp  # (ranks of a stage; rank r holds stage r // per, mesh (pp, ...))
-    peaks = [max(r[0] for r in every[i * per:(i + 1) * per]) for i in range(pp)]
-    rec["pp_stage_peaks_gib"] = None if any(map(math.isnan, peaks)) else peaks
+    for key, col in (("pp_stage_peaks_gib", 0), ("pp_stage_ms", 3)):
+        stages = [max(r[col] for r in every[i * per:(i + 1) * per]) for i in range(pp)]
+        rec[key] = None if any(map(math.isnan, stages)) else stages
     bubbles = [r[1] for r in every if not math.isnan(r[1])]
     rec["pp_bubble_share"] = sum(bubbles) / len(bubbles) if bubbles else None
     rec["pp_send_gib"] = max(r[2] for r in every)
     if rec["pp_stage_peaks_gib"] is None:
         why["pp_stage_peaks_gib"] = res.memory[1].get("peak_mem_gib", "a rank's peak unknown")
-    if rec["pp_bubble_share"] is None:
-        why["pp_bubble_share"] = "no measured step"
+    for key in ("pp_bubble_share", "pp_stage_ms"):
+        if rec[key] is None:
+            why[key] = "no measured step"
 
 
-def _bubble(cfg, model) -> float | None:
-    """The median over the measured steps of a rank's idle share of its schedule's span
-    (PipelineModel.clock), each micro-step's schedule step apart."""
+def _clock(cfg, model) -> tuple[float | None, float | None]:
+    """The medians over the measured steps of a rank's idle share of its schedule's span
+    and of its ms in its actions (PipelineModel.clock), each micro-step's schedule step
+    apart."""
     import statistics
 
     from ..config import total_steps
@@ -217,8 +221,10 @@ def _bubble(cfg, model) -> float | None:
     total = total_steps(t)
     start = total - len(model.clock.shares) // n  # (a resumed run's first step)
     first, last = max(t.warmup_steps, start), total - profiled_steps(cfg, True)
-    shares = model.clock.idle_shares((first - start) * n, (last - start) * n)
-    return statistics.median(shares) if shares else None
+    steps = model.clock.steps((first - start) * n, (last - start) * n)
+    if not steps:
+        return None, None
+    return statistics.median(s for s, _ in steps), statistics.median(t for _, t in steps) * 1e3
 
 
 def record_moe(cfg, rec: dict, res, model, device: torch.device, world: int) -> None:

@@ -94,10 +94,12 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
 
 
 def _pipeline(r: dict) -> str:
-    """A pipeline's stages' peaks, its sends and its simulated bubble."""
-    bubble = r.get("planned_pp_bubble_share")
+    """A pipeline's stages' peaks and times, its sends and its simulated bubble."""
+    bubble, busy = r.get("planned_pp_bubble_share"), r.get("planned_pp_stage_ms")
     return "stages' peaks " + " / ".join(f"{p:,.3g}" for p in r["planned_pp_stage_peaks_gib"]) \
-        + f" GiB; sends {size_text(r['planned_pp_send_gib'])} a step (the most of a rank); " \
+        + " GiB" + (", in their actions " + " / ".join(f"{t:,.3g}" for t in busy) + " ms"
+                    if busy else "") \
+        + f"; sends {size_text(r['planned_pp_send_gib'])} a step (the most of a rank); " \
         + (f"bubble {bubble:.0%} of the step (its schedule simulated)" if bubble is not None
            else f"bubble null ({r['null_reasons'].get('planned_pp_bubble_share')})")
 

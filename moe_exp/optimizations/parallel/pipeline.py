@@ -110,14 +110,15 @@ ACTIONS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk
 
 
 class ActionClock:
-    """Each schedule step's idle share on this rank: its span less the time its actions (a
-    stage's forward or backward of a micro-batch) run in it. CUDA events on a GPU, each
-    step's read once its events are done (never waited for in a step); the host's clock on
-    a CPU. A step's events are dropped once read: a step keeps one number."""
+    """Each schedule step's time in its actions on this rank (a stage's forward or backward
+    of a micro-batch) and its idle share: its span less that time. CUDA events on a GPU,
+    each step's read once its events are done (never waited for in a step); the host's
+    clock on a CPU. A step's events are dropped once read: a step keeps two numbers."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
-        self.shares: list = []  # per step: its idle share, or None while its events run
+        self.shares: list = []  # per step: (idle share, seconds in actions), or None while
+        # its events run
         self._open = None  # the running step: [start, end, [(start, end) of each action]]
         self._pending: dict = {}  # step index -> its events, not yet done (CUDA)
 
@@ -128,9 +129,10 @@ class ActionClock:
         e.record()
         return e
 
-    def _share(self, t0, t1, acts) -> float:
+    def _share(self, t0, t1, acts) -> tuple[float, float]:
         span = (lambda a, b: a.elapsed_time(b) / 1e3) if self.cuda else (lambda a, b: b - a)
-        return 1 - sum(span(a, b) for a, b in acts) / span(t0, t1)
+        busy = sum(span(a, b) for a, b in acts)
+        return 1 - busy / span(t0, t1), busy
 
     def wrap(self, stage) -> None:
         for name in ACTIONS:
@@ -165,8 +167,9 @@ class ActionClock:
                 self.shares[i] = self._share(t0, t1, acts)
                 del self._pending[i]
 
-    def idle_shares(self, first: int, last: int) -> list[float]:
-        """The idle shares of steps first..last - 1 (on a GPU, waits for their events)."""
+    def steps(self, first: int, last: int) -> list[tuple[float, float]]:
+        """Steps first..last - 1's (idle share, seconds in actions) (on a GPU, waits for
+        their events)."""
         self._read(wait=True)
         return [x for x in self.shares[first:last] if x is not None]
 
