@@ -99,7 +99,7 @@ def test_infer_loads_a_training_runs_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_compiled_decode_step_generates_the_eager_tokens(tmp_path):
+def test_a_compiled_decode_step_generates_the_eager_tokens():
     """train.compile's decode step (what task=infer runs compiled; a compiled run's record:
     the seed_inference preset's last row) greedy-decodes the tokens the eager one does."""
     from moe_exp.infer.generate import generate

@@ -224,7 +224,7 @@ def _clock(cfg, model) -> tuple[float | None, float | None]:
     steps = model.clock.steps((first - start) * n, (last - start) * n)
     if not steps:
         return None, None
-    return statistics.median(s for s, _ in steps), statistics.median(t for _, t in steps) * 1e3
+    return statistics.median(s for s, _ in steps), statistics.median(b for _, b in steps) * 1e3
 
 
 def record_moe(cfg, rec: dict, res, model, device: torch.device, world: int) -> None:
