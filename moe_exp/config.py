@@ -311,8 +311,10 @@ class ParallelConfig:
                                          since=None, read_by=PP, column="pp_split")
     pp_balance: str = knob("blocks", "how stages split the blocks where parallel.pp_split "
                            "is null: blocks = as many a stage (the first ones one more); "
-                           "flops = as many training FLOPs a stage, the LM head's on the last",
-                           choices=("blocks", "flops"), since="blocks", read_by=PP,
+                           "flops = as many training FLOPs a stage, the LM head's on the last; "
+                           "time = as much planned time a stage (each block's, at "
+                           "hardware.calibration's rates or the profile's roofline)",
+                           choices=("blocks", "flops", "time"), since="blocks", read_by=PP,
                            column="pp_balance")
     pp_stages_per_rank: Optional[int] = knob(None, "stages a rank holds (looped: rank r holds "
                                              "r, r + pp, ...); null = 2 for the interleaved "
@@ -403,12 +405,13 @@ def data_rank(p, world: int, rank: int) -> int:
 def pp_stages(cfg) -> list[int]:
     """The pipeline's stages as their first blocks: parallel.pp_split's, else the blocks
     split over pp x stages per rank by parallel.pp_balance: evenly (the first stages take
-    one more where they do not), or by each block's training FLOPs and the head's."""
+    one more where they do not), or by each block's training FLOPs and the head's. (time
+    is resolved into pp_split before a run, plan/blocks.py; until then, as flops.)"""
     p, m = cfg.parallel, cfg.model
     n = p.pp * stages_per_rank(p)
     if p.pp_split is not None:
         return [0, *p.pp_split]
-    if p.pp_balance == "flops":
+    if p.pp_balance in ("flops", "time"):
         from .shapes import block_flops, head_flops
 
         return list(balanced(tuple(block_flops(m, cfg.train.seq_len)), head_flops(m), n))

@@ -83,6 +83,8 @@ def run(cfg: DictConfig, out_dir: Path | None = None, progress: bool = True,
     out_dir = Path(out_dir or hydra_dir or "outputs/run")
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg, rec = prepare(cfg, overrides, in_sweep)
+    if rec is None:
+        rec = _time_split(cfg, overrides)
     cfg_dict, asked, known = container(cfg), None, {}
     if rec is None:
         asked = typed(cfg_dict)
@@ -110,6 +112,18 @@ def run(cfg: DictConfig, out_dir: Path | None = None, progress: bool = True,
     if rec is not None:
         log_record(rec)
     return rec
+
+
+def _time_split(cfg, overrides) -> dict | None:
+    """parallel.pp_balance=time's split, resolved once the run is valid (a sweep's checks
+    do not plan it); an `invalid` record where the plan cannot time a block."""
+    from .plan.blocks import resolve_split
+
+    try:
+        resolve_split(cfg)
+    except ConfigError as e:
+        return failed_record(container(cfg), overrides, "invalid", str(e), "not run: invalid")
+    return None
 
 
 def preflight(cfg, cfg_dict: dict, overrides) -> tuple[dict, dict | None]:

@@ -1,0 +1,59 @@
+"""parallel.pp_balance=time: the pipeline's split by each block's planned time.
+
+A dense block's, a MoE block's and the rest's time (embedding, final norm, LM head, loss,
+all on the last stage as config.balanced takes them) from plans of one device at two or
+three small depths, each a difference of two: a block's forward, backward and optimizer
+step at the plan's basis (hardware.calibration's rates, else the profile's roofline), at
+a pipeline micro-batch. Tensor and context parallelism split every block alike and are
+left out; so is expert parallelism's all-to-all, which a MoE block adds."""
+from __future__ import annotations
+
+import copy
+
+from ..config import ConfigError, balanced, pp_microbatches, stages_per_rank
+
+
+def resolve_split(cfg) -> None:
+    """parallel.pp_balance=time: its split into parallel.pp_split (the record's, as
+    resolved); raises ConfigError where the plan cannot time a block."""
+    p = cfg.parallel
+    if p.pp_balance != "time" or p.pp <= 1 or p.pp_split is not None:
+        return
+    weights, tail = block_ms(cfg)
+    p.pp_split = list(balanced(tuple(weights), tail, p.pp * stages_per_rank(p))[1:])
+
+
+def block_ms(cfg) -> tuple[list[float], float]:
+    """Each block's planned ms, the dense first blocks' then the MoE blocks', and the
+    rest's."""
+    m = cfg.model
+    dense = m.first_k_dense if m.num_experts else 0
+    if not dense:  # (every block alike)
+        one, two = _ms(cfg, 0, 1), _ms(cfg, 0, 2)
+        return [two - one] * m.num_layers, 2 * one - two
+    base, more_moe, more_dense = _ms(cfg, 1, 1), _ms(cfg, 1, 2), _ms(cfg, 2, 1)
+    moe, first = more_moe - base, more_dense - base
+    return [first] * dense + [moe] * (m.num_layers - dense), base - first - moe
+
+
+def _ms(cfg, dense: int, moe: int) -> float:
+    """The planned compute ms of one device's step with `dense` dense-first blocks and
+    `moe` others, at a pipeline micro-batch."""
+    from .predict import plan_step
+
+    one = copy.deepcopy(cfg)
+    one.model.num_layers = dense + moe
+    if cfg.model.num_experts:
+        one.model.first_k_dense = dense
+    p = one.parallel
+    p.name, p.tp, p.cp, p.pp, p.pp_split, p.expert_parallel_size = "none", 1, 1, 1, None, None
+    p.sequence_parallel = p.async_tp = False
+    one.hardware.devices = 1
+    one.train.micro_batch_size = max(
+        cfg.train.micro_batch_size // pp_microbatches(cfg.parallel), 1)
+    rec: dict = {"null_reasons": {}}
+    plan_step(one, rec)
+    if rec.get("planned_compute_ms") is None:
+        raise ConfigError("parallel.pp_balance", "time needs the plan's time of a block: "
+                          f"{rec['null_reasons'].get('planned_compute_ms')}")
+    return rec["planned_compute_ms"]
