@@ -433,11 +433,11 @@ def test_a_pipeline_is_planned_stage_by_stage(tmp_path):
 
 def test_a_pipeline_split_by_planned_time_evens_its_stages(tmp_path):
     """parallel.pp_balance=time: DeepSeek's 3 dense first blocks plan at 0.6 of a MoE
-    block's time on an h100 (each a difference of one-device plans) against 0.88 of its
-    FLOPs, so its split puts 4 blocks on the first stage where FLOPs put 3: the stages'
-    planned times come nearer each other and the step shortens (measured: 0.22 / 0.16
-    against 0.14 / 0.24 ms, the step -15%). A profile the plan cannot time refuses it in
-    one line."""
+    block's time on an h100 (each a difference of two plans of a stage's rank) against
+    0.88 of its FLOPs, so its split puts 4 blocks on the first stage where FLOPs put 3:
+    the stages' planned times come nearer each other and the step shortens (as planned:
+    0.22 / 0.16 against 0.14 / 0.24 ms, the step -15%). A profile the plan cannot time
+    refuses it in one line."""
     shape = [*PLAN, "model=tiny_deepseek", "model.num_layers=6", "model.first_k_dense=3",
              "parallel=fsdp", "hardware.devices=2", "parallel.pp=2", "hardware=h100"]
     runs = {b: run_inproc([*shape, f"parallel.pp_balance={b}"], tmp_path / b)
