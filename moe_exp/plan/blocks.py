@@ -10,16 +10,14 @@ optimizer step and collectives (its all-gathers, all-to-alls) at the plan's basi
 FLOPs, and 7% on one device holding every expert; as here, the FLOPs' split.)"""
 from __future__ import annotations
 
-import copy
-
-from ..config import ConfigError, balanced, pp_microbatches, stages_per_rank
+from ..config import ConfigError, balanced, pp_microbatches, pp_size, stages_per_rank
 
 
 def resolve_split(cfg) -> None:
     """parallel.pp_balance=time: its split into parallel.pp_split (the record's, as
     resolved); raises ConfigError where the plan cannot time a block."""
     p = cfg.parallel
-    if p.pp_balance != "time" or p.pp <= 1 or p.pp_split is not None:
+    if p.pp_balance != "time" or pp_size(p) <= 1 or p.pp_split is not None:
         return
     weights, tail = block_ms(cfg)
     p.pp_split = list(balanced(tuple(weights), tail, p.pp * stages_per_rank(p))[1:])
@@ -42,13 +40,13 @@ def _ms(cfg, dense: int, moe: int) -> float:
     """The planned ms of a stage's rank's step with `dense` dense-first blocks and
     `moe` others, at a pipeline micro-batch: the layout without its pipeline, on world / pp
     devices."""
+    from .depth import at_depth
     from .predict import plan_step
 
-    one = copy.deepcopy(cfg)
-    one.model.num_layers = dense + moe
+    one = at_depth(cfg, dense + moe)
     if cfg.model.num_experts:
         one.model.first_k_dense = dense
-    p, one.hardware.devices = one.parallel, cfg.hardware.devices // cfg.parallel.pp
+    p, one.hardware.devices = one.parallel, cfg.hardware.devices // pp_size(cfg.parallel)
     p.pp, p.pp_split = 1, None
     if one.hardware.devices == 1:  # (a stage of one rank: one device, no strategy)
         p.name, p.tp, p.cp, p.expert_parallel_size = "none", 1, 1, None
