@@ -261,7 +261,7 @@ class Calibrated:
     calibration_s: F = None
     calibration_points: I = None
     dispatch_us: D = None  # an eager step's cost per op dispatched, by precision
-    in_step_factor: D = None  # a CPU step's ops together over their grid times, by precision
+    in_step_factor: D = None  # a CPU step's short ops over their grid times, by precision
     sync_us: F = None
     matmul_tflops: D = None  # the best matmul rate measured, by precision
     bandwidth_gbps: F = None  # the best elementwise bandwidth measured (bytes moved)

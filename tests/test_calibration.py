@@ -52,6 +52,15 @@ def test_a_cpus_step_is_each_ops_dispatch_then_its_kernel():
     assert busy == pytest.approx(4.5e-3)
     assert t == pytest.approx(1.5 * (3e-3 + 3 * 100e-6) + 500e-6)
     assert slow.factor("tf32") == 1.5 and slow.factor("bf16") == 1.0  # (not measured)
+    # tapered (version 3): each 1 ms kernel two thirds of the way from 10 µs to 10 ms in
+    # log(time), so 1.5 - 0.5 * 2/3 of its time; dispatch the whole factor
+    tapered = Calibration({**_data(dispatch=100.0, step=500.0), "in_step": {
+        "fp32": {"factor": 1.5, "taper_s": [1e-5, 1e-2]}}}, "t")
+    t, busy = tapered.step_s(_ops([MM, MEM, MM]), "fp32")
+    assert busy == pytest.approx(3e-3 * (1.5 - 0.5 * 2 / 3))
+    assert t == pytest.approx(busy + 1.5 * 3 * 100e-6 + 500e-6)
+    assert tapered.in_step_s(1e-6, "fp32") == pytest.approx(1.5e-6)
+    assert tapered.in_step_s(0.1, "fp32") == pytest.approx(0.1)
 
 
 def test_a_gpus_host_runs_ahead_until_a_value_is_read():
@@ -72,6 +81,8 @@ def test_checkpointings_hooks_cost_each_op_what_they_cost_the_calibrations_step(
     assert c.dispatch_s("bf16", "full") == pytest.approx(30e-6)
     assert c.dispatch_s("fp16") == pytest.approx(20e-6)  # (fp16 takes bf16's)
     assert c.dispatch_s("fp32", "selective") == pytest.approx(10e-6)  # not measured: none
+    d["dispatch_us"]["bf16+full"] = 25.0  # measured at its precision: as measured
+    assert Calibration(d, "t").dispatch_s("bf16", "full") == pytest.approx(25e-6)
 
 
 def test_a_file_that_is_not_a_calibration_is_refused():
@@ -119,7 +130,9 @@ def test_grouped_mm_in_fp32_is_traced_on_fake_tensors():
 def test_calibrate_measures_a_grid_and_fits_the_dispatch_cost(monkeypatch):
     """A small grid measured here; the tiny runs' step times made up as 40 µs an op (60
     with full checkpointing) and their kernels: the dispatch cost found is that. The
-    in-step probe's made up as 1 s: its factor is that over its plan."""
+    in-step probe's made up as 1 s: its factor makes the probe's plan that."""
+    from moe_exp.plan.trace import trace_step
+
     monkeypatch.setitem(cal_mod.GRIDS, "cpu", dict(mm=([16, 64], [64], [64]),
                                                    sdpa=([128], [64]), bytes_max=2**14))
 
@@ -149,8 +162,10 @@ def test_calibrate_measures_a_grid_and_fits_the_dispatch_cost(monkeypatch):
     assert data["step_us"] == 0.0
     probe = data["in_step"]["fp32"]
     assert probe["measured_ms"] == 1000.0 and 0 < probe["planned_ms"] < 1000.0
-    assert probe["factor"] == pytest.approx(1000.0 / probe["planned_ms"])
-    assert Calibration(data, "made").factor("fp32") == probe["factor"]
+    made = Calibration(data, "made")
+    assert made.factor("fp32") == probe["factor"] > 1000.0 / probe["planned_ms"]
+    ops = trace_step(cal_mod._tiny(cfg, "fp32", cal_mod.SHAPES["in_step"])).ops
+    assert made.step_s(ops, "fp32")[0] == pytest.approx(1.0)  # (the short ops more)
     assert data["sdpa"]  # the CPU's flash kernel, forward and backward
     assert set(data["section_s"]) >= {"matmul", "sdpa", "dispatch", "in_step"}
 

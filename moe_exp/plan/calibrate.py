@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from .calibration import VERSION, Calibration
+from .calibration import TAPER, VERSION, Calibration, long_share
 
 POINT_S = 0.05  # the longest call measured: larger points take a smaller one's rate
 BATCH_S = 2e-3  # a timed batch of calls lasts at least this long
@@ -39,7 +39,7 @@ SDPA_PRECISIONS = {"cuda": ("bf16",), "cpu": ("fp32", "bf16")}
 
 
 class Timer:
-    """Seconds per call of fn on device: batches of calls, the median of 3.
+    """Seconds per call of fn on device: batches of calls (BATCH_S long), the median of 3.
 
     On a GPU, a call shorter than GRAPH_S is timed inside a CUDA graph of the batch: back to
     back, its kernel's time alone, as in a step whose host runs ahead (the plan adds the
@@ -89,13 +89,14 @@ class Timer:
             fn()
         return (time.perf_counter() - t0) / n
 
-    def __call__(self, fn, sub: bool = True, graph: bool = True) -> float:
+    def __call__(self, fn, sub: bool = True, graph: bool = True, batch_s: float = BATCH_S,
+                 batches: int = 3) -> float:
         self._batch(fn, 1)  # (the warm-up)
         first = self._batch(fn, 3)
-        n = max(1, min(1000, int(BATCH_S / max(first, 1e-7))))
+        n = max(1, min(int(1000 * batch_s / BATCH_S), int(batch_s / max(first, 1e-7))))
         if self.cuda and graph and first < self.GRAPH_S:
             return self._graph(fn, min(n, 200))
-        t = statistics.median(self._batch(fn, n) for _ in range(3))
+        t = statistics.median(self._batch(fn, n) for _ in range(batches))
         if sub and not self.cuda:  # the plan adds each op's dispatch itself
             t = max(t - self.raw, 0.05 * t)
         return t
@@ -208,7 +209,9 @@ def _sdpa(timer, dtype, backend: str, axes, bar) -> dict:
     best = 0.0
     for seq, head in itertools.product(*axes):
         bar.update()
-        bh = max(2, 2**17 // seq if dev.type == "cuda" else 2**13 // seq)
+        # (on a CPU, seq 512 in bf16 took 0.05 s with 16 heads, POINT_S: measured or not by
+        # the VM's hour, and a plan of seq 256 moved by 2x)
+        bh = max(2, 2**17 // seq if dev.type == "cuda" else 2**12 // seq)
         q, k, v = (torch.randn(1, bh, seq, head, device=dev, dtype=dtype, requires_grad=True)
                    for _ in range(3))
         flops = 4 * bh * seq * seq * head
@@ -255,7 +258,10 @@ def _bandwidth(timer, top: int, bar) -> dict:
                  for _ in range(copies)]
         turn = itertools.cycle(pairs)
         sizes.append(12 * n)
-        rates.append(12 * n / timer(lambda: torch.add(*next(turn))))
+        # (longer batches than a grid point's: in 2 ms ones a point moved by 2.5x between
+        # calibrations, and a plan's elementwise time with it)
+        rates.append(12 * n / timer(lambda: torch.add(*next(turn)), batch_s=0.02,
+                                    batches=5))
         n *= 4
     return {"axes": [sizes], "rates": rates, "measured": len(sizes)}
 
@@ -335,15 +341,19 @@ def _traced(cfg, precision: str, shape: dict, cal: Calibration,
 
 def _dispatch(cfg, device, cal: Calibration, precisions: list) -> tuple[dict, float]:
     """The cost of an eager step's ops: µs per op dispatched, by precision and by
-    activation checkpointing ("fp32+full"), and µs per step (0: in the ops' cost).
+    activation checkpointing ("fp32+full"; on a GPU, its first precision's only), and µs
+    per step (0: in the ops' cost). (On a CPU each precision's own: on an EPYC, full
+    checkpointing cost fp32's ops 1.90x and bf16's 1.26x, selective 3.22x and 2.37x.)
 
     A tiny bench run (SHAPES' dispatch) in each precision and each checkpointing (whose
     hooks cost each op more): its step's time less its kernels' predicted time (on a GPU,
     the host runs ahead of them) over the ops it dispatches. (A fit of a cost per step and
     one per op over 2 and 8 layers moved by a factor of 2 between calibrations of this
     2-core VM, whose steps move by 15% between processes: one run's ratio holds better.)"""
-    base, out, shape = precisions[0], {}, SHAPES["dispatch"]
-    for p, ac in [(p, "none") for p in precisions] + [(base, "full"), (base, "selective")]:
+    out, shape = {}, SHAPES["dispatch"]
+    hooked = precisions if device.type == "cpu" else precisions[:1]
+    for p, ac in [(p, "none") for p in precisions] + [
+            (p, ac) for p in hooked for ac in ("full", "selective")]:
         n, k = _traced(cfg, p, shape, cal, ac)
         key = p if ac == "none" else f"{p}+{ac}"
         out[key] = max((_measured_step_s(cfg, p, shape, device, ac) - k) / n, 0.0) * 1e6
@@ -351,13 +361,16 @@ def _dispatch(cfg, device, cal: Calibration, precisions: list) -> tuple[dict, fl
 
 
 def _in_step(cfg, device, cal: Calibration, precisions: list) -> dict:
-    """A CPU's step against its grids, by precision: {"factor": measured over planned,
-    "measured_ms", "planned_ms"} of a bench run whose kernels fill most of its step
-    (SHAPES' in_step), planned at this calibration without it.
+    """A CPU's step against its grids, by precision: {"factor", "taper_s", "measured_ms",
+    "planned_ms"} of a bench run whose kernels fill most of its step (SHAPES' in_step),
+    planned at this calibration without it.
 
     A step's kernels run slower than each timed alone: they share the caches, and its
-    buffers are new memory (profiled: tiny_moe's expert matmuls 1.4x their grid time).
-    The plan multiplies each op's time, kernel and dispatch, by its precision's factor."""
+    buffers are new memory (profiled: tiny_moe's expert matmuls 1.2x their grid time,
+    small_moe's 1.06x; its SiLU's and log-softmax's several times theirs). The short ops
+    suffer most, so the factor tapers with an op's time (calibration.TAPER): each op's
+    dispatch and a short op's kernel take all of it, an op of TAPER's long end none, and
+    the factor is what makes the probe's plan its measured step."""
     from .trace import trace_step
 
     out, shape = {}, SHAPES["in_step"]
@@ -365,8 +378,13 @@ def _in_step(cfg, device, cal: Calibration, precisions: list) -> dict:
         ops = trace_step(_tiny(cfg, p, shape)).ops
         planned = cal.step_s(ops, p)[0]
         measured = _measured_step_s(cfg, p, shape, device)
-        out[p] = {"factor": measured / planned, "measured_ms": measured * 1e3,
-                  "planned_ms": planned * 1e3}
+        whole = part = 0.0  # (seconds the factor multiplies; seconds it leaves as they are)
+        for kind, cost, t, *_ in cal.launches(ops, p):
+            if kind == "kernel":
+                x = long_share(t, TAPER)
+                whole, part = whole + cost + t * (1 - x), part + t * x
+        out[p] = {"factor": (measured - part) / whole, "taper_s": list(TAPER),
+                  "measured_ms": measured * 1e3, "planned_ms": planned * 1e3}
     return out
 
 

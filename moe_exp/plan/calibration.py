@@ -5,7 +5,8 @@ names one (a path, a shipped name such as h100, or auto: this machine's, made on
 use). Its grids hold achieved rates: FLOP/s of matmuls by (M, N, K), of grouped_mm by
 (groups, rows, N, K), of each SDPA kernel by (query length, key length, head size), and
 bytes/s of an out-of-place elementwise op by bytes moved; with the cost of dispatching one
-op of an eager step, and on a CPU how much slower a step's ops run together (in_step).
+op of an eager step, and on a CPU how much slower a step's ops run together (in_step:
+the short ops most, tapering to none at TAPER's long end).
 Between grid points, log(rate) is interpolated in log(size); outside, the nearest edge's
 rate holds."""
 from __future__ import annotations
@@ -18,7 +19,10 @@ from pathlib import Path
 
 import torch
 
-VERSION = 2  # 2: a CPU's in_step (a version 1 file reads as without it)
+VERSION = 3  # 3: in_step tapers with an op's time; 2: one in_step factor; 1: without it
+# a CPU's in_step factor: an op this short (seconds, at its grid time) takes all of it, one
+# this long none of it, and between, a share falling linearly in log(time)
+TAPER = (1e-5, 1e-2)
 SHIPPED = Path(__file__).resolve().parents[1] / "conf" / "hardware" / "calibration"
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -63,6 +67,9 @@ class Calibration:
         self.device = data["device"]
         self.dispatch_us = data["dispatch_us"]  # {precision: µs an op}
         self.in_step = {k: v["factor"] for k, v in data.get("in_step", {}).items()}
+        # (a version 2 file's factor holds for every op alike)
+        self.taper = {k: tuple(v["taper_s"]) for k, v in data.get("in_step", {}).items()
+                      if "taper_s" in v}
         self.sync_s = data.get("sync_us", 0.0) / 1e6
         grid = lambda g: Grid(g["axes"], g["rates"])  # noqa: E731
         self.mm = {k: grid(g) for k, g in data["matmul"].items()}
@@ -138,20 +145,31 @@ class Calibration:
     def dispatch_s(self, precision: str, ac: str = "none") -> float:
         """The cost of dispatching one op of an eager step, in seconds.
 
-        Activation checkpointing's hooks make each op cost more: as much more, in
-        proportion, as they did in the calibration's fp32 step."""
+        Activation checkpointing's hooks make each op cost more: as measured at this
+        precision (a CPU's calibration), else as much more, in proportion, as they did in
+        the precision the calibration measured them in."""
         d = self.dispatch_us
         plain = {k: v for k, v in d.items() if "+" not in k}
         us = _by_precision(plain, precision) or next(iter(plain.values()), 0.0)
-        hooked = next((k for k in d if k.endswith(f"+{ac}")), None) if ac != "none" else None
-        if hooked and plain.get(hooked.split("+")[0]):
-            us *= d[hooked] / plain[hooked.split("+")[0]]
-        return us / 1e6
+        if ac == "none":
+            return us / 1e6
+        hooked = {k.split("+")[0]: v for k, v in d.items() if k.endswith(f"+{ac}")}
+        if own := _by_precision(hooked, precision):
+            return own / 1e6
+        base = next((k for k in hooked if plain.get(k)), None)
+        return us * (hooked[base] / plain[base] if base else 1.0) / 1e6
 
     def factor(self, precision: str) -> float:
-        """How much longer a step's ops take together than at their grid times (a CPU's
-        in_step probe; 1 where not measured)."""
+        """How much longer a step's short ops take together than at their grid times (a
+        CPU's in_step probe; 1 where not measured)."""
         return _by_precision(self.in_step, precision) or 1.0
+
+    def in_step_s(self, t: float, precision: str) -> float:
+        """An op of grid time t seconds in a step: t times factor() where it is short,
+        tapering to t itself (TAPER; a version 2 file's factor for every op)."""
+        f = self.factor(precision)
+        span = _by_precision(self.taper, precision)
+        return t * (f + (1 - f) * long_share(t, span)) if span else t * f
 
     def _kernel(self, op: str, dtype: str) -> str:
         """The calibrated kernel for a traced SDPA op: on a GPU, the trace's CPU kernel is
@@ -211,7 +229,9 @@ class Calibration:
         included). Compiled, the model's ops up to the optimizer's (ops.split): its
         matmuls and attention as they are, each run of other ops between them one fused
         kernel that reads what comes from outside the run and writes what is read after
-        it, launched at a tiny op's cost. Each op's cost and time times factor()."""
+        it, launched at a tiny op's cost. An eager op's dispatch times factor(), each
+        op's kernel as in_step_s scales it, but a fused kernel's: it runs in buffers the
+        compiled graph planned, not new ones."""
         from .ops import is_kernel
 
         recorded, f = sum(map(is_kernel, ops.ops)), self.factor(precision)
@@ -220,12 +240,12 @@ class Calibration:
         split = (ops.split or 0) if compiled and ops.io else 0
         out, chain = [], []
         last_read = _last_reads(ops.io[:split]) if split else {}
-        tiny = self.data.get("raw_op_us", 0.0) / 1e6 * f
+        tiny = self.data.get("raw_op_us", 0.0) / 1e6
         for i, op in enumerate(ops.ops):
             fuse = i < split and op[3] is None
             if chain and not fuse:
                 t, read, wrote = self._fused([io[j] for j in chain], chain[-1], last_read)
-                out.append(("kernel", tiny, t * f, read, wrote))
+                out.append(("kernel", tiny, t, read, wrote))
                 chain = []
             keys = [tuple(k for k, _ in part) for part in io[i]] if io[i] else [(), ()]
             if fuse:
@@ -236,7 +256,7 @@ class Calibration:
                 out.append(("comm", 0.0, op[3][1], *keys))
             else:
                 out.append(("kernel", tiny if i < split else per_op,
-                            self.kernel_s(*op, precision) * f, *keys))
+                            self.in_step_s(self.kernel_s(*op, precision), precision), *keys))
         return out
 
     def _fused(self, io: list, end: int, last_read: dict) -> tuple[float, tuple, tuple]:
@@ -260,6 +280,13 @@ def _by_precision(measured: dict, precision: str):
     return measured.get(precision) or measured.get({"fp16": "bf16", "tf32": "fp32"}.get(precision))
 
 
+def long_share(t: float, span: tuple) -> float:
+    """Where an op of t seconds lies between span's short (0) and long (1) end, in
+    log(time)."""
+    short, long = span
+    return min(max(math.log(max(t, short) / short) / math.log(long / short), 0.0), 1.0)
+
+
 def _last_reads(io: list) -> dict:
     """Each storage's last op reading it."""
     last = {}
@@ -271,7 +298,7 @@ def _last_reads(io: list) -> dict:
 
 def check_data(data, source: str) -> dict:
     """A calibration's JSON, checked: raises CalibrationError naming what is wrong."""
-    if not isinstance(data, dict) or data.get("version") not in (1, VERSION):
+    if not isinstance(data, dict) or data.get("version") not in (1, 2, VERSION):
         raise CalibrationError(f"{source} is not a moe_exp calibration (version {VERSION}): "
                                "make one with task=calibrate")
     missing = [k for k in ("device", "device_name", "torch", "made", "dispatch_us", "matmul",

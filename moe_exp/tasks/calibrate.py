@@ -73,7 +73,8 @@ class CalibrateTask(Task):
                           "write)"),
             ("dispatch", f"{disp} µs an eager step's op"),
             *([("in a step", ", ".join(f"{k} x{v:.2f}" for k, v in r["in_step_factor"].items())
-                + " its ops' grid times (a probe step measured over planned)")]
+                + " a short op's grid time, tapering to x1 at 10 ms (a probe step: "
+                "measured over planned)")]
               if r.get("in_step_factor") else []),
             ("file", f"{r['calibration_file']} (hardware.calibration=<it>; this machine's "
                      f"cache, hardware.calibration=auto: {r.get('calibration_cached')})"),
