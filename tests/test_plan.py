@@ -47,6 +47,13 @@ def test_a_compiled_steps_plan_saves_what_the_partition_saves_and_fuses_pointwis
         torch.randn(4, 4), torch.randn(4, 4), torch.zeros(4, 1, dtype=torch.long))
     fused = {n.target.overloadpacket.__name__ for n in fused_nodes(gm)}
     assert fused == {"sin", "exp", "zeros_like", "scatter"}, fused
+    # (read by two ops: a sigmoid stored on a CPU, inlined on a GPU; a sin inlined)
+    gm = torch.fx.experimental.proxy_tensor.make_fx(
+        lambda x: ((s := x.sigmoid()) * 2 + s.sum(), (c := x.sin()) * 3 + c.sum()))(
+        torch.randn(4, 4))
+    on = {cpu: {n.target.overloadpacket.__name__ for n in fused_nodes(gm, cpu)}
+          for cpu in (True, False)}
+    assert "sin" in on[True] and "sigmoid" not in on[True] and "sigmoid" in on[False]
     # (what reads the inputs alone runs first, as inductor's scheduler runs it: sin)
     gm = torch.fx.experimental.proxy_tensor.make_fx(lambda x, w: (x @ w) * x.sin())(
         torch.randn(4, 4), torch.randn(4, 4))

@@ -10,8 +10,9 @@ alone write into its buffer, held from the first; every other op's output is a b
 What reads the graph's inputs alone runs first, as inductor's scheduler puts it; inputs
 and values are freed after their last use, as inductor's code frees them. The partitions
 are the run's (the same saved tensors; inductor's code for each holds the same buffers);
-on CPU a tiny model's loop dispatch still peaks up to 11% over this plan
-(benchmarks/plans.md)."""
+a pointwise op read by several ops is inlined into each unless inductor keeps it (on a CPU,
+one that computes an exp, log, sigmoid or tanh; one that reads more than
+realize_reads_threshold buffers)."""
 from __future__ import annotations
 
 import contextlib
@@ -32,6 +33,10 @@ FULL = {torch.ops.aten.full.default, torch.ops.aten.zeros.default,
 # reductions inductor fuses their pointwise inputs into
 REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var_mean", "var",
               "argmax", "argmin", "any", "all", "logsumexp"}
+# ops whose result a CPU's inductor stores when several ops read it rather than compute it
+# again in each (StorageBox.should_realize_on_reuse's heavy ops; silu: x * sigmoid(x))
+HEAVY = {"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh", "silu", "silu_backward",
+         "logsumexp"}
 
 
 def partitioned(cfg) -> bool:
@@ -60,7 +65,7 @@ class Compiled(nn.Module):
     dynamo tags a checkpoint's: full, each recomputed in the backward; selective, the
     policy's saved ops saved and the rest recomputed where the partitioner prefers."""
 
-    def __init__(self, model: nn.Module, ac: str = "none"):
+    def __init__(self, model: nn.Module, ac: str = "none", cpu: bool = True):
         super().__init__()
         from functorch.compile import aot_function
         from torch._inductor.decomposition import select_decomp_table
@@ -71,7 +76,8 @@ class Compiled(nn.Module):
         def call(params, buffers, *args):
             return torch.func.functional_call(model, {**params, **buffers}, args)
 
-        self._fn = aot_function(call, fw_compiler=_fused, bw_compiler=_fused,
+        fused = partial(_fused, cpu=cpu)
+        self._fn = aot_function(call, fw_compiler=fused, bw_compiler=fused,
                                 partition_fn=partial(_partition, ac=ac),
                                 decompositions=select_decomp_table())
 
@@ -142,9 +148,13 @@ def _kind(node) -> str:
     return "extern"
 
 
-def fused_nodes(gm) -> set:
+def fused_nodes(gm, cpu: bool = True) -> set:
     """The pointwise nodes inductor fuses into their users: each user (through views) a
-    pointwise op or a reduction, none the graph's output."""
+    pointwise op or a reduction, none the graph's output; and one read by several nodes
+    only where inductor does not store it (kept: on a CPU, one whose inlined ops compute a
+    HEAVY one; one reading more than realize_reads_threshold buffers)."""
+    from torch._inductor import config
+
     def consumers(node):
         for u in node.users:
             if _kind(u) == "view":
@@ -152,8 +162,24 @@ def fused_nodes(gm) -> set:
             else:
                 yield u
 
-    return {n for n in gm.graph.nodes if _kind(n) == "pointwise"
-            and all(_kind(u) in ("pointwise", "reduction") for u in consumers(n))}
+    fused, heavy, reads = set(), set(), {}
+    for n in gm.graph.nodes:
+        if _kind(n) != "pointwise":
+            continue
+        inlined = [a for a in n.all_input_nodes if a in fused]
+        if _name(n) in HEAVY or any(a in heavy for a in inlined):
+            heavy.add(n)
+        reads[n] = set().union(*(reads[a] if a in fused else {a} for a in n.all_input_nodes))
+        kept = len(n.users) > 1 and (cpu and n in heavy or
+                                     len(reads[n]) > config.realize_reads_threshold)
+        if not kept and all(_kind(u) in ("pointwise", "reduction") for u in consumers(n)):
+            fused.add(n)
+    return fused
+
+
+def _name(node) -> str:
+    t = node.target
+    return t.overloadpacket.__name__ if isinstance(t, torch._ops.OpOverload) else ""
 
 
 def hoist_input_only(gm) -> None:
@@ -199,10 +225,10 @@ def written_into_cats(gm) -> tuple[dict, set]:
     return first, into
 
 
-def _fused(gm, _example_inputs):
+def _fused(gm, _example_inputs, cpu: bool = True):
     """A compiler of AOTAutograd's (boxed): runs `gm` with fusion's buffers only."""
     hoist_input_only(gm)
-    fused = fused_nodes(gm)
+    fused = fused_nodes(gm, cpu)
     first, into = written_into_cats(gm)
     held = {}  # a cat's buffer, from its first input's kernel
 

@@ -228,7 +228,7 @@ def trace_step(cfg, micro_batch: int | None = None, rank: int = 0) -> StepMemory
             got.flops, got.comm, got.ops = ops.flops, ops.comm, ops
             if partitioned:  # (its time: the eager ops', fused by the calibration)
                 mem = _compiled_memory(cfg, build_step(cfg, b, FAKE_DEVICE, world), rows,
-                                       experts)
+                                       experts, cpu=not gpu)
                 got.peak_bytes, got.at_peak, got.phases = mem.peak_bytes, mem.at_peak, \
                     mem.phases
             if cfg.parallel.name == "ddp":
@@ -236,13 +236,14 @@ def trace_step(cfg, micro_batch: int | None = None, rank: int = 0) -> StepMemory
     return got
 
 
-def _compiled_memory(cfg, built, rows: int, experts: int) -> StepMemory:
+def _compiled_memory(cfg, built, rows: int, experts: int, cpu: bool) -> StepMemory:
     """A compiled step's memory: the model's forward and backward as torch.compile
-    partitions them (plan/compiled.py), traced once outside the tracker, then tracked."""
+    partitions them (plan/compiled.py) for a CPU's inductor or a GPU's, traced once
+    outside the tracker, then tracked."""
     from .compiled import Compiled
 
     applied, tokens = built[0], built[3]
-    applied.model = Compiled(applied.model, cfg.train.activation_checkpointing)
+    applied.model = Compiled(applied.model, cfg.train.activation_checkpointing, cpu)
     phase("partitioning the compiled step (AOTAutograd)")
     with Shadows(rows, experts), applied.autocast():
         applied.model(tokens[:, :-1], tokens[:, 1:])
