@@ -63,6 +63,8 @@ class CalibrateTask(Task):
 
     @staticmethod
     def summary_rows(r: dict) -> list[tuple[str, str]]:
+        from ..plan.calibration import TAPER
+
         mm = ", ".join(f"{k} {v:,.3g}" for k, v in (r.get("matmul_tflops") or {}).items())
         disp = ", ".join(f"{k} {v:,.1f}" for k, v in (r.get("dispatch_us") or {}).items())
         return [
@@ -73,8 +75,8 @@ class CalibrateTask(Task):
                           "write)"),
             ("dispatch", f"{disp} µs an eager step's op"),
             *([("in a step", ", ".join(f"{k} x{v:.2f}" for k, v in r["in_step_factor"].items())
-                + " a short op's grid time, tapering to x1 at 10 ms (a probe step: "
-                "measured over planned)")]
+                + f" a short op's grid time, tapering to x1 at {TAPER[1] * 1e3:g} ms (what "
+                "makes a probe step's plan its measured time)")]
               if r.get("in_step_factor") else []),
             ("file", f"{r['calibration_file']} (hardware.calibration=<it>; this machine's "
                      f"cache, hardware.calibration=auto: {r.get('calibration_cached')})"),
