@@ -406,7 +406,7 @@ class _Actions:
 def test_a_pipelines_action_clock_counts_the_time_no_action_runs(monkeypatch):
     """parallel.pp's pp_bubble_share and pp_stage_ms: a step of 10 s in which a forward and
     a backward of 2 s each run idles 60% of it, 4 s in its actions; a forward outside a step
-    (eval) is not counted."""
+    (eval) is not counted; a loss the clock times is."""
     from moe_exp.optimizations.parallel import pipeline
 
     now = [0.0]
@@ -424,6 +424,14 @@ def test_a_pipelines_action_clock_counts_the_time_no_action_runs(monkeypatch):
         clock.end()
     assert clock.steps(0, 2) == [pytest.approx((0.6, 4.0))] * 2
     assert clock.steps(1, 5) == [pytest.approx((0.6, 4.0))]
+    # the last stage's loss, which the schedule computes between actions, is work too
+    loss = clock.timed(lambda: now.__setitem__(0, now[0] + 1.0))
+    clock.begin()
+    stage.forward_one_chunk()
+    loss()
+    now[0] += 5.0
+    clock.end()
+    assert clock.steps(2, 3) == [pytest.approx((0.625, 3.0))]
 
 
 def test_a_compiled_run_compiles_as_a_process_of_its_own():

@@ -111,7 +111,8 @@ ACTIONS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk
 
 class ActionClock:
     """Each schedule step's time in its actions on this rank (a stage's forward or backward
-    of a micro-batch) and its idle share: its span less that time. CUDA events on a GPU,
+    of a micro-batch, and the last stage's loss, which the schedule computes between them)
+    and its idle share: its span less that time. CUDA events on a GPU,
     each step's read once its events are done (never waited for in a step); the host's
     clock on a CPU. A step's events are dropped once read: a step keeps two numbers."""
 
@@ -136,16 +137,18 @@ class ActionClock:
 
     def wrap(self, stage) -> None:
         for name in ACTIONS:
-            run = getattr(stage, name)
+            setattr(stage, name, self.timed(getattr(stage, name)))
 
-            def timed(*args, _run=run, **kwargs):
-                t0 = self._now()
-                try:
-                    return _run(*args, **kwargs)
-                finally:
-                    if self._open is not None:
-                        self._open[2].append((t0, self._now()))
-            setattr(stage, name, timed)
+    def timed(self, run):
+        """run, its time counted in the running step's actions."""
+        def timed(*args, **kwargs):
+            t0 = self._now()
+            try:
+                return run(*args, **kwargs)
+            finally:
+                if self._open is not None:
+                    self._open[2].append((t0, self._now()))
+        return timed
 
     def begin(self) -> None:
         self._read(wait=False)
@@ -226,7 +229,8 @@ class PipelineModel(nn.Module):
                 "interleaved_1f1b": ScheduleInterleaved1F1B,
                 "zero_bubble": ScheduleInterleavedZeroBubble}[p.pp_schedule]
         self.schedule = kind(piped[0] if p.pp_schedule in ("gpipe", "1f1b") else piped,
-                             self.n_micro, loss_fn=self._loss, scale_grads=False)
+                             self.n_micro, loss_fn=self.clock.timed(self._loss),
+                             scale_grads=False)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         ce = self.loss(logits.flatten(0, 1).float(), targets.flatten())
