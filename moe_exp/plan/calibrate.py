@@ -375,11 +375,11 @@ def _in_step(cfg, device, cal: Calibration, precisions: list) -> dict:
 
     out, shape = {}, SHAPES["in_step"]
     for p in precisions:
-        ops = trace_step(_tiny(cfg, p, shape)).ops
-        planned = cal.step_s(ops, p)[0]
+        launches = cal.launches(trace_step(_tiny(cfg, p, shape)).ops, p)
+        planned = cal.timeline(launches)[0]
         measured = _measured_step_s(cfg, p, shape, device)
         whole = part = 0.0  # (seconds the factor multiplies; seconds it leaves as they are)
-        for kind, cost, t, *_ in cal.launches(ops, p):
+        for kind, cost, t, *_ in launches:
             if kind == "kernel":
                 x = long_share(t, TAPER)
                 whole, part = whole + cost + t * (1 - x), part + t * x

@@ -219,7 +219,7 @@ def _clock(cfg, model) -> tuple[float | None, float | None]:
 
     t, n = cfg.train, cfg.train.grad_accum_steps
     total = total_steps(t)
-    start = total - len(model.clock.shares) // n  # (a resumed run's first step)
+    start = total - len(model.clock.timed_steps) // n  # (a resumed run's first step)
     first, last = max(t.warmup_steps, start), total - profiled_steps(cfg, True)
     steps = model.clock.steps((first - start) * n, (last - start) * n)
     if not steps:

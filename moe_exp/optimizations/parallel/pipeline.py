@@ -118,7 +118,7 @@ class ActionClock:
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
-        self.shares: list = []  # per step: (idle share, seconds in actions), or None while
+        self.timed_steps: list = []  # per step: (idle share, seconds in actions), or None while
         # its events run
         self._open = None  # the running step: [start, end, [(start, end) of each action]]
         self._pending: dict = {}  # step index -> its events, not yet done (CUDA)
@@ -130,7 +130,7 @@ class ActionClock:
         e.record()
         return e
 
-    def _share(self, t0, t1, acts) -> tuple[float, float]:
+    def _timing(self, t0, t1, acts) -> tuple[float, float]:
         span = (lambda a, b: a.elapsed_time(b) / 1e3) if self.cuda else (lambda a, b: b - a)
         busy = sum(span(a, b) for a, b in acts)
         return 1 - busy / span(t0, t1), busy
@@ -157,8 +157,8 @@ class ActionClock:
     def end(self) -> None:
         step, self._open = self._open, None
         step[1] = self._now()
-        self.shares.append(None)
-        self._pending[len(self.shares) - 1] = step
+        self.timed_steps.append(None)
+        self._pending[len(self.timed_steps) - 1] = step
         if not self.cuda:
             self._read(wait=False)
 
@@ -167,14 +167,14 @@ class ActionClock:
             torch.cuda.synchronize()
         for i, (t0, t1, acts) in list(self._pending.items()):
             if not self.cuda or wait or t1.query():
-                self.shares[i] = self._share(t0, t1, acts)
+                self.timed_steps[i] = self._timing(t0, t1, acts)
                 del self._pending[i]
 
     def steps(self, first: int, last: int) -> list[tuple[float, float]]:
         """Steps first..last - 1's (idle share, seconds in actions) (on a GPU, waits for
         their events)."""
         self._read(wait=True)
-        return [x for x in self.shares[first:last] if x is not None]
+        return [x for x in self.timed_steps[first:last] if x is not None]
 
 
 class PipelineModel(nn.Module):
