@@ -63,7 +63,8 @@ ROWS["pipeline"] = [PP + [f"parallel.pp_schedule={s}"] + (
 KEYS = ("status", "pp_bubble_share", "planned_pp_bubble_share", "planned_pp_bubble_error",
         "planned_step_ms", "planned_kernel_ms", "step_time_ms", "planned_step_error",
         "planned_peak_gib", "peak_mem_gib", "tracked_peak_gib", "planned_peak_error",
-        "planned_time_basis", "plan_s", "compile_s", "device_name", "error")
+        "planned_time_basis", "plan_s", "compile_s", "device_name", "error", "pp_stage_ms",
+        "planned_pp_stage_ms")
 
 
 def main() -> None:

@@ -598,6 +598,10 @@ class HardwareConfig:
     # page-faulted in again each step: faster CPU steps; the CPU peak RSS then also counts
     # memory malloc kept)
     malloc_retain: bool = knob(False, "glibc malloc keeps freed memory (faster CPU steps)")
+    pin_ranks: bool = knob(True, "each CPU rank bound to cores of its own, where the ranks' "
+                           "threads fit this machine's", since=True, tasks=BOTH,
+                           not_in=PLAN_TASK, unread_ok=True,
+                           read_by=(Reads("parallel.name", RANKED), Reads("task", COMM_TASK)))
 
 
 @dataclass
@@ -812,14 +816,15 @@ class InferConfig:
 @dataclass
 class CommConfig:
     """task=comm: collective latency and bus bandwidth over message sizes."""
-    ops: List[str] = knob(doc="collectives measured", tasks=COMM_TASK, factory=lambda: [
-        "all_reduce", "all_gather", "reduce_scatter", "all_to_all"])
+    ops: List[str] = knob(doc="collectives measured; send (a pipeline's hand-off) where "
+                          "named", tasks=COMM_TASK, factory=lambda: [
+                              "all_reduce", "all_gather", "reduce_scatter", "all_to_all"])
     min_bytes: int = knob(1024, "smallest message", tasks=COMM_TASK, check=at_least(4))
     max_bytes: int = knob(64 * 2**20, "largest message", tasks=COMM_TASK)
     factor: int = knob(4, "each size is the previous one times this", tasks=COMM_TASK,
                        check=at_least(2))
-    iters: int = knob(10, "timed repetitions per size (median reported)", tasks=COMM_TASK,
-                      check=at_least(1))
+    iters: int = knob(10, "timed repetitions per size (median reported; send: mean)",
+                      tasks=COMM_TASK, check=at_least(1))
     warmup: int = knob(3, "untimed repetitions first", tasks=COMM_TASK, check=at_least(0))
     dtype: str = knob("float32", "element type", choices=("float32", "bfloat16", "float16"),
                       tasks=COMM_TASK)

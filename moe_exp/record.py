@@ -179,6 +179,7 @@ class Comm:
     busbw_gbps_all_gather: F = None
     busbw_gbps_reduce_scatter: F = None
     busbw_gbps_all_to_all: F = None
+    busbw_gbps_send: F = None
 
 
 @dataclass

@@ -105,7 +105,9 @@ PP_PLANS = {"fsdp-1f1b": ["parallel=fsdp"],
             "expert_fsdp-interleaved-deepseek": [
                 "parallel=expert_fsdp", "parallel.pp_schedule=interleaved_1f1b",
                 "model=tiny_deepseek", "model.num_layers=4"],
-            "fsdp-tp2-4ranks": ["parallel=fsdp", "parallel.tp=2", "hardware.devices=4"]}
+            "fsdp-tp2-4ranks": ["parallel=fsdp", "parallel.tp=2", "hardware.devices=4"],
+            "fsdp-zero_bubble": ["parallel=fsdp", "parallel.pp_schedule=zero_bubble",
+                                 "parallel.reshard_after_forward=false"]}
 PP_PLANS = {k: [*o, "parallel.pp=2", "train.micro_batch_size=4"] +
             ([] if "hardware.devices=4" in o else ["hardware.devices=2"])
             for k, o in PP_PLANS.items()}
@@ -723,22 +725,44 @@ def test_comm_sizes_are_whole_elements_per_rank_without_repeats():
     assert sizes(c, 3) == ([1020, 4092], 6)
 
 
+def test_cpu_ranks_are_bound_to_cores_of_their_own_where_they_fit(monkeypatch):
+    """distributed.pin: rank r of n, t threads each, takes cores r*t..(r+1)*t - 1 of those the
+    process may use where n x t fit them, and nothing where they do not or it runs alone; the
+    load is still measured over every core."""
+    from moe_exp import distributed
+    from moe_exp.bench import load
+
+    bound = []
+    monkeypatch.setattr(load, "_KEPT", None)
+    monkeypatch.setattr(distributed.os, "sched_getaffinity", lambda pid: {4, 5, 6, 7})
+    monkeypatch.setattr(distributed.os, "sched_setaffinity", lambda pid, c: bound.append(c))
+    distributed.pin(1, 2, 2)
+    distributed.pin(0, 3, 2)  # (6 threads on 4 cores: left to the scheduler)
+    distributed.pin(0, 1, 4)  # (one rank: nothing to keep apart)
+    assert bound == [[6, 7]] and load._cpus() == {4, 5, 6, 7}
+
+
 def test_comm_task_measures_collectives(tmp_path):
     import pandas as pd
 
     p = run_cli(["task=comm", "hardware.devices=2", "logger=none", "comm.max_bytes=65536",
-                 "comm.iters=2", "comm.warmup=1", f"hydra.run.dir={tmp_path}"], tmp_path)
+                 "comm.iters=2", "comm.warmup=1", f"hydra.run.dir={tmp_path}",
+                 "comm.ops=[all_reduce,all_gather,reduce_scatter,all_to_all,send]"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     df = pd.read_csv(tmp_path / "comm.csv")
-    assert set(df["op"]) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
+    assert set(df["op"]) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+                             "send"}
     assert sorted(set(df["bytes"])) == [1024, 4096, 16384, 65536]
+    send = df[df.op == "send"]  # (a pipeline's hand-off: its message whole, its sender's post)
+    assert (send.busbw_gbps == send.algbw_gbps).all() and (send.post_us > 0).all()
+    assert df[df.op != "send"].post_us.isna().all()
     assert (df["latency_us"] > 0).all() and (df["busbw_gbps"] > 0).all()
     ar = df[df.op == "all_reduce"].iloc[0]  # 2 ranks: busbw = algbw * 2(n-1)/n = algbw
     assert ar.busbw_gbps == pytest.approx(ar.algbw_gbps)
     ag = df[df.op == "all_gather"].iloc[0]
     assert ag.busbw_gbps == pytest.approx(ag.algbw_gbps / 2)
     rec = json.loads((tmp_path / "metrics.json").read_text())
-    assert rec["status"] == "ok" and rec["world_size"] == 2 and len(rec["comm"]) == 16
+    assert rec["status"] == "ok" and rec["world_size"] == 2 and len(rec["comm"]) == 20
     assert rec["tokens_per_s"] is None and "task=comm" in rec["null_reasons"]["tokens_per_s"]
     assert off_contract(rec) == set() and rec["busbw_gbps_all_to_all"] > 0
 

@@ -264,7 +264,7 @@ def test_the_roofline_takes_each_collective_over_its_groups_link():
     """FSDP over 16 ranks, 8 a node: its groups span two nodes, so each collective's bus
     share moves at network_bandwidth; over 8 ranks, within one node, at link_bandwidth.
     A task=comm record (hardware.comm_from) replaces both with its measured times."""
-    from moe_exp.plan.roofline import _measured_s, call_seconds
+    from moe_exp.plan.roofline import call_seconds, measured_s
 
     for devices, key in ((16, "network_bandwidth"), (8, "link_bandwidth")):
         cfg = compose(["model=tiny_dense", "parallel=fsdp", f"hardware.devices={devices}",
@@ -275,10 +275,33 @@ def test_the_roofline_takes_each_collective_over_its_groups_link():
         each, why = call_seconds(step.ops, cfg.hardware)
         assert why is None and sum(each) * 1e3 == pytest.approx(want)
     curve = (2, [(1024, 10e-6), (2**20, 1e-3)])  # (measured on 2 ranks: bus share 1/2)
-    assert _measured_s(curve, "all_gather", 1024, 2) == 10e-6  # (a size measured)
-    assert _measured_s(curve, "all_gather", 32 * 1024, 2) == pytest.approx(
+    assert measured_s(curve, "all_gather", 1024, 2) == 10e-6  # (a size measured)
+    assert measured_s(curve, "all_gather", 32 * 1024, 2) == pytest.approx(
         10e-6 * (1e-3 / 10e-6) ** 0.5)  # (halfway in log size: the log-log line)
-    assert _measured_s(curve, "all_gather", 2**21, 8) == pytest.approx(2e-3 * (7 / 8) / (1 / 2))
+    assert measured_s(curve, "all_gather", 2**21, 8) == pytest.approx(2e-3 * (7 / 8) / (1 / 2))
+
+
+def test_a_pipelines_sends_take_task_comms_send_row(tmp_path):
+    """A pipeline's send and receive take a task=comm record's send row (a hand-off as a
+    pipeline makes it), its post_us the sender's post; a record without one, a 2-rank
+    all-to-all of twice the bytes."""
+    import json
+    from types import SimpleNamespace
+
+    from moe_exp.plan.roofline import call_seconds, comm_curves
+
+    rows = [{"op": "all_to_all", "bytes": 1024, "latency_us": 100.0},
+            {"op": "send", "bytes": 1024, "latency_us": 30.0, "post_us": 5.0}]
+    f = tmp_path / "metrics.json"
+    f.write_text(json.dumps({"task": "comm", "status": "ok", "world_size": 2, "comm": rows}))
+    curves = comm_curves(str(f))
+    assert curves["send"] == (2, [(1024, 30e-6)]) and curves["send_post"] == (2, [(1024, 5e-6)])
+    ops = SimpleNamespace(calls=[("send", 512, [0, 1]), ("recv", 512, [0, 1])])
+    hw = SimpleNamespace(comm_from=str(f), devices_per_node=8)
+    assert call_seconds(ops, hw) == ([30e-6, 30e-6], None)  # (below its sizes: its latency)
+    f.write_text(json.dumps({"task": "comm", "status": "ok", "world_size": 2,
+                             "comm": rows[:1]}))
+    assert call_seconds(ops, hw) == ([100e-6, 100e-6], None)  # (all_to_all of 1,024 bytes)
 
 
 def test_a_plan_that_does_not_fit_names_its_largest_memory_and_what_shrinks_it():
@@ -415,6 +438,21 @@ def test_a_pipelines_simulated_bubble_is_its_schedules(schedule, pp, m, per):
         assert bubble == pytest.approx([textbook] * pp)
     # a send between ranks delays what waits for it: the span grows
     assert simulate(order, seconds, 0.5)[0] > span
+
+
+def test_a_pipelines_hand_off_starts_once_both_ranks_are_ready():
+    """A send is a rendezvous: GPipe, 2 stages, 2 micro-batches, the second stage's forward
+    twice the first's. Its second forward's data was sent (at 2) before it was ready (3.5):
+    the hand-off (0.5) starts then, not at 2; a sender's post (0.25) comes after its action,
+    before its next. Worked by hand: spans 10 and 10.5; busy time is the actions' alone."""
+    from types import SimpleNamespace
+
+    from moe_exp.plan.pipeline import schedule_order, simulate
+
+    order = schedule_order(SimpleNamespace(pp=2, pp_schedule="gpipe"), 2)
+    seconds = {(0, "F"): 1.0, (1, "F"): 2.0, (0, "B"): 1.0, (1, "B"): 1.0}
+    assert simulate(order, seconds, 0.5) == (pytest.approx(10.0), [4.0, 6.0])
+    assert simulate(order, seconds, 0.5, 0.25) == (pytest.approx(10.5), [4.0, 6.0])
 
 
 def test_a_pipeline_is_planned_stage_by_stage(tmp_path):

@@ -30,11 +30,24 @@ def load_warning(load: float, during: str) -> str:
         "timings are not reliable"
 
 
+_KEPT: set[int] | None = None  # the process's cores before a rank bound itself to some
+
+
 def _cpus() -> set[int]:
+    if _KEPT is not None:
+        return set(_KEPT)
     try:
         return set(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return set(range(os.cpu_count() or 1))
+
+
+def keep_cpus() -> list[int]:
+    """This process's cores, sorted, kept as the ones the load is measured over: a rank
+    about to bind itself to some of them (distributed.pin) still measures the machine's."""
+    global _KEPT
+    _KEPT = _cpus()
+    return sorted(_KEPT)
 
 
 def _busy_ticks(cpus: set[int]) -> int:

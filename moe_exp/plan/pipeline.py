@@ -3,7 +3,7 @@
 Every rank of the pp group is traced as the run builds it (its stages, the real schedule on
 the fake process group), each op tagged with the pipeline action it runs in. The actions'
 times then run through the schedule's own order (torch's), each rank one action at a time,
-an action waiting for the one it needs from another stage and its send: the step's time
+an action waiting for the one it needs from another stage and its hand-off: the step's time
 and each rank's idle share, the bubble."""
 from __future__ import annotations
 
@@ -86,12 +86,16 @@ def schedule_order(p, microbatches: int) -> list[list]:
              if a is not None and a.computation_type.value in KINDS] for rank in ops]
 
 
-def simulate(order: list[list], seconds: dict, hop_s: float) -> tuple[float, list[float]]:
+def simulate(order: list[list], seconds: dict, hop_s: float,
+             post_s: float = 0.0) -> tuple[float, list[float]]:
     """The schedule's makespan and each rank's busy seconds.
 
     order: schedule_order's. seconds: (stage, kind) -> one micro-batch's time. hop_s: one
-    micro-batch's send between ranks. A forward waits for the previous stage's; a backward
-    (full or input) for its forward and the next stage's; a weight backward for its input's."""
+    micro-batch's hand-off between ranks; post_s: its sender's time posting it (after the
+    action, before its next). A forward waits for the previous stage's; a backward (full or
+    input) for its forward and the next stage's; a weight backward for its input's. What
+    another rank sends is a rendezvous, as NCCL's and gloo's sends are: the hand-off starts
+    once the sender has posted it and the receiver is ready for it."""
     pp = len(order)
     last = max(s for rank in order for s, _, _ in rank)
     owner = {s: r for r, rank in enumerate(order) for s, _, _ in rank}
@@ -109,12 +113,15 @@ def simulate(order: list[list], seconds: dict, hop_s: float) -> tuple[float, lis
                 need.append((s + 1, back, m))
         if k == "W":
             need.append((s, "I", m))
-        times = []
-        for d in need:
-            if d not in end:
-                return None
-            times.append(end[d] + (hop_s if owner[d[0]] != owner[s] else 0.0))
-        return max(times, default=0.0)
+        if any(d not in end for d in need):
+            return None
+        r = owner[s]
+        return max([end[d] if owner[d[0]] == r else max(end[d] + post_s, clock[r]) + hop_s
+                    for d in need], default=0.0)
+
+    def sends(s: int, k: str) -> bool:  # (to another rank)
+        to = s + 1 if k == "F" else s - 1 if k in ("B", "I") else -1
+        return 0 <= to <= last and owner[to] != owner[s]
 
     left = sum(map(len, order))
     while left:
@@ -126,6 +133,7 @@ def simulate(order: list[list], seconds: dict, hop_s: float) -> tuple[float, lis
                 if t is not None:
                     d = seconds.get((s, k), 0.0)
                     end[s, k, m] = clock[r] = max(clock[r], t) + d
+                    clock[r] += post_s if sends(s, k) else 0.0
                     busy[r] += d
                     at[r] += 1
                     left -= 1

@@ -136,7 +136,7 @@ def _pipelined(cfg, rec: dict) -> None:
     for r in ranks:
         seconds.update({k: v / m for k, v in r["tags"].items()})
         rest.append(r["rec"]["planned_step_ms"] - sum(r["tags"].values()) * 1e3)
-    span, busy = simulate(schedule_order(cfg.parallel, m), seconds, ranks[0]["hop_s"])
+    span, busy = simulate(schedule_order(cfg.parallel, m), seconds, *ranks[0]["handoff"])
     rec["planned_pp_bubble_share"] = sum(1 - b / span for b in busy) / len(busy)
     rec["planned_pp_stage_ms"] = [b * 1e3 for b in busy]
     rec["planned_step_ms"] = span * 1e3 + max(rest)
@@ -145,7 +145,7 @@ def _pipelined(cfg, rec: dict) -> None:
 
 def _pp_ranks(cfg, depth: str = "") -> list[dict]:
     """Each pp rank of cfg traced: its figures (rec), memory phases, sends' bytes, FLOPs,
-    actions' seconds ((stage, kind) -> seconds, every micro-batch's) and one send's.
+    actions' seconds ((stage, kind) -> seconds, every micro-batch's) and one hand-off's.
 
     Where the ranks between the second and the last but one hold alike stages, only those
     two of them are traced: their actions are alike, and their memory differs by the
@@ -168,7 +168,7 @@ def _pp_ranks(cfg, depth: str = "") -> list[dict]:
         _figures(cfg, got, step)
         out[i] = {"rec": got, "phases": step.phases, "flops": step.flops,
                   "send": step.comm.get("send", {}).get("bytes", 0),
-                  "tags": _action_seconds(cfg, step), "hop_s": _hop_s(cfg, step)}
+                  "tags": _action_seconds(cfg, step), "handoff": _handoff_s(cfg, step)}
     x, y = out[1] if pp > 2 else None, out[pp - 2] if pp > 2 else None
     for i in range(pp):
         if i in out:
@@ -196,13 +196,10 @@ def _traced_pp_ranks(cfg) -> list[int]:
     return [0, 1, pp - 2, pp - 1]
 
 
-P2P = ("send", "recv")  # a pipeline's sends: its schedule's simulation places them
-
-
 def _call_seconds(cfg, ops) -> tuple[list | None, str | None]:
     """roofline.call_seconds, a pipeline's sends at 0 (its schedule's simulation places
     them)."""
-    from .roofline import call_seconds
+    from .roofline import P2P, call_seconds
 
     each, why = call_seconds(ops, cfg.hardware)
     if each is not None and pp_size(cfg.parallel) > 1:
@@ -210,13 +207,20 @@ def _call_seconds(cfg, ops) -> tuple[list | None, str | None]:
     return each, why
 
 
-def _hop_s(cfg, step) -> float:
-    """One micro-batch's send between stages, in seconds: the traced sends' mean."""
-    from .roofline import call_seconds
+def _handoff_s(cfg, step) -> tuple[float, float]:
+    """One micro-batch's hand-off between stages, in seconds: the traced sends' mean, and
+    its sender's time posting it (a task=comm record's send_post, else 0)."""
+    from .roofline import call_seconds, comm_curves, measured_s
 
-    each = call_seconds(step.ops, cfg.hardware)[0] or []
-    sends = [t for (name, _, _), t in zip(step.ops.calls, each) if name == "send"]
-    return sum(sends) / len(sends) if sends else 0.0
+    hw = cfg.hardware
+    each = call_seconds(step.ops, hw)[0] or []
+    sends = [(t, b) for (name, b, _), t in zip(step.ops.calls, each) if name == "send"]
+    if not sends:
+        return 0.0, 0.0
+    post = (comm_curves(hw.comm_from) if hw.comm_from else {}).get("send_post")
+    return (sum(t for t, _ in sends) / len(sends),
+            sum(measured_s(post, "send", b, 2) for _, b in sends) / len(sends) if post
+            else 0.0)
 
 
 def _action_seconds(cfg, step) -> dict:

@@ -8,7 +8,8 @@ the time a task=comm record measured, named by hardware.comm_from. The bus share
 nccl-tests' convention, as task=comm measures it: 2(n-1)/n for an all-reduce, (n-1)/n
 otherwise. Nothing overlaps, so the time is an upper bound where FSDP's prefetch or DDP's
 buckets hide communication. A pipeline's send (or receive) moves its bytes whole; from a
-task=comm record, as a 2-rank all-to-all of twice its bytes."""
+task=comm record, its send row (a hand-off as a pipeline makes it), or in a record without
+one, a 2-rank all-to-all of twice its bytes."""
 from __future__ import annotations
 
 import torch
@@ -17,6 +18,7 @@ import torch
 BUS_SHARE = {"all_reduce": lambda n: 2 * (n - 1) / n, "send": lambda n: 1.0,
              "recv": lambda n: 1.0}
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+P2P = ("send", "recv")  # a pipeline's hand-off: task=comm's send row times it
 
 
 def _peak(hw, dtype, precision: str) -> tuple[str, float | None]:
@@ -48,7 +50,8 @@ def comm_curves(path: str) -> dict:
     """A task=comm record's measured latency by collective and message size.
 
     `path` is its metrics.json or the run dir that holds it. Returns {op: (world size,
-    [(bytes, seconds)])}; raises ValueError naming the file and what is wrong."""
+    [(bytes, seconds)])}, and send_post, a send's sender's time posting it; raises
+    ValueError naming the file and what is wrong."""
     import json
     import math
     from pathlib import Path
@@ -79,6 +82,9 @@ def comm_curves(path: str) -> dict:
             raise ValueError(f"{f}: comm row {i} ({op}) has latency_us {us!r}, not a positive "
                              "time")
         out.setdefault(op, (world, []))[1].append((size, us / 1e6))
+        post = r.get("post_us")  # (a send's: its sender's time posting it)
+        if isinstance(post, (int, float)) and not isinstance(post, bool) and post > 0:
+            out.setdefault(op + "_post", (world, []))[1].append((size, post / 1e6))
     return {op: (n, sorted(points)) for op, (n, points) in out.items()}
 
 
@@ -86,7 +92,7 @@ def _share(name: str, n: int) -> float:
     return BUS_SHARE.get(name, lambda k: (k - 1) / k)(n)
 
 
-def _measured_s(curve, name: str, nbytes: int, n: int) -> float:
+def measured_s(curve, name: str, nbytes: int, n: int) -> float:
     """A message's time in seconds from task=comm's curve.
 
     Interpolated in log-log between the sizes measured, the smallest's latency below them,
@@ -115,11 +121,11 @@ def call_seconds(ops, hw) -> tuple[list | None, str | None]:
         n = len(ranks)
         if n <= 1:
             out.append(0.0)
-        elif name in curves:
-            out.append(_measured_s(curves[name], name, nbytes, n))
-        elif name in ("send", "recv") and "all_to_all" in curves:  # (task=comm measures no
+        elif (key := "send" if name in P2P else name) in curves:
+            out.append(measured_s(curves[key], key, nbytes, n))
+        elif name in P2P and "all_to_all" in curves:  # (a record of before task=comm timed
             # sends: a 2-rank all-to-all of twice the bytes sends each rank's half, as one)
-            out.append(_measured_s(curves["all_to_all"], "all_to_all", 2 * nbytes, 2))
+            out.append(measured_s(curves["all_to_all"], "all_to_all", 2 * nbytes, 2))
         else:
             within = len({r // hw.devices_per_node for r in ranks}) == 1
             bw = hw.link_bandwidth if within else hw.network_bandwidth

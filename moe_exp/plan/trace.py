@@ -40,10 +40,6 @@ def unplannable(cfg) -> tuple[str, str] | None:
     if cfg.precision.name == "fp8":
         return "precision", "task=plan does not trace torchao's float8 training yet: fp32, " \
                             "tf32, fp16 or bf16"
-    if pp_size(cfg.parallel) > 1 and cfg.parallel.pp_schedule == "zero_bubble":
-        return "parallel.pp_schedule", "task=plan does not trace zero_bubble yet: torch's " \
-            "memory tracker fails in its split backward (autograd.grad: 'A leaf node was " \
-            "passed to _will_engine_execute_node'); gpipe, 1f1b or interleaved_1f1b"
     if cfg.parallel.name == "ddp" and cfg.parallel.comm_hook == "powersgd":
         return "parallel.comm_hook", "task=plan traces DDP's comm_hook none|fp16|bf16, not " \
                                      "powersgd (its low-rank factors read values)"

@@ -4,6 +4,8 @@ Under FSDP2 it is FSDPMemTracker. A plan's fake step and a bench run's real step
 tracked alike."""
 from __future__ import annotations
 
+import torch
+
 from ..config import FSDP2
 
 
@@ -72,11 +74,22 @@ def _lenient(tracker) -> None:
             return None
         return real(module, inputs)
 
+    def enter(module, inputs):  # (a stage's received activation: a leaf needing its
+        # gradient, whose node torch cannot look up inside autograd.grad, zero bubble's split
+        # backward; ModTracker's hook over a module's inputs does: handed on detached, the
+        # module leaves the hierarchy at the backward's end, as one without such inputs)
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        flat, spec = tree_flatten(inputs)
+        return mod_pre(module, tree_unflatten([a.detach() if isinstance(a, torch.Tensor)
+                                               and a.requires_grad and a.is_leaf else a
+                                               for a in flat], spec))
+
     if all(hasattr(mods, a) for a in ("_get_pop_fn", "_active_module_cnt", "parents",
-                                      "_user_post_bw_hook")) and \
+                                      "_user_post_bw_hook", "_fw_pre_hook")) and \
             hasattr(tracker, "memory_tracking"):
-        mods._get_pop_fn, real = pop, tracker._pre_fw_hook
-        tracker._pre_fw_hook = pre_fw
+        mods._get_pop_fn, real, mod_pre = pop, tracker._pre_fw_hook, mods._fw_pre_hook
+        tracker._pre_fw_hook, mods._fw_pre_hook = pre_fw, enter
 
 
 def step_tracker(cfg, applied, optimizer, tokens=None):

@@ -1,10 +1,22 @@
 """task=comm: measures the latency and bus bandwidth of MoE training's collectives by size.
 
 It follows nccl-tests' conventions. size is the full buffer per rank: all_reduce's tensor,
-all_gather's output, reduce_scatter's input, all_to_all's input. algbw = size / time.
-busbw = algbw x 2(n-1)/n for all_reduce and algbw x (n-1)/n for the others, comparable with
-the link's bandwidth. Times are the max over ranks of the median over comm.iters, each
-bracketed by a device sync.
+all_gather's output, reduce_scatter's input, all_to_all's input, send's message. algbw =
+size / time. busbw = algbw x 2(n-1)/n for all_reduce, algbw for send and algbw x (n-1)/n
+for the others, comparable with the link's bandwidth. Times are the max over ranks of the
+median over comm.iters, each bracketed by a device sync.
+
+send is a pipeline's hand-off between stages, measured as a pipeline runs it: rank 2k
+computes a micro-batch (BUSY_S of matmuls) and sends it to 2k + 1, STREAM times; the
+receiver receives each, then computes it for longer (the slower stage, so each message is
+sent before its receive is posted, at a phase of the sender's next compute that drifts
+through it). Its time is the receiver's, from posting a receive to holding its data (the
+first of each stream, which waits for the sender's compute, is not counted): the wait a
+stage's next action has once both sides are ready; post_us is the sender's, posting it (on a
+CPU, time its next action waits too). On a CPU the ranks' compute holds the
+cores the transport's threads need, which a send between idle ranks never shows. It is the
+mean, not the median: a pipeline pays every hand-off, and on a CPU their times have a long
+tail (2 gloo ranks of an AMD EPYC, 256 KiB: median 0.2 ms, one in ten over 2 ms).
 """
 from __future__ import annotations
 
@@ -22,7 +34,8 @@ from ..results import fill_null_reasons
 from ..record import Comm
 from .protocol import Task
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+BUSY_S, STREAM = 0.005, 8  # send: the sender's compute a message, messages a stream
 
 
 def _op(name: str, n: int, numel: int, dtype, device):
@@ -52,6 +65,47 @@ def sizes(c, world: int) -> tuple[list[int], int]:
     return sorted(set(out)), unit
 
 
+def _compute(seconds: float, device, sync) -> None:
+    """Matmuls for `seconds` of this rank's time: a pipeline stage's compute."""
+    n = 4096 if device.type == "cuda" else 256
+    a = torch.full((n, n), 1.0 / n, device=device)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a = a @ a
+        sync()
+
+
+def _handoffs(d, numel: int, dtype, device, sync, c) -> tuple[list, list]:
+    """A receiver's seconds per hand-off (module doc), comm.iters x (STREAM - 1) of them
+    after comm.warmup streams, and a sender's seconds posting each send; ([], []) on an odd
+    world's last rank."""
+    x = torch.ones(numel, dtype=dtype, device=device)
+    peer = d.rank + 1 if d.rank % 2 == 0 else d.rank - 1
+    times, posts = [], []
+    for k in range(c.warmup + c.iters):
+        sync()
+        dist.barrier()
+        if peer >= d.world:
+            continue
+        works, timed = [], k >= c.warmup
+        for i in range(STREAM):
+            if d.rank % 2 == 0:
+                _compute(BUSY_S, device, sync)
+                t0 = time.perf_counter()
+                works += dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer)])
+                posts += [time.perf_counter() - t0] if timed else []
+                continue
+            t0 = time.perf_counter()
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, x, peer)]):
+                w.wait()
+            sync()
+            times += [time.perf_counter() - t0] if i and timed else []
+            _compute(1.2 * BUSY_S, device, sync)
+        for w in works:
+            w.wait()
+    return times, posts
+
+
 def measure(cfg, d, device) -> list[dict]:
     import warnings
 
@@ -64,22 +118,28 @@ def measure(cfg, d, device) -> list[dict]:
     for name in c.ops:
         for nbytes in measured:
             numel = nbytes // esize
-            fn, bus = _op(name, d.world, numel, dtype, device)
-            times = []
-            for i in range(c.warmup + c.iters):
-                sync()
-                dist.barrier()
-                t0 = time.perf_counter()
-                fn()
-                sync()
-                if i >= c.warmup:
-                    times.append(time.perf_counter() - t0)
-            t = torch.tensor([statistics.median(times)], dtype=torch.float64,
+            if name == "send":
+                got = _handoffs(d, numel, dtype, device, sync, c)
+                (mid, post), bus = [statistics.mean(x or [0.0]) for x in got], 1.0
+            else:
+                post = None
+                times, (fn, bus) = [], _op(name, d.world, numel, dtype, device)
+                for i in range(c.warmup + c.iters):
+                    sync()
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    fn()
+                    sync()
+                    if i >= c.warmup:
+                        times.append(time.perf_counter() - t0)
+                mid = statistics.median(times)
+            t = torch.tensor([mid, post or 0.0], dtype=torch.float64,
                              device=collective_device(device))
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            sec, real = t.item(), numel * esize
+            (sec, post_s), real = t.tolist(), numel * esize
             rows.append({"op": name, "bytes": real, "latency_us": sec * 1e6,
-                         "algbw_gbps": real / sec / 1e9, "busbw_gbps": real / sec / 1e9 * bus})
+                         "algbw_gbps": real / sec / 1e9, "busbw_gbps": real / sec / 1e9 * bus,
+                         **({"post_us": post_s * 1e6} if post is not None else {})})
     return rows
 
 
@@ -114,8 +174,10 @@ class CommTask(Task):
             return
         local = n if cfg.hardware.device == "cpu" else 1
         largest = sizes(c, n)[0][-1]
-        # all_reduce: in place; all_gather / reduce_scatter: + a rank's part; all_to_all: x2
-        bufs = max({"all_reduce": 1, "all_to_all": 2}.get(op, 1 + 1 / n) for op in c.ops)
+        # all_reduce, send: in place; all_gather / reduce_scatter: + a rank's part;
+        # all_to_all: x2
+        bufs = max({"all_reduce": 1, "send": 1, "all_to_all": 2}.get(op, 1 + 1 / n)
+                   for op in c.ops)
         need = bufs * largest * local / 2**30
         if need > mem:
             where = f"{local} CPU ranks together" if local > 1 else "one device"
