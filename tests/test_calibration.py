@@ -270,7 +270,8 @@ def test_a_gpus_plan_of_mla_takes_the_memory_efficient_kernel():
 
 def test_auto_makes_this_machines_calibration_once_and_then_reads_it(tmp_path, monkeypatch):
     """hardware.calibration=auto: made on first use into the cache (its time is the
-    record's calibration_s), read from it after (calibration_s null, with why)."""
+    record's calibration_s), read from it after (calibration_s null, with why); a torchrun
+    rank refuses to make it (every rank would, at once)."""
     from moe_exp.plan.predict import bench_plan
 
     made = []
@@ -283,6 +284,11 @@ def test_auto_makes_this_machines_calibration_once_and_then_reads_it(tmp_path, m
     monkeypatch.setattr(cal_mod, "calibrate", fake_calibrate)
     cfg = compose(["model=tiny_moe", "hardware=cpu", "hardware.calibration=auto",
                    "train.micro_batch_size=2"])
+    with monkeypatch.context() as torchrun:  # (its ranks, each at once: none makes it)
+        torchrun.setenv("RANK", "0")
+        torchrun.setenv("WORLD_SIZE", "2")
+        with pytest.raises(CalibrationError, match="run task=calibrate here first"):
+            cal_mod.calibration_for(cfg)
     first, again = bench_plan(cfg), bench_plan(cfg)
     assert made == ["cpu"] and len(list((tmp_path / "calibration").glob("*.json"))) == 1
     assert first["calibration_s"] == 12.5 and first["planned_step_ms"] > 0

@@ -482,8 +482,11 @@ def _tf32(kind: str, on: bool):
 
 def calibration_for(cfg, progress: bool = True):
     """hardware.calibration's Calibration, and the seconds spent making it now (None where
-    read). auto: this machine's, from the cache, made and cached where missing."""
-    from .calibration import Calibration, cache_dir, load, machine_key, path_of, write
+    read). auto: this machine's, from the cache, made and cached where missing (not by a
+    torchrun rank: CalibrationError)."""
+    from ..ranks import rank_env
+    from .calibration import (Calibration, CalibrationError, cache_dir, load, machine_key,
+                              path_of, write)
 
     value = cfg.hardware.calibration
     if value != "auto":
@@ -492,6 +495,10 @@ def calibration_for(cfg, progress: bool = True):
     path = cache_dir() / f"{machine_key(device)}.json"
     if path.is_file():
         return load(path), None
+    if rank_env() is not None:  # (torchrun's ranks: each would make it, at once)
+        raise CalibrationError(f"hardware.calibration=auto: this machine's ({path.name}) is "
+                               "not made yet, and torchrun's ranks do not make it: run "
+                               "task=calibrate here first, with the ranks' OMP_NUM_THREADS")
     print(f"[plan] calibrating this {device.type.upper()} for the plan's time (once per "
           f"machine, about 2 minutes; cached in {path})", file=sys.stderr, flush=True)
     data = calibrate(cfg, device, progress)
