@@ -12,6 +12,8 @@ task=comm record, its send row (a hand-off as a pipeline makes it), or in a reco
 one, a 2-rank all-to-all of twice its bytes."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # others: (n - 1) / n; a send (a pipeline's) moves its message whole
@@ -51,14 +53,26 @@ def comm_curves(path: str) -> dict:
 
     `path` is its metrics.json or the run dir that holds it. Returns {op: (world size,
     [(bytes, seconds)])}, and send_post, a send's sender's time posting it; raises
-    ValueError naming the file and what is wrong."""
-    import json
-    import math
+    ValueError naming the file and what is wrong. Read once while the file is unchanged
+    (a plan asks for it per traced rank and per use)."""
     from pathlib import Path
 
     f = Path(path) / "metrics.json" if Path(path).is_dir() else Path(path)
     try:
-        rec = json.loads(f.read_text())
+        st = f.stat()
+    except OSError as e:
+        raise ValueError(f"cannot read a record from {f} ({type(e).__name__})") from None
+    return _curves(str(f), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _curves(f: str, _mtime_ns: int, _size: int) -> dict:
+    import json
+    import math
+    from pathlib import Path
+
+    try:
+        rec = json.loads(Path(f).read_text())
     except (OSError, ValueError) as e:  # (UnicodeDecodeError is a ValueError)
         raise ValueError(f"cannot read a record from {f} ({type(e).__name__})") from None
     if not isinstance(rec, dict) or rec.get("task") != "comm" or rec.get("status") != "ok" \
