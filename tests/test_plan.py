@@ -444,7 +444,8 @@ def test_a_pipelines_hand_off_starts_once_both_ranks_are_ready():
     """A send is a rendezvous: GPipe, 2 stages, 2 micro-batches, the second stage's forward
     twice the first's. Its second forward's data was sent (at 2) before it was ready (3.5):
     the hand-off (0.5) starts then, not at 2; a sender's post (0.25) comes after its action,
-    before its next. Worked by hand: spans 10 and 10.5; busy time is the actions' alone."""
+    before its next. Worked by hand: spans 10 and 10.5; busy time is the actions' alone
+    (a gradient reduction of 0.5 after each stage's last backward: 10.5, busy 4.5 and 6.5)."""
     from types import SimpleNamespace
 
     from moe_exp.plan.pipeline import schedule_order, simulate
@@ -453,6 +454,15 @@ def test_a_pipelines_hand_off_starts_once_both_ranks_are_ready():
     seconds = {(0, "F"): 1.0, (1, "F"): 2.0, (0, "B"): 1.0, (1, "B"): 1.0}
     assert simulate(order, seconds, 0.5) == (pytest.approx(10.0), [4.0, 6.0])
     assert simulate(order, seconds, 0.5, 0.25) == (pytest.approx(10.5), [4.0, 6.0])
+    # each stage's gradient reduction runs after its last backward, on its rank alone: the
+    # first stage's ends the step, busy time too
+    assert [rank[-1] for rank in order] == [(0, "R", None), (1, "R", None)]
+    seconds.update({(0, "R"): 0.5, (1, "R"): 0.5})
+    assert simulate(order, seconds, 0.5) == (pytest.approx(10.5), [4.5, 6.5])
+    zb = schedule_order(SimpleNamespace(pp=2, pp_schedule="zero_bubble",
+                                        pp_stages_per_rank=2), 4)
+    at = zb[0].index((2, "R", None))  # (torch's: after stage 2's last weight backward,
+    assert zb[0][at - 1] == (2, "W", 3) and (0, "W", 3) in zb[0][at:]  # mid-schedule)
 
 
 def test_a_pipeline_is_planned_stage_by_stage(tmp_path):

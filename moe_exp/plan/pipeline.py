@@ -11,8 +11,6 @@ import contextlib
 import inspect
 from unittest import mock
 
-KINDS = {"F": "forward", "B": "backward", "I": "input backward", "W": "weight backward"}
-
 
 def traced_ranks(cfg) -> list[int]:
     """One rank a stage of the pp group: rank i x (world / pp) holds pp index i."""
@@ -49,16 +47,37 @@ def tagged(ops):
                 ops.tag = None
         return run
 
-    with mock.patch.object(_PipelineSchedule, "_warmup_p2p", static), \
-            mock.patch.object(Stage, "forward_one_chunk", wrap(Stage.forward_one_chunk, "F")), \
-            mock.patch.object(Stage, "backward_one_chunk", wrap(Stage.backward_one_chunk, "B")), \
-            mock.patch.object(Stage, "backward_weight_one_chunk",
-                              wrap(Stage.backward_weight_one_chunk, "W")):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(_PipelineSchedule, "_warmup_p2p", static))
+        for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"),
+                           ("backward_weight_one_chunk", "W"), ("perform_reduce_grad", "R")):
+            if hasattr(Stage, name):  # (perform_reduce_grad: torch >= 2.8)
+                stack.enter_context(mock.patch.object(Stage, name,
+                                                      wrap(getattr(Stage, name), kind)))
         yield
 
 
 def schedule_order(p, microbatches: int) -> list[list]:
-    """Each pp rank's actions in the schedule's order (torch's), as (stage, kind, micro-batch)."""
+    """Each pp rank's actions in the schedule's order (torch's), as (stage, kind, micro-batch):
+    kind F forward, B backward, I and W its input and weight halves, R the stage's gradient
+    reduction (FSDP2's), after its last backward, where torch runs it."""
+    return [_with_reductions(rank, microbatches) for rank in _compute_order(p, microbatches)]
+
+
+def _with_reductions(actions: list, m: int) -> list:
+    """actions, each stage's R after its m-th full or weight backward (torch's
+    _add_reduce_grad; the single-stage schedules run it after their last too)."""
+    out, done = [], {}
+    for s, k, i in actions:
+        out.append((s, k, i))
+        if k in ("B", "W"):
+            done[s] = done.get(s, 0) + 1
+            if done[s] == m:
+                out.append((s, "R", None))
+    return out
+
+
+def _compute_order(p, microbatches: int) -> list[list]:
     from torch.distributed.pipelining import (ScheduleInterleaved1F1B,
                                               ScheduleInterleavedZeroBubble)
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
@@ -83,7 +102,8 @@ def schedule_order(p, microbatches: int) -> list[list]:
             "zero_bubble": ScheduleInterleavedZeroBubble}[p.pp_schedule]
     ops = get_schedule_ops(kind, p.pp, m, stages_per_rank(p))
     return [[(a.stage_index, a.computation_type.value, a.microbatch_index) for a in rank
-             if a is not None and a.computation_type.value in KINDS] for rank in ops]
+             if a is not None and a.computation_type.value in ("F", "B", "I", "W")]
+            for rank in ops]
 
 
 def simulate(order: list[list], seconds: dict, hop_s: float,
@@ -93,7 +113,8 @@ def simulate(order: list[list], seconds: dict, hop_s: float,
     order: schedule_order's. seconds: (stage, kind) -> one micro-batch's time. hop_s: one
     micro-batch's hand-off between ranks; post_s: its sender's time posting it (after the
     action, before its next). A forward waits for the previous stage's; a backward (full or
-    input) for its forward and the next stage's; a weight backward for its input's. What
+    input) for its forward and the next stage's; a weight backward for its input's; a
+    gradient reduction for nothing but its rank's order. What
     another rank sends is a rendezvous, as NCCL's and gloo's sends are: the hand-off starts
     once the sender has posted it and the receiver is ready for it."""
     pp = len(order)

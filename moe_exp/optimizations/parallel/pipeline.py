@@ -106,13 +106,15 @@ def _shapes(cfg, stage: int, n_stages: int, device) -> dict:
     return {"input_args": tokens if stage == 0 else hidden, "output_args": out}
 
 
-ACTIONS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+ACTIONS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk",
+           "perform_reduce_grad")  # (the last: a stage's gradients' reduction (FSDP2's),
+# once its last backward is done: work, not idle)
 
 
 class ActionClock:
     """Each schedule step's time in its actions on this rank (a stage's forward or backward
-    of a micro-batch, and the last stage's loss, which the schedule computes between them)
-    and its idle share: its span less that time. CUDA events on a GPU,
+    of a micro-batch, the last stage's loss, which the schedule computes between them, and
+    a stage's gradients' reduction after its last backward) and its idle share: its span less that time. CUDA events on a GPU,
     each step's read once its events are done (never waited for in a step); the host's
     clock on a CPU. A step's events are dropped once read: a step keeps two numbers."""
 
@@ -137,7 +139,8 @@ class ActionClock:
 
     def wrap(self, stage) -> None:
         for name in ACTIONS:
-            setattr(stage, name, self.timed(getattr(stage, name)))
+            if hasattr(stage, name):  # (perform_reduce_grad: torch >= 2.8)
+                setattr(stage, name, self.timed(getattr(stage, name)))
 
     def timed(self, run):
         """run, its time counted in the running step's actions."""
@@ -252,16 +255,22 @@ class PipelineModel(nn.Module):
         kw = {"target": targets, "losses": []} if self.is_last else {}
         kw["return_outputs"] = False  # (else the last stage keeps every micro-batch's
         # logits to the step's end, to merge them: m x (rows, seq, vocab))
-        if grad:
-            self.clock.begin()
-            self.schedule.step(*args, **kw)
-            self.clock.end()
-        else:
+        if not grad:
             self.schedule.eval(*args, **kw)
-        return self._gathered(tokens.device)
+            flat = self._stacked(tokens.device)
+            dist.all_reduce(flat, group=self.group)
+            return self._gathered(flat)
+        self.clock.begin()
+        self.schedule.step(*args, **kw)
+        flat = self.clock.timed(self._stacked)(tokens.device)
+        dist.all_reduce(flat, group=self.group)
+        self.clock.end()  # (after the pp group's all-reduce, where its ranks meet: each
+        # rank's span ends with the schedule's last action, on any rank; a last stage's
+        # own end, a backward before the first stage's, hid 12 ms of 1F1B's drain a step)
+        return self._gathered(flat)
 
-    def _gathered(self, device) -> Output:
-        """The step's loss and MoE figures, every stage's summed over the pp group."""
+    def _stacked(self, device) -> torch.Tensor:
+        """This rank's stages' loss and MoE figures, flat, to sum over the pp group."""
         ce = torch.zeros((), dtype=torch.float64, device=device)
         ces = self._ces[-self.n_micro:]  # (a schedule inferring shapes runs one more)
         if ces:  # (the mean over the real tokens: a padded part may have none, its mean
@@ -277,9 +286,12 @@ class PipelineModel(nn.Module):
                     losses += torch.stack([balance, seq, z]).double() / self.n_micro
                     counts[0, row] += c
                     counts[1, row] += r
-        flat = torch.cat([ce.reshape(1), losses, counts.flatten()])
-        dist.all_reduce(flat, group=self.group)
+        return torch.cat([ce.reshape(1), losses, counts.flatten()])
+
+    def _gathered(self, flat: torch.Tensor) -> Output:
+        """The step's loss and MoE figures from _stacked's, summed over the pp group."""
         ce = flat[0].float()
+        device, n_exp = flat.device, self.num_experts if self.n_moe else 0
         if not self.n_moe:
             zero = torch.zeros((), device=device)
             none = torch.zeros(0, 0, dtype=torch.long, device=device)
