@@ -453,8 +453,9 @@ def test_a_pipelines_step_ends_where_its_ranks_meet(monkeypatch):
 
     now = [0.0]
     monkeypatch.setattr(pipeline.time, "perf_counter", lambda: now[0])
+    reduced = []
     monkeypatch.setattr(pipeline.dist, "all_reduce",
-                        lambda t, group: now.__setitem__(0, now[0] + 3.0))
+                        lambda t, group: reduced.append(now.__setitem__(0, now[0] + 3.0)))
     clock = pipeline.ActionClock(torch.device("cpu"))
     stage = _Actions(now, 2.0)
     clock.wrap(stage)
@@ -467,10 +468,14 @@ def test_a_pipelines_step_ends_where_its_ranks_meet(monkeypatch):
                            clock=clock, group=None, _stacked=stacked,
                            _gathered=lambda flat: flat,
                            schedule=SimpleNamespace(step=lambda *a, **k:
-                                                    stage.forward_one_chunk()))
+                                                    stage.forward_one_chunk(),
+                                                    eval=lambda *a, **k: None))
     tokens = torch.zeros(1, 4, dtype=torch.long)
     pipeline.PipelineModel.forward(rank, tokens, tokens)
-    assert clock.steps(0, 1) == [pytest.approx((0.5, 3.0))]
+    assert clock.steps(0, 1) == [pytest.approx((0.5, 3.0))] and len(reduced) == 1
+    with torch.no_grad():  # (an evaluation: its figures summed too, no step timed)
+        pipeline.PipelineModel.forward(rank, tokens, tokens)
+    assert len(reduced) == 2 and len(clock.timed_steps) == 1
 
 
 def test_a_compiled_run_compiles_as_a_process_of_its_own():

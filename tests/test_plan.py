@@ -448,7 +448,7 @@ def test_a_pipelines_hand_off_starts_once_both_ranks_are_ready():
     (a gradient reduction of 0.5 after each stage's last backward: 10.5, busy 4.5 and 6.5)."""
     from types import SimpleNamespace
 
-    from moe_exp.plan.pipeline import schedule_order, simulate
+    from moe_exp.plan.pipeline import _with_reductions, each_action, schedule_order, simulate
 
     order = schedule_order(SimpleNamespace(pp=2, pp_schedule="gpipe"), 2)
     seconds = {(0, "F"): 1.0, (1, "F"): 2.0, (0, "B"): 1.0, (1, "B"): 1.0}
@@ -463,6 +463,10 @@ def test_a_pipelines_hand_off_starts_once_both_ranks_are_ready():
                                         pp_stages_per_rank=2), 4)
     at = zb[0].index((2, "R", None))  # (torch's: after stage 2's last weight backward,
     assert zb[0][at - 1] == (2, "W", 3) and (0, "W", 3) in zb[0][at:]  # mid-schedule)
+    # torch's lowering and the fallback deriving it (a torch without one) agree
+    assert [_with_reductions([a for a in rank if a[1] != "R"], 4) for rank in zb] == zb
+    # one action's time: a micro-batch's, of the step's total; a reduction's, whole
+    assert each_action({(0, "F"): 4.0, (0, "R"): 1.0}, 4) == {(0, "F"): 1.0, (0, "R"): 1.0}
 
 
 def test_a_pipeline_is_planned_stage_by_stage(tmp_path):

@@ -51,7 +51,7 @@ def tagged(ops):
         stack.enter_context(mock.patch.object(_PipelineSchedule, "_warmup_p2p", static))
         for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"),
                            ("backward_weight_one_chunk", "W"), ("perform_reduce_grad", "R")):
-            if hasattr(Stage, name):  # (perform_reduce_grad: torch >= 2.8)
+            if hasattr(Stage, name):  # (perform_reduce_grad: not in older torch)
                 stack.enter_context(mock.patch.object(Stage, name,
                                                       wrap(getattr(Stage, name), kind)))
         yield
@@ -60,13 +60,34 @@ def tagged(ops):
 def schedule_order(p, microbatches: int) -> list[list]:
     """Each pp rank's actions in the schedule's order (torch's), as (stage, kind, micro-batch):
     kind F forward, B backward, I and W its input and weight halves, R the stage's gradient
-    reduction (FSDP2's), after its last backward, where torch runs it."""
-    return [_with_reductions(rank, microbatches) for rank in _compute_order(p, microbatches)]
+    reduction (FSDP2's, once a schedule step), after its last backward, where torch runs it."""
+    from torch.distributed.pipelining import (ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble)
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    from ..config import stages_per_rank
+
+    m = microbatches
+    if p.pp_schedule in ("gpipe", "1f1b"):
+        return [_with_reductions(rank, m) for rank in _single_order(p, m)]
+    kind = {"interleaved_1f1b": ScheduleInterleaved1F1B,
+            "zero_bubble": ScheduleInterleavedZeroBubble}[p.pp_schedule]
+    try:  # (torch's own lowering: its REDUCE_GRAD actions where it runs them)
+        ops = get_schedule_ops(kind, p.pp, m, stages_per_rank(p), with_comms=True)
+    except TypeError:  # (a torch whose visualizer has no comms: its compute alone)
+        ops = get_schedule_ops(kind, p.pp, m, stages_per_rank(p))
+    short = {"REDUCE_GRAD": "R", **{k: k for k in ("F", "B", "I", "W")}}
+    order = [[(a.stage_index, short[a.computation_type.value], a.microbatch_index)
+              for a in rank if a is not None and a.computation_type.value in short]
+             for rank in ops]
+    if any(k == "R" for rank in order for _, k, _ in rank):
+        return order
+    return [_with_reductions(rank, m) for rank in order]
 
 
 def _with_reductions(actions: list, m: int) -> list:
     """actions, each stage's R after its m-th full or weight backward (torch's
-    _add_reduce_grad; the single-stage schedules run it after their last too)."""
+    _add_reduce_grad; GPipe and 1F1B run it after their last backward)."""
     out, done = [], {}
     for s, k, i in actions:
         out.append((s, k, i))
@@ -77,45 +98,38 @@ def _with_reductions(actions: list, m: int) -> list:
     return out
 
 
-def _compute_order(p, microbatches: int) -> list[list]:
-    from torch.distributed.pipelining import (ScheduleInterleaved1F1B,
-                                              ScheduleInterleavedZeroBubble)
-    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-
-    from ..config import stages_per_rank
-
-    m = microbatches
+def _single_order(p, m: int) -> list[list]:
+    """GPipe's and 1F1B's actions, each rank's, as they run them."""
     if p.pp_schedule == "gpipe":  # (the single-stage schedules' own order, as they run it:
         # torch's IR of them is for display and shifts later ranks' micro-batches)
         return [[(s, "F", i) for i in range(m)] + [(s, "B", i) for i in range(m)]
                 for s in range(p.pp)]
-    if p.pp_schedule == "1f1b":  # stage s: pp - s forwards, then a backward and a forward
-        out = []
-        for s in range(p.pp):
-            w = min(m, p.pp - s)
-            acts = [(s, "F", i) for i in range(w)]
-            for i in range(m):
-                acts += [(s, "B", i)] + ([(s, "F", w + i)] if w + i < m else [])
-            out.append(acts)
-        return out
-    kind = {"interleaved_1f1b": ScheduleInterleaved1F1B,
-            "zero_bubble": ScheduleInterleavedZeroBubble}[p.pp_schedule]
-    ops = get_schedule_ops(kind, p.pp, m, stages_per_rank(p))
-    return [[(a.stage_index, a.computation_type.value, a.microbatch_index) for a in rank
-             if a is not None and a.computation_type.value in ("F", "B", "I", "W")]
-            for rank in ops]
+    out = []  # 1F1B, stage s: pp - s forwards, then a backward and a forward
+    for s in range(p.pp):
+        w = min(m, p.pp - s)
+        acts = [(s, "F", i) for i in range(w)]
+        for i in range(m):
+            acts += [(s, "B", i)] + ([(s, "F", w + i)] if w + i < m else [])
+        out.append(acts)
+    return out
+
+
+def each_action(totals: dict, m: int) -> dict:
+    """A rank's traced actions' seconds, (stage, kind) -> the step's total, as one action's:
+    a micro-batch's (the total / m); a gradient reduction (R), once a schedule step, whole."""
+    return {k: v if k[1] == "R" else v / m for k, v in totals.items()}
 
 
 def simulate(order: list[list], seconds: dict, hop_s: float,
              post_s: float = 0.0) -> tuple[float, list[float]]:
     """The schedule's makespan and each rank's busy seconds.
 
-    order: schedule_order's. seconds: (stage, kind) -> one micro-batch's time. hop_s: one
-    micro-batch's hand-off between ranks; post_s: its sender's time posting it (after the
-    action, before its next). A forward waits for the previous stage's; a backward (full or
-    input) for its forward and the next stage's; a weight backward for its input's; a
-    gradient reduction for nothing but its rank's order. What
-    another rank sends is a rendezvous, as NCCL's and gloo's sends are: the hand-off starts
+    order: schedule_order's. seconds: (stage, kind) -> one action's time (each_action).
+    hop_s: one micro-batch's hand-off between ranks; post_s: its sender's time posting it
+    (after the action, before its next). A forward waits for the previous stage's; a
+    backward (full or input) for its forward and the next stage's; a weight backward for
+    its input's; a gradient reduction for nothing but its rank's order. What another rank
+    sends is a rendezvous, as NCCL's and gloo's sends are: the hand-off starts
     once the sender has posted it and the receiver is ready for it."""
     pp = len(order)
     last = max(s for rank in order for s, _, _ in rank)

@@ -98,7 +98,7 @@ def _pipelined(cfg, rec: dict) -> None:
     and each action's time taken on the line through them at its stages' depths
     (plan/depth.py: stage_depths)."""
     from .depth import at_stage_depth, on_line, stage_depths, stage_moe_blocks
-    from .pipeline import schedule_order, simulate
+    from .pipeline import each_action, schedule_order, simulate
 
     depths = stage_depths(cfg)
     if depths is None:
@@ -134,7 +134,7 @@ def _pipelined(cfg, rec: dict) -> None:
         return
     seconds, rest = {}, []
     for r in ranks:
-        seconds.update({k: v / m for k, v in r["tags"].items()})
+        seconds.update(each_action(r["tags"], m))
         rest.append(r["rec"]["planned_step_ms"] - sum(r["tags"].values()) * 1e3)
     span, busy = simulate(schedule_order(cfg.parallel, m), seconds, *ranks[0]["handoff"])
     rec["planned_pp_bubble_share"] = sum(1 - b / span for b in busy) / len(busy)

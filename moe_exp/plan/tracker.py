@@ -51,12 +51,13 @@ class _PeakOnly:
                 self._peak_mem[dev], self._peak_mem_snap[dev] = snap["Total"], dict(snap)
 
 
-def _lenient(tracker) -> None:
+def _lenient(tracker, split: bool) -> None:
     """A pipeline's tracker: its schedule runs backwards inside the model's forward, so a
     module's forward can end after a backward took it off ModTracker's stack, which then
     raises ("The Module hierarchy tracking is wrong"). The hierarchy is not read here: its
     forward ends are let pass, and a module's later calls in a step (each micro-batch's)
-    keep its first call's figures."""
+    keep its first call's figures. split: the schedule splits its backwards (zero
+    bubble's), see `enter`."""
     mods = tracker._mod_tracker
 
     def pop(w_mod, name, is_bw):
@@ -89,7 +90,9 @@ def _lenient(tracker) -> None:
                                       "_user_post_bw_hook", "_fw_pre_hook")) and \
             hasattr(tracker, "memory_tracking"):
         mods._get_pop_fn, real, mod_pre = pop, tracker._pre_fw_hook, mods._fw_pre_hook
-        tracker._pre_fw_hook, mods._fw_pre_hook = pre_fw, enter
+        tracker._pre_fw_hook = pre_fw
+        if split:
+            mods._fw_pre_hook = enter
 
 
 def step_tracker(cfg, applied, optimizer, tokens=None):
@@ -109,5 +112,5 @@ def step_tracker(cfg, applied, optimizer, tokens=None):
         tracker = type("Tracker", (_PeakOnly, MemTracker), {})()
         tracker.track_external(applied.model, optimizer, *inputs)
         if piped:
-            _lenient(tracker)
+            _lenient(tracker, cfg.parallel.pp_schedule == "zero_bubble")
     return tracker

@@ -114,9 +114,10 @@ ACTIONS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk
 class ActionClock:
     """Each schedule step's time in its actions on this rank (a stage's forward or backward
     of a micro-batch, the last stage's loss, which the schedule computes between them, and
-    a stage's gradients' reduction after its last backward) and its idle share: its span less that time. CUDA events on a GPU,
-    each step's read once its events are done (never waited for in a step); the host's
-    clock on a CPU. A step's events are dropped once read: a step keeps two numbers."""
+    a stage's gradients' reduction after its last backward) and its idle share: its span
+    less that time. CUDA events on a GPU, each step's read once its events are done (never
+    waited for in a step); the host's clock on a CPU. A step's events are dropped once
+    read: a step keeps two numbers."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
@@ -139,7 +140,7 @@ class ActionClock:
 
     def wrap(self, stage) -> None:
         for name in ACTIONS:
-            if hasattr(stage, name):  # (perform_reduce_grad: torch >= 2.8)
+            if hasattr(stage, name):  # (perform_reduce_grad: not in older torch)
                 setattr(stage, name, self.timed(getattr(stage, name)))
 
     def timed(self, run):
