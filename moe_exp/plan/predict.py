@@ -153,6 +153,7 @@ def _pp_ranks(cfg, depth: str = "") -> list[dict]:
     interleaved 1F1B; each between is on the line through them."""
     from .depth import on_line, phases_on_line
     from .pipeline import traced_ranks
+    from .roofline import call_seconds
     from .trace import trace_step
 
     wait, ranks = Status.current, traced_ranks(cfg)
@@ -166,9 +167,11 @@ def _pp_ranks(cfg, depth: str = "") -> list[dict]:
                         f"{', ' + depth if depth else ''})"
         got, step = {"null_reasons": {}}, trace_step(cfg, rank=ranks[i])
         _figures(cfg, got, step)
+        each = call_seconds(step.ops, cfg.hardware)[0]  # (once: the actions' and sends')
         out[i] = {"rec": got, "phases": step.phases, "flops": step.flops,
                   "send": step.comm.get("send", {}).get("bytes", 0),
-                  "tags": _action_seconds(cfg, step), "handoff": _handoff_s(cfg, step)}
+                  "tags": _action_seconds(cfg, step, each),
+                  "handoff": _handoff_s(cfg, step, each)}
     x, y = out[1] if pp > 2 else None, out[pp - 2] if pp > 2 else None
     for i in range(pp):
         if i in out:
@@ -199,22 +202,28 @@ def _traced_pp_ranks(cfg) -> list[int]:
 def _call_seconds(cfg, ops) -> tuple[list | None, str | None]:
     """roofline.call_seconds, a pipeline's sends at 0 (its schedule's simulation places
     them)."""
-    from .roofline import P2P, call_seconds
+    from .roofline import call_seconds
 
     each, why = call_seconds(ops, cfg.hardware)
     if each is not None and pp_size(cfg.parallel) > 1:
-        each = [0.0 if c[0] in P2P else t for c, t in zip(ops.calls, each)]
+        each = _no_sends(ops.calls, each)
     return each, why
 
 
-def _handoff_s(cfg, step) -> tuple[float, float]:
-    """One micro-batch's hand-off between stages, in seconds: the traced sends' mean, and
-    its sender's time posting it (a task=comm record's send_post, else 0)."""
-    from .roofline import call_seconds, comm_curves, measured_s
+def _no_sends(calls, each: list) -> list:
+    from .roofline import P2P
+
+    return [0.0 if c[0] in P2P else t for c, t in zip(calls, each)]
+
+
+def _handoff_s(cfg, step, each: list | None) -> tuple[float, float]:
+    """One micro-batch's hand-off between stages, in seconds: the traced sends' mean (each:
+    the step's call_seconds), and its sender's time posting it (a task=comm record's
+    send_post, else 0)."""
+    from .roofline import comm_curves, measured_s
 
     hw = cfg.hardware
-    each = call_seconds(step.ops, hw)[0] or []
-    sends = [(t, b) for (name, b, _), t in zip(step.ops.calls, each) if name == "send"]
+    sends = [(t, b) for (name, b, _), t in zip(step.ops.calls, each or []) if name == "send"]
     if not sends:
         return 0.0, 0.0
     post = (comm_curves(hw.comm_from) if hw.comm_from else {}).get("send_post")
@@ -223,8 +232,9 @@ def _handoff_s(cfg, step) -> tuple[float, float]:
             else 0.0)
 
 
-def _action_seconds(cfg, step) -> dict:
-    """The seconds of the ops each pipeline action ran, summed over micro-batches:
+def _action_seconds(cfg, step, each: list | None) -> dict:
+    """The seconds of the ops each pipeline action ran (each: the step's call_seconds),
+    summed over micro-batches:
     (stage, kind) -> seconds, at the plan's basis: the calibration's rates with the
     action's own collectives overlapped as the step's are (expert parallel's all-to-alls,
     FSDP2's gathers), else the datasheet's roofline plus those collectives."""
@@ -233,7 +243,7 @@ def _action_seconds(cfg, step) -> dict:
     from .roofline import compute_ms
 
     ops, out, hw = step.ops, {}, cfg.hardware
-    each = _call_seconds(cfg, ops)[0] or [0.0] * len(ops.calls)
+    each = _no_sends(ops.calls, each) if each else [0.0] * len(ops.calls)
     if hw.calibration:
         from .calibrate import calibration_for
 

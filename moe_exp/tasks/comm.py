@@ -65,10 +65,9 @@ def sizes(c, world: int) -> tuple[list[int], int]:
     return sorted(set(out)), unit
 
 
-def _compute(seconds: float, device, sync) -> None:
-    """Matmuls for `seconds` of this rank's time: a pipeline stage's compute."""
-    n = 4096 if device.type == "cuda" else 256
-    a = torch.full((n, n), 1.0 / n, device=device)
+def _compute(a: torch.Tensor, seconds: float, sync) -> None:
+    """Matmuls of `a` (n x n, each entry 1/n: a fixed point) for `seconds` of this rank's
+    time: a pipeline stage's compute."""
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         a = a @ a
@@ -80,6 +79,8 @@ def _handoffs(d, numel: int, dtype, device, sync, c) -> tuple[list, list]:
     after comm.warmup streams, and a sender's seconds posting each send; ([], []) on an odd
     world's last rank."""
     x = torch.ones(numel, dtype=dtype, device=device)
+    n = 4096 if device.type == "cuda" else 256
+    a = torch.full((n, n), 1.0 / n, device=device)
     peer = d.rank + 1 if d.rank % 2 == 0 else d.rank - 1
     times, posts = [], []
     for k in range(c.warmup + c.iters):
@@ -90,7 +91,7 @@ def _handoffs(d, numel: int, dtype, device, sync, c) -> tuple[list, list]:
         works, timed = [], k >= c.warmup
         for i in range(STREAM):
             if d.rank % 2 == 0:
-                _compute(BUSY_S, device, sync)
+                _compute(a, BUSY_S, sync)
                 t0 = time.perf_counter()
                 works += dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer)])
                 posts += [time.perf_counter() - t0] if timed else []
@@ -100,7 +101,7 @@ def _handoffs(d, numel: int, dtype, device, sync, c) -> tuple[list, list]:
                 w.wait()
             sync()
             times += [time.perf_counter() - t0] if i and timed else []
-            _compute(1.2 * BUSY_S, device, sync)
+            _compute(a, 1.2 * BUSY_S, sync)
         for w in works:
             w.wait()
     return times, posts
