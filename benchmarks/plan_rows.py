@@ -61,6 +61,7 @@ ROWS["pipeline"] = [PP + [f"parallel.pp_schedule={s}"] + (
     ["parallel.reshard_after_forward=false"] if s == "zero_bubble" else [])
     for s in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")]
 KEYS = ("status", "pp_bubble_share", "planned_pp_bubble_share", "planned_pp_bubble_error",
+        "pp_overhead_share",
         "planned_step_ms", "planned_kernel_ms", "step_time_ms", "planned_step_error",
         "planned_peak_gib", "peak_mem_gib", "tracked_peak_gib", "planned_peak_error",
         "planned_time_basis", "plan_s", "compile_s", "device_name", "error", "pp_stage_ms",
@@ -182,7 +183,8 @@ def _medians(recs: list) -> dict:
     med = {}
     for k in ("planned_step_ms", "planned_kernel_ms", "step_time_ms", "planned_step_error",
               "planned_peak_gib", "peak_mem_gib", "tracked_peak_gib", "planned_peak_error",
-              "pp_bubble_share", "planned_pp_bubble_share", "machine_gflops"):
+              "pp_bubble_share", "planned_pp_bubble_share", "pp_overhead_share",
+              "machine_gflops"):
         vals = [r[k] for r in ok if r.get(k) is not None]
         med[k] = statistics.median(vals) if vals else None
     med["status"] = ok[0]["status"]
@@ -198,7 +200,8 @@ def _print(r: dict) -> None:
           f"{f(measured, ',.3f')} | {f(r['planned_peak_error'], '+.1%')} |", flush=True)
     if r["pp_bubble_share"] is not None or r["planned_pp_bubble_share"] is not None:
         print(f"  bubble: planned {f(r['planned_pp_bubble_share'], '.1%')}, measured "
-              f"{f(r['pp_bubble_share'], '.1%')}", flush=True)
+              f"{f(r['pp_bubble_share'], '.1%')} (overhead "
+              f"{f(r.get('pp_overhead_share'), '.1%')})", flush=True)
     if r["status"] != "ok":
         print(f"  ({r['runs'][0].get('error')})", flush=True)
 

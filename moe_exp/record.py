@@ -94,7 +94,7 @@ class Planned:
     planned_kernel_ms: F = None  # the device's busy time (a calibrated plan's)
     calibration_s: F = None  # making the calibration in this run (hardware.calibration=auto)
     planned_pp_stage_peaks_gib: L = None  # parallel.pp: each pp rank's planned peak
-    planned_pp_bubble_share: F = None  # parallel.pp: the simulated schedule's idle share
+    planned_pp_bubble_share: F = None  # parallel.pp: the simulated share ranks wait on others
     planned_pp_send_gib: F = None  # parallel.pp: a rank's sends a step (the most)
     planned_pp_stage_ms: L = None  # parallel.pp: each pp rank's time in its actions a step
 
@@ -121,7 +121,8 @@ class Training(ExpertLoad, Planned):
     comm_exposed_ms: F = None
     comm_kinds: D = None  # comm_ms and comm_exposed_ms per collective kind, max over ranks
     grad_reduce_bytes: I = None
-    pp_bubble_share: F = None  # parallel.pp: the share of a schedule step a rank runs no action
+    pp_bubble_share: F = None  # parallel.pp: the share of a schedule step a rank waits on others
+    pp_overhead_share: F = None  # parallel.pp, CPU: the share neither in actions nor waiting
     pp_send_gib: F = None  # parallel.pp: activations and their gradients a rank sends a step
     pp_stage_peaks_gib: L = None  # parallel.pp: each stage's peak (its ranks' max)
     pp_stage_ms: L = None  # parallel.pp: each stage's time in its actions a step (ranks' max)

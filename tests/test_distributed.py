@@ -372,14 +372,16 @@ def test_pipeline_loss_counts_and_every_gradient_match_one_process(case, launche
 
 
 def test_a_pipeline_records_its_bubble_sends_and_stage_peaks(launched):
-    """GPipe, 2 stages, 4 micro-batches: each rank runs none of its actions for a share of
-    each schedule step (the schedule's own bubble is 1/5; its sends and bookkeeping add to
-    it), sends each micro-batch's activations (stage 0) or their gradients (stage 1), and
-    each stage's peak is kept."""
+    """GPipe, 2 stages, 4 micro-batches: each rank waits on the other for a share of each
+    schedule step (the schedule's own bubble is 1/5), posts its sends and keeps the
+    schedule's books for another (the overhead: a CPU's; both small against the step),
+    sends each micro-batch's activations (stage 0) or their gradients (stage 1), and each
+    stage's peak is kept."""
     rec = launched["losses fsdp-pp2"][0]
     assert rec["status"] == "ok", rec["error"]
     assert rec["pp"] == 2 and rec["pp_schedule"] == "gpipe" and rec["pp_microbatches"] == 4
-    assert 0.05 < rec["pp_bubble_share"] < 1
+    assert 0.05 < rec["pp_bubble_share"] < 1 and 0 < rec["pp_overhead_share"] < 0.5
+    assert rec["pp_bubble_share"] + rec["pp_overhead_share"] < 1
     assert "send_recv" in rec["comm_kinds"]  # (the last 2 steps' profile)
     # 4 sequences x 32 tokens x hidden 128, fp32: the whole micro-batch a step, each way
     assert rec["pp_send_gib"] * 2**30 == 4 * 32 * 128 * 4

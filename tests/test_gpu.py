@@ -174,9 +174,9 @@ def test_a_pipelines_action_clock_reads_cuda_events_after_the_steps():
     clock.wrap(stage)
     x = torch.randn(2048, 2048, device="cuda")
     for _ in range(3):
-        clock.begin()
-        stage.forward_one_chunk(x)
-        Stage.forward_one_chunk(stage, x)  # (the same work, not an action)
-        clock.end()
+        with clock.step():
+            stage.forward_one_chunk(x)
+            Stage.forward_one_chunk(stage, x)  # (the same work, not an action)
     steps = clock.steps(1, 3)
-    assert len(steps) == 2 and all(0.3 < s < 0.7 and t > 0 for s, t in steps), steps
+    assert len(steps) == 2 and all(0.3 < s < 0.7 and t > 0 and o is None
+                                   for s, t, o in steps), steps

@@ -403,50 +403,56 @@ class _Actions:
     backward_one_chunk = backward_weight_one_chunk = perform_reduce_grad = forward_one_chunk
 
 
-def test_a_pipelines_action_clock_counts_the_time_no_action_runs(monkeypatch):
-    """parallel.pp's pp_bubble_share and pp_stage_ms: a step of 10 s in which a forward and
-    a backward of 2 s each run idles 60% of it, 4 s in its actions; a forward outside a step
-    (eval) is not counted; a loss the clock times is, and so is a stage's gradient
-    reduction after its last backward (FSDP2's reduce-scatter: 2-3 ms of a 120 ms step
-    on 2 gloo ranks, counted idle before)."""
+def test_a_pipelines_action_clock_splits_the_time_no_action_runs(monkeypatch):
+    """parallel.pp's pp_bubble_share, pp_overhead_share and pp_stage_ms on a CPU: a step of
+    10 s in which a forward and a backward of 2 s each run, 3 s waiting in torch's
+    _wait_batch_p2p (a hand-off) and 3 s elsewhere (posting, bookkeeping), has a bubble of
+    0.3, an overhead of 0.3 and 4 s in its actions; a forward outside a step (eval) is not
+    counted; a loss the clock times is, and so is a stage's gradient reduction after its
+    last backward (FSDP2's reduce-scatter: 2-3 ms of a 120 ms step on 2 gloo ranks)."""
+    from torch.distributed.pipelining import schedules
+
     from moe_exp.optimizations.parallel import pipeline
 
     now = [0.0]
     monkeypatch.setattr(pipeline.time, "perf_counter", lambda: now[0])
+    wait = lambda works: now.__setitem__(0, now[0] + 3.0)  # noqa: E731
+    monkeypatch.setattr(schedules, "_wait_batch_p2p", wait)
     clock = pipeline.ActionClock(torch.device("cpu"))
     stage = _Actions(now, 2.0)
     clock.wrap(stage)
     stage.forward_one_chunk()  # (no step open)
     for _ in range(2):
-        clock.begin()
-        now[0] += 3.0  # (waiting for a receive)
-        stage.forward_one_chunk()
-        now[0] += 3.0
-        stage.backward_one_chunk()
-        clock.end()
-    assert clock.steps(0, 2) == [pytest.approx((0.6, 4.0))] * 2
-    assert clock.steps(1, 5) == [pytest.approx((0.6, 4.0))]
+        with clock.step():
+            schedules._wait_batch_p2p([])  # (as the schedule calls it)
+            stage.forward_one_chunk()
+            now[0] += 3.0
+            stage.backward_one_chunk()
+    assert schedules._wait_batch_p2p is wait  # (torch's own again after the step)
+    assert clock.steps(0, 2) == [pytest.approx((0.3, 4.0, 0.3))] * 2
+    assert clock.steps(1, 5) == [pytest.approx((0.3, 4.0, 0.3))]
     # the last stage's loss, which the schedule computes between actions, is work too
     loss = clock.timed(lambda: now.__setitem__(0, now[0] + 1.0))
-    clock.begin()
-    stage.forward_one_chunk()
-    loss()
-    now[0] += 5.0
-    clock.end()
-    assert clock.steps(2, 3) == [pytest.approx((0.625, 3.0))]
-    clock.begin()
-    stage.forward_one_chunk()
-    stage.perform_reduce_grad(1)
-    now[0] += 4.0
-    clock.end()
-    assert clock.steps(3, 4) == [pytest.approx((0.5, 4.0))]
+    with clock.step():
+        stage.forward_one_chunk()
+        loss()
+        now[0] += 5.0
+    assert clock.steps(2, 3) == [pytest.approx((0.0, 3.0, 0.625))]
+    with clock.step():
+        stage.forward_one_chunk()
+        stage.perform_reduce_grad(1)
+        now[0] += 4.0
+    assert clock.steps(3, 4) == [pytest.approx((0.0, 4.0, 0.5))]
+    with pytest.raises(RuntimeError), clock.step():  # (a step that raised: not timed)
+        raise RuntimeError
+    assert len(clock.timed_steps) == 4 and schedules._wait_batch_p2p is wait
 
 
 def test_a_pipelines_step_ends_where_its_ranks_meet(monkeypatch):
     """A rank's schedule step ends after the pp group's all-reduce of the step's figures,
     where every rank of the pipeline meets: a last stage done 3 s before the first (1F1B's
-    drain) idles those 3 s, as the plan's schedule counts them; stacking its figures is
-    work."""
+    drain) waits those 3 s there, its bubble, as the plan's schedule counts them; stacking
+    its figures is work."""
     from types import SimpleNamespace
 
     from moe_exp.optimizations.parallel import pipeline
@@ -472,7 +478,7 @@ def test_a_pipelines_step_ends_where_its_ranks_meet(monkeypatch):
                                                     eval=lambda *a, **k: None))
     tokens = torch.zeros(1, 4, dtype=torch.long)
     pipeline.PipelineModel.forward(rank, tokens, tokens)
-    assert clock.steps(0, 1) == [pytest.approx((0.5, 3.0))] and len(reduced) == 1
+    assert clock.steps(0, 1) == [pytest.approx((0.5, 3.0, 0.0))] and len(reduced) == 1
     with torch.no_grad():  # (an evaluation: its figures summed too, no step timed)
         pipeline.PipelineModel.forward(rank, tokens, tokens)
     assert len(reduced) == 2 and len(clock.timed_steps) == 1

@@ -429,7 +429,7 @@ def test_a_pipelines_simulated_bubble_is_its_schedules(schedule, pp, m, per):
         [(s, "F", i) for s in range(pp * per) for i in range(m)]  # each forward once
     seconds = {(s, k): t / per for s in range(pp * per)
                for k, t in (("F", 1), ("B", 2), ("I", 1), ("W", 1))}
-    span, busy = simulate(order, seconds, 0.0)
+    span, busy, _ = simulate(order, seconds, 0.0)
     bubble = [1 - b / span for b in busy]
     textbook = (pp - 1) / (per * m + pp - 1)
     if schedule == "zero_bubble":
@@ -452,13 +452,16 @@ def test_a_pipelines_hand_off_starts_once_both_ranks_are_ready():
 
     order = schedule_order(SimpleNamespace(pp=2, pp_schedule="gpipe"), 2)
     seconds = {(0, "F"): 1.0, (1, "F"): 2.0, (0, "B"): 1.0, (1, "B"): 1.0}
-    assert simulate(order, seconds, 0.5) == (pytest.approx(10.0), [4.0, 6.0])
-    assert simulate(order, seconds, 0.5, 0.25) == (pytest.approx(10.5), [4.0, 6.0])
+    assert simulate(order, seconds, 0.5) == (pytest.approx(10.0), [4.0, 6.0], [0.0, 0.0])
+    # (posting, the rank's own time, not its bubble: rank 0 posts 2 forwards, rank 1 2
+    # backwards)
+    assert simulate(order, seconds, 0.5, 0.25) == (pytest.approx(10.5), [4.0, 6.0],
+                                                   [0.5, 0.5])
     # each stage's gradient reduction runs after its last backward, on its rank alone: the
     # first stage's ends the step, busy time too
     assert [rank[-1] for rank in order] == [(0, "R", None), (1, "R", None)]
     seconds.update({(0, "R"): 0.5, (1, "R"): 0.5})
-    assert simulate(order, seconds, 0.5) == (pytest.approx(10.5), [4.5, 6.5])
+    assert simulate(order, seconds, 0.5)[:2] == (pytest.approx(10.5), [4.5, 6.5])
     zb = schedule_order(SimpleNamespace(pp=2, pp_schedule="zero_bubble",
                                         pp_stages_per_rank=2), 4)
     at = zb[0].index((2, "R", None))  # (torch's: after stage 2's last weight backward,

@@ -121,8 +121,8 @@ def each_action(totals: dict, m: int) -> dict:
 
 
 def simulate(order: list[list], seconds: dict, hop_s: float,
-             post_s: float = 0.0) -> tuple[float, list[float]]:
-    """The schedule's makespan and each rank's busy seconds.
+             post_s: float = 0.0) -> tuple[float, list[float], list[float]]:
+    """The schedule's makespan, each rank's busy seconds and its seconds posting sends.
 
     order: schedule_order's. seconds: (stage, kind) -> one action's time (each_action).
     hop_s: one micro-batch's hand-off between ranks; post_s: its sender's time posting it
@@ -135,7 +135,7 @@ def simulate(order: list[list], seconds: dict, hop_s: float,
     last = max(s for rank in order for s, _, _ in rank)
     owner = {s: r for r, rank in enumerate(order) for s, _, _ in rank}
     end: dict = {}
-    clock, busy, at = [0.0] * pp, [0.0] * pp, [0] * pp
+    clock, busy, posted, at = [0.0] * pp, [0.0] * pp, [0.0] * pp, [0] * pp
     back = "B" if any(k == "B" for rank in order for _, k, _ in rank) else "I"
 
     def ready(s: int, k: str, m: int) -> float | None:
@@ -168,11 +168,13 @@ def simulate(order: list[list], seconds: dict, hop_s: float,
                 if t is not None:
                     d = seconds.get((s, k), 0.0)
                     end[s, k, m] = clock[r] = max(clock[r], t) + d
-                    clock[r] += post_s if sends(s, k) else 0.0
+                    if sends(s, k):
+                        clock[r] += post_s
+                        posted[r] += post_s
                     busy[r] += d
                     at[r] += 1
                     left -= 1
                     moved = True
         if not moved:
             raise RuntimeError(f"the {pp}-rank schedule's order waits on itself")
-    return max(clock), busy
+    return max(clock), busy, posted

@@ -136,8 +136,11 @@ def _pipelined(cfg, rec: dict) -> None:
     for r in ranks:
         seconds.update(each_action(r["tags"], m))
         rest.append(r["rec"]["planned_step_ms"] - sum(r["tags"].values()) * 1e3)
-    span, busy = simulate(schedule_order(cfg.parallel, m), seconds, *ranks[0]["handoff"])
-    rec["planned_pp_bubble_share"] = sum(1 - b / span for b in busy) / len(busy)
+    span, busy, posted = simulate(schedule_order(cfg.parallel, m), seconds,
+                                  *ranks[0]["handoff"])
+    # (the bubble: waiting on other ranks; posting a send is the rank's own work)
+    rec["planned_pp_bubble_share"] = sum(1 - (b + p) / span
+                                         for b, p in zip(busy, posted)) / len(busy)
     rec["planned_pp_stage_ms"] = [b * 1e3 for b in busy]
     rec["planned_step_ms"] = span * 1e3 + max(rest)
     _rates(cfg, rec, rec["planned_step_ms"], _tokens(cfg))

@@ -28,7 +28,8 @@ MAX_TRACED = 300  # blocks x micro-batches a pipeline's plan may trace in the se
 # (mixtral_8x7b's EP 8 x PP 8 interleaved: 256, 60 s here; DeepSeek-V3's: 512, ~8 minutes)
 MIN_CP_TOKENS = 4096  # context parallel where each rank keeps at least these of a sequence
 SCHEDULES = ("1f1b", "interleaved_1f1b")  # gpipe: 1f1b's bubble with more memory held;
-# zero_bubble: its planned bubble 6-7.5 points under the measured on 2 gloo ranks (12 vs 19%)
+# zero_bubble: planned within 5 points of 2 gloo ranks' bubble, not searched: a third
+# more pipeline plans; plan it with parallel.pp_schedule=zero_bubble
 
 
 @dataclass(frozen=True)

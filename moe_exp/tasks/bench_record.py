@@ -175,12 +175,13 @@ def record_run(cfg, rec: dict, res, device: torch.device, world: int, watch=None
             "parallel.profile_steps=0 or train.steps <= profile_steps")
 
 
-PIPELINE = ("pp_bubble_share", "pp_send_gib", "pp_stage_peaks_gib", "pp_stage_ms")
+PIPELINE = ("pp_bubble_share", "pp_overhead_share", "pp_send_gib", "pp_stage_peaks_gib",
+            "pp_stage_ms")
 
 
 def record_pipeline(cfg, rec: dict, res, model, device: torch.device, world: int) -> None:
-    """parallel.pp's figures: the bubble share (the ranks' mean), the bytes a rank sends a
-    step (the most of any rank), each stage's peak and its time in its actions a schedule
+    """parallel.pp's figures: the bubble and overhead shares (the ranks' means), the bytes
+    a rank sends a step (the most of any rank), each stage's peak and its time in its actions a schedule
     step (its ranks' most). Before record_run, which keeps the ranks' largest peak only."""
     from ..config import pp_size, record_pp_columns
     from ..distributed import all_gather_stack, collective_device
@@ -189,29 +190,32 @@ def record_pipeline(cfg, rec: dict, res, model, device: torch.device, world: int
     record_pp_columns(rec, cfg, PIPELINE)
     if pp == 1:
         return
-    peak, (bubble, busy) = res.memory[0].get("peak_mem_gib"), _clock(cfg, model)
+    peak, (bubble, busy, over) = res.memory[0].get("peak_mem_gib"), _clock(cfg, model)
     mine = [math.nan if v is None else v
-            for v in (peak, bubble, model.send_bytes() / GIB, busy)]
+            for v in (peak, bubble, model.send_bytes() / GIB, busy, over)]
     every = all_gather_stack(torch.tensor(mine, dtype=torch.float64,
                                           device=collective_device(device))).tolist()
     per = world // pp  # (ranks of a stage; rank r holds stage r // per, mesh (pp, ...))
     for key, col in (("pp_stage_peaks_gib", 0), ("pp_stage_ms", 3)):
         stages = [max(r[col] for r in every[i * per:(i + 1) * per]) for i in range(pp)]
         rec[key] = None if any(map(math.isnan, stages)) else stages
-    bubbles = [r[1] for r in every if not math.isnan(r[1])]
-    rec["pp_bubble_share"] = sum(bubbles) / len(bubbles) if bubbles else None
+    for key, col in (("pp_bubble_share", 1), ("pp_overhead_share", 4)):
+        got = [r[col] for r in every if not math.isnan(r[col])]
+        rec[key] = sum(got) / len(got) if got else None
     rec["pp_send_gib"] = max(r[2] for r in every)
     if rec["pp_stage_peaks_gib"] is None:
         why["pp_stage_peaks_gib"] = res.memory[1].get("peak_mem_gib", "a rank's peak unknown")
-    for key in ("pp_bubble_share", "pp_stage_ms"):
+    for key in ("pp_bubble_share", "pp_stage_ms", "pp_overhead_share"):
         if rec[key] is None:
-            why[key] = "no measured step"
+            why[key] = ("on a GPU the host's work between actions runs ahead of the device"
+                        if key == "pp_overhead_share" and bubble is not None
+                        else "no measured step")
 
 
-def _clock(cfg, model) -> tuple[float | None, float | None]:
-    """The medians over the measured steps of a rank's idle share of its schedule's span
-    and of its ms in its actions (PipelineModel.clock), each micro-step's schedule step
-    apart."""
+def _clock(cfg, model) -> tuple:
+    """The medians over the measured steps of a rank's bubble share of its schedule's
+    span, its ms in its actions and its overhead share (None on a GPU)
+    (PipelineModel.clock), each micro-step's schedule step apart."""
     import statistics
 
     from ..config import total_steps
@@ -223,8 +227,11 @@ def _clock(cfg, model) -> tuple[float | None, float | None]:
     first, last = max(t.warmup_steps, start), total - profiled_steps(cfg, True)
     steps = model.clock.steps((first - start) * n, (last - start) * n)
     if not steps:
-        return None, None
-    return statistics.median(s for s, _ in steps), statistics.median(b for _, b in steps) * 1e3
+        return None, None, None
+    over = [o for _, _, o in steps if o is not None]
+    return (statistics.median(s for s, _, _ in steps),
+            statistics.median(b for _, b, _ in steps) * 1e3,
+            statistics.median(over) if over else None)
 
 
 def record_moe(cfg, rec: dict, res, model, device: torch.device, world: int) -> None:

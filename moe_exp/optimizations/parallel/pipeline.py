@@ -14,6 +14,7 @@ block's aux losses the gradient the whole model's loss gives them (Megatron's
 MoEAuxLossAutoScaler)."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -114,16 +115,21 @@ ACTIONS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk
 class ActionClock:
     """Each schedule step's time in its actions on this rank (a stage's forward or backward
     of a micro-batch, the last stage's loss, which the schedule computes between them, and
-    a stage's gradients' reduction after its last backward) and its idle share: its span
-    less that time. CUDA events on a GPU, each step's read once its events are done (never
-    waited for in a step); the host's clock on a CPU. A step's events are dropped once
-    read: a step keeps two numbers."""
+    a stage's gradients' reduction after its last backward) and its bubble: the share of
+    its span it waits on other ranks. On a GPU (CUDA events, each step's read once its
+    events are done, never waited for in a step) that is the span less its actions: the
+    host's work between them (posting hand-offs, the schedule's bookkeeping) runs ahead of
+    the device. On a CPU, host and device at once, it is the time in the schedule's waits
+    for its hand-offs (torch's _wait_batch_p2p) and in the step's closing all-reduce, where
+    the ranks meet (the host's clock); the rest outside actions is the step's overhead. A
+    step's events are dropped once read: a step keeps three numbers."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
-        self.timed_steps: list = []  # per step: (idle share, seconds in actions), or None while
-        # its events run
-        self._open = None  # the running step: [start, end, [(start, end) of each action]]
+        self.timed_steps: list = []  # per step: (bubble, seconds in actions, overhead share;
+        # None on a GPU), or None while its events run
+        self._open = None  # the running step: [start, end, [(start, end) of each action],
+        # [(start, end) of each wait (CPU)]]
         self._pending: dict = {}  # step index -> its events, not yet done (CUDA)
 
     def _now(self):
@@ -133,50 +139,64 @@ class ActionClock:
         e.record()
         return e
 
-    def _timing(self, t0, t1, acts) -> tuple[float, float]:
+    def _timing(self, t0, t1, acts, waits) -> tuple:
         span = (lambda a, b: a.elapsed_time(b) / 1e3) if self.cuda else (lambda a, b: b - a)
-        busy = sum(span(a, b) for a, b in acts)
-        return 1 - busy / span(t0, t1), busy
+        whole, busy = span(t0, t1), sum(span(a, b) for a, b in acts)
+        if self.cuda:
+            return 1 - busy / whole, busy, None
+        bubble = sum(b - a for a, b in waits) / whole
+        return bubble, busy, 1 - busy / whole - bubble
 
     def wrap(self, stage) -> None:
         for name in ACTIONS:
             if hasattr(stage, name):  # (perform_reduce_grad: not in older torch)
                 setattr(stage, name, self.timed(getattr(stage, name)))
 
-    def timed(self, run):
-        """run, its time counted in the running step's actions."""
+    def timed(self, run, into: int = 2):
+        """run, its time counted in the running step's actions (into=3: its waits)."""
         def timed(*args, **kwargs):
             t0 = self._now()
             try:
                 return run(*args, **kwargs)
             finally:
                 if self._open is not None:
-                    self._open[2].append((t0, self._now()))
+                    self._open[into].append((t0, self._now()))
         return timed
 
-    def begin(self) -> None:
-        self._read(wait=False)
-        self._open = [self._now(), None, []]
+    def waited(self, run):
+        """run, its time counted in the running step's waits (on a CPU; on a GPU, run)."""
+        return run if self.cuda else self.timed(run, into=3)
 
-    def end(self) -> None:
-        step, self._open = self._open, None
-        step[1] = self._now()
-        self.timed_steps.append(None)
-        self._pending[len(self.timed_steps) - 1] = step
+    @contextlib.contextmanager
+    def step(self):
+        """A schedule step on the clock, torch's waits for its hand-offs counted (CPU)."""
+        from torch.distributed.pipelining import schedules
+
+        self._read(wait=False)
+        self._open = [self._now(), None, [], []]
+        wait = schedules._wait_batch_p2p
+        schedules._wait_batch_p2p = self.waited(wait)
+        try:
+            yield
+            self._open[1] = self._now()
+            self.timed_steps.append(None)
+            self._pending[len(self.timed_steps) - 1] = self._open
+        finally:  # (a step that raised is not timed)
+            schedules._wait_batch_p2p, self._open = wait, None
         if not self.cuda:
             self._read(wait=False)
 
     def _read(self, wait: bool) -> None:
         if wait and self.cuda:
             torch.cuda.synchronize()
-        for i, (t0, t1, acts) in list(self._pending.items()):
-            if not self.cuda or wait or t1.query():
-                self.timed_steps[i] = self._timing(t0, t1, acts)
+        for i, step in list(self._pending.items()):
+            if not self.cuda or wait or step[1].query():
+                self.timed_steps[i] = self._timing(*step)
                 del self._pending[i]
 
-    def steps(self, first: int, last: int) -> list[tuple[float, float]]:
-        """Steps first..last - 1's (idle share, seconds in actions) (on a GPU, waits for
-        their events)."""
+    def steps(self, first: int, last: int) -> list[tuple]:
+        """Steps first..last - 1's (bubble, seconds in actions, overhead share) (on a GPU,
+        waits for their events)."""
         self._read(wait=True)
         return [x for x in self.timed_steps[first:last] if x is not None]
 
@@ -261,13 +281,13 @@ class PipelineModel(nn.Module):
             flat = self._stacked(tokens.device)
             dist.all_reduce(flat, group=self.group)
             return self._gathered(flat)
-        self.clock.begin()
-        self.schedule.step(*args, **kw)
-        flat = self.clock.timed(self._stacked)(tokens.device)
-        dist.all_reduce(flat, group=self.group)
-        self.clock.end()  # (after the pp group's all-reduce, where its ranks meet: each
-        # rank's span ends with the schedule's last action, on any rank; a last stage's
-        # own end, a backward before the first stage's, hid 12 ms of 1F1B's drain a step)
+        with self.clock.step():
+            self.schedule.step(*args, **kw)
+            flat = self.clock.timed(self._stacked)(tokens.device)
+            self.clock.waited(dist.all_reduce)(flat, group=self.group)
+        # (the step ends after the pp group's all-reduce, where its ranks meet: each rank's
+        # span ends with the schedule's last action, on any rank; a last stage's own end, a
+        # backward before the first stage's, hid 12 ms of 1F1B's drain a step)
         return self._gathered(flat)
 
     def _stacked(self, device) -> torch.Tensor:
