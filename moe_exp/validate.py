@@ -497,6 +497,10 @@ def _check_pp(cfg, world: int) -> None:
         raise ConfigError("parallel.reshard_after_forward", "zero_bubble computes weight "
                           "gradients after FSDP2 resharded the weights (wrong gradients): set "
                           "false (allowed: false)")
+    if p.pp_schedule == "zero_bubble" and cfg.train.activation_checkpointing == "selective":
+        raise ConfigError("train.activation_checkpointing", "zero_bubble's split backward "
+                          "(inputs, then weights) runs twice over a block, which torch's "
+                          "selective checkpointing refuses (allowed: none, full)")
     if p.reshard_after_forward and p.name == "expert_fsdp" and \
             cfg.train.activation_checkpointing == "selective":
         raise ConfigError("parallel.reshard_after_forward", "with parallel.pp > 1, selective "
