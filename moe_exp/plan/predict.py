@@ -169,8 +169,9 @@ def _pp_ranks(cfg, depth: str = "") -> list[dict]:
                         f"{ranks[i]:,} of {cfg.hardware.devices:,}" \
                         f"{', ' + depth if depth else ''})"
         got, step = {"null_reasons": {}}, trace_step(cfg, rank=ranks[i])
-        _figures(cfg, got, step)
-        each = call_seconds(step.ops, cfg.hardware)[0]  # (once: the actions' and sends')
+        calls = call_seconds(step.ops, cfg.hardware)  # (once: the step's, actions', sends')
+        _figures(cfg, got, step, calls)
+        each = calls[0]
         out[i] = {"rec": got, "phases": step.phases, "flops": step.flops,
                   "send": step.comm.get("send", {}).get("bytes", 0),
                   "tags": _action_seconds(cfg, step, each),
@@ -202,12 +203,12 @@ def _traced_pp_ranks(cfg) -> list[int]:
     return [0, 1, pp - 2, pp - 1]
 
 
-def _call_seconds(cfg, ops) -> tuple[list | None, str | None]:
-    """roofline.call_seconds, a pipeline's sends at 0 (its schedule's simulation places
-    them)."""
+def _call_seconds(cfg, ops, calls=None) -> tuple[list | None, str | None]:
+    """roofline.call_seconds (or calls, its result already made), a pipeline's sends at 0
+    (its schedule's simulation places them)."""
     from .roofline import call_seconds
 
-    each, why = call_seconds(ops, cfg.hardware)
+    each, why = calls or call_seconds(ops, cfg.hardware)
     if each is not None and pp_size(cfg.parallel) > 1:
         each = _no_sends(ops.calls, each)
     return each, why
@@ -300,7 +301,7 @@ def _memory(cfg, rec: dict, peak: int, at_peak: dict) -> None:
             "run): set hardware.memory_gib=<GiB per device>")
 
 
-def _figures(cfg, rec: dict, step) -> None:
+def _figures(cfg, rec: dict, step, calls=None) -> None:
     _params(cfg, rec)
     _memory(cfg, rec, step.peak_bytes, step.at_peak)
     rec["planned_flops_per_step"] = step.flops
@@ -312,7 +313,7 @@ def _figures(cfg, rec: dict, step) -> None:
         g: {k: {"calls": v["calls"], "gib": v["bytes"] / GIB} for k, v in kinds.items()}
         for g, kinds in step.ops.comm_by_group(mesh_dims(cfg.parallel, world, world)).items()}
     phase("the step's time")
-    _times(cfg, rec, step, _tokens(cfg))
+    _times(cfg, rec, step, _tokens(cfg), calls)
 
 
 # what a task=bench run records of its plan (train.plan)
@@ -379,7 +380,7 @@ def plan_memory_gib(hw) -> float | None:
     return hw.memory_gib or hw.spec_memory_gib
 
 
-def _times(cfg, rec: dict, step, tokens: int) -> None:
+def _times(cfg, rec: dict, step, tokens: int, calls=None) -> None:
     """The step time, tokens/s and MFU into rec; `tokens` counts every rank's.
 
     With hardware.calibration, the compute at its rates and the collectives beside it,
@@ -388,7 +389,7 @@ def _times(cfg, rec: dict, step, tokens: int) -> None:
     from .roofline import compute_ms
 
     why, hw = rec["null_reasons"], cfg.hardware
-    each, why_comm = _call_seconds(cfg, step.ops)
+    each, why_comm = _call_seconds(cfg, step.ops, calls)
     rec["planned_comm_ms"] = None if each is None else sum(each) * 1e3
     if hw.calibration:
         step_ms, why_compute = _calibrated_ms(cfg, rec, step.ops, each)

@@ -13,6 +13,7 @@ one, a 2-rank all-to-all of twice its bytes."""
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import torch
 
@@ -55,8 +56,6 @@ def comm_curves(path: str) -> dict:
     [(bytes, seconds)])}, and send_post, a send's sender's time posting it; raises
     ValueError naming the file and what is wrong. Read once while the file is unchanged
     (a plan asks for it per traced rank and per use)."""
-    from pathlib import Path
-
     f = Path(path) / "metrics.json" if Path(path).is_dir() else Path(path)
     try:
         st = f.stat()
@@ -69,7 +68,6 @@ def comm_curves(path: str) -> dict:
 def _curves(f: str, _mtime_ns: int, _size: int) -> dict:
     import json
     import math
-    from pathlib import Path
 
     try:
         rec = json.loads(Path(f).read_text())

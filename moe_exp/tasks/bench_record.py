@@ -181,8 +181,9 @@ PIPELINE = ("pp_bubble_share", "pp_overhead_share", "pp_send_gib", "pp_stage_pea
 
 def record_pipeline(cfg, rec: dict, res, model, device: torch.device, world: int) -> None:
     """parallel.pp's figures: the bubble and overhead shares (the ranks' means), the bytes
-    a rank sends a step (the most of any rank), each stage's peak and its time in its actions a schedule
-    step (its ranks' most). Before record_run, which keeps the ranks' largest peak only."""
+    a rank sends a step (the most of any rank), each stage's peak and its time in its
+    actions a schedule step (its ranks' most). Before record_run, which keeps the ranks'
+    largest peak only."""
     from ..config import pp_size, record_pp_columns
     from ..distributed import all_gather_stack, collective_device
 
@@ -208,7 +209,7 @@ def record_pipeline(cfg, rec: dict, res, model, device: torch.device, world: int
     for key in ("pp_bubble_share", "pp_stage_ms", "pp_overhead_share"):
         if rec[key] is None:
             why[key] = ("on a GPU the host's work between actions runs ahead of the device"
-                        if key == "pp_overhead_share" and bubble is not None
+                        if key == "pp_overhead_share" and device.type == "cuda"
                         else "no measured step")
 
 
